@@ -1,0 +1,34 @@
+"""The algorithm contract: rewards -> advantages -> loss (entry-point group ``areal.algorithms``)."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from areal_core.api.component import Component
+
+
+@dataclass(frozen=True)
+class Needs:
+    """Extra passes the trainer runs only when the algorithm asks for them."""
+
+    reference_logprobs: bool = False
+    proximal_logprobs: bool = False
+    values: bool = False
+
+
+class Algorithm(Component):
+    """Turns a batch of trajectories into advantages and a loss."""
+
+    @property
+    def needs(self) -> Needs:
+        return Needs()
+
+    @abstractmethod
+    def compute_advantages(self, batch: dict) -> dict:
+        """Return ``batch`` with per-token ``advantages`` (and ``returns`` for a critic) added."""
+
+    @abstractmethod
+    def loss(self, logprobs: Any, entropy: Any, batch: dict) -> tuple[Any, dict]:
+        """The scalar loss for one micro-batch and stats to log."""

@@ -1,0 +1,103 @@
+"""The inference engine contract: token-in / token-out generation with versions."""
+
+from __future__ import annotations
+
+import uuid
+from abc import abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from areal_core.api.component import Component
+
+STOP_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class GenerationRequest:
+    """Prompt tokens in; never text, so the trainer sees exactly what was sampled."""
+
+    input_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass
+class GenerationResponse:
+    """Sampled tokens out, each with its behaviour logprob and the policy version that produced it.
+
+    ``stop_reason`` is ``"stop"`` (stop string / token / EOS), ``"length"``
+    (``max_new_tokens`` reached) or ``"abort"`` (interrupted: the output so far
+    is returned and may be continued from ``input_ids + output_ids``).
+    """
+
+    rid: str
+    input_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]
+    stop_reason: str
+
+    def __post_init__(self) -> None:
+        n = len(self.output_ids)
+        if len(self.output_logprobs) != n or len(self.output_versions) != n:
+            raise ValueError(
+                f"GenerationResponse {self.rid}: {n} output tokens but "
+                f"{len(self.output_logprobs)} logprobs and {len(self.output_versions)} versions; "
+                "an engine must return one of each per token"
+            )
+        if self.stop_reason not in STOP_REASONS:
+            raise ValueError(f"GenerationResponse.stop_reason must be one of {STOP_REASONS}, got {self.stop_reason!r}")
+
+
+class InferenceEngine(Component):
+    """A generation backend the rollout controller drives (entry-point group ``areal.engines.inference``).
+
+    Capabilities: ``"pause"`` (pause / resume with partial outputs returned as
+    ``abort``), ``"update_weights_from_disk"``, ``"update_weights_from_tensors"``,
+    ``"seed"`` (same seed, same tokens).
+    """
+
+    async def start(self) -> None:
+        """Bring the engine up (spawn processes, wait for readiness with a timeout)."""
+
+    @abstractmethod
+    async def agenerate(self, request: GenerationRequest) -> GenerationResponse:
+        """Generate for one request; many may be awaited concurrently."""
+
+    @property
+    @abstractmethod
+    def version(self) -> int:
+        """The policy version of the weights now loaded."""
+
+    async def pause(self) -> None:
+        """Stop decoding; in-flight requests return what they have with ``stop_reason="abort"``."""
+        raise NotImplementedError(f"{type(self).__name__} does not declare the 'pause' capability")
+
+    async def resume(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not declare the 'pause' capability")
+
+    async def update_weights_from_disk(self, path: str, version: int) -> None:
+        """Load HF safetensors from ``path`` between decode steps; then report ``version``."""
+        raise NotImplementedError(f"{type(self).__name__} does not declare 'update_weights_from_disk'")
+
+    async def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        """Load weights handed over in memory (buckets of (name, tensor))."""
+        raise NotImplementedError(f"{type(self).__name__} does not declare 'update_weights_from_tensors'")
+
+    async def health(self) -> bool:
+        return True
+
+    async def aclose(self) -> None:
+        """Stop the engine and everything it started; idempotent."""

@@ -1,0 +1,55 @@
+"""The train engine contract (entry-point group ``areal.engines.train``)."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Any, Callable, Iterator
+
+from areal_core.api.component import Component
+
+# A batch is a dict of tensors in the packed, padding-free layout:
+#   input_ids [T], position_ids [T], cu_seqlens [B+1], loss_mask [T], plus
+#   whatever the algorithm adds (advantages [T], logprobs [T], versions [T]).
+Batch = dict
+LossFn = Callable[..., Any]  # (logprobs, entropy, batch) -> (scalar loss, stats dict)
+
+
+class TrainEngine(Component):
+    """Holds a model and its optimizer across ranks.
+
+    Capabilities: ``"save_load"``, ``"export_disk"``, ``"export_tensors"``,
+    ``"reference"`` (frozen copy for KL), ``"critic"`` (value head).
+    """
+
+    def initialize(self) -> None:
+        """Load the model and build the optimizer (inside the launched rank)."""
+
+    @abstractmethod
+    def forward_logprobs(self, batch: Batch, temperature: float = 1.0) -> dict:
+        """Per-token ``logprobs`` [T] (and ``entropy`` [T]) of ``batch`` under the current weights."""
+
+    @abstractmethod
+    def train_batch(self, batch: Batch, loss_fn: LossFn) -> dict:
+        """One optimizer step on ``batch``; returns stats (loss, grad_norm, lr, ...)."""
+
+    @property
+    @abstractmethod
+    def version(self) -> int:
+        """Optimizer steps taken; the policy version weights are tagged with."""
+
+    def save(self, path: str, *, with_optimizer: bool = True) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not declare 'save_load'")
+
+    def load(self, path: str, *, with_optimizer: bool = True) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not declare 'save_load'")
+
+    def export_to_disk(self, path: str) -> None:
+        """Write HF safetensors for inference engines, atomically (a folder per version)."""
+        raise NotImplementedError(f"{type(self).__name__} does not declare 'export_disk'")
+
+    def export_tensors(self, bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
+        """Full tensors in HF names, in buckets of at most ``bucket_bytes``."""
+        raise NotImplementedError(f"{type(self).__name__} does not declare 'export_tensors'")
+
+    def close(self) -> None:
+        """Release processes and memory; idempotent."""

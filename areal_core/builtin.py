@@ -1,0 +1,35 @@
+"""The core's built-in hooks, registered through the ``areal`` entry-point group
+like any plugin's (entry point ``core`` of the ``areal-core`` distribution)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from areal_core.config.allocation import Allocation
+from areal_core.hookspecs import hookimpl
+from areal_core.parallelism import BackendSupport, core_plan_problems, default_role
+from areal_core.problems import Problem
+
+
+@hookimpl(trylast=True)
+def areal_validate_parallelism(
+    config: Any, allocation: Allocation, backends: dict[str, BackendSupport]
+) -> list[Problem]:
+    """Rules for every plan, then agreement between the allocation and the config's backends."""
+    problems = core_plan_problems(allocation, backends)
+    for comp in allocation.components:
+        support = backends.get(comp.backend)
+        if support is None:
+            continue
+        role = comp.name or default_role(support.kind)
+        section = {"actor": "actor", "rollout": "rollout"}.get(role)
+        if section is None:
+            continue
+        configured = getattr(config, section).backend
+        if configured != comp.backend:
+            problems.append(Problem(
+                "core.backend-mismatch",
+                f"the allocation places '{comp}' as {section}, but {section}.backend is '{configured}'",
+                f"set {section}.backend={comp.backend}, or change the allocation",
+                key=f"{section}.backend"))
+    return problems

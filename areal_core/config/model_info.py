@@ -1,0 +1,58 @@
+"""What validation may know about a model without loading it: its config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Shape facts read from an HF ``config.json``; None where the file does not say."""
+
+    path: str
+    model_type: str | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    num_hidden_layers: int | None = None
+    hidden_size: int | None = None
+    vocab_size: int | None = None
+    num_experts: int | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_experts and self.num_experts > 1)
+
+
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def read_model_info(path: str) -> ModelInfo | None:
+    """Read ``path/config.json``; None when there is no such local file (yet)."""
+    if not path:
+        return None
+    config_file = Path(path).expanduser() / "config.json"
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+
+    def as_int(key: str) -> int | None:
+        value = raw.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    experts = next((as_int(k) for k in _EXPERT_KEYS if as_int(k) is not None), None)
+    heads = as_int("num_attention_heads")
+    return ModelInfo(
+        path=str(path),
+        model_type=raw.get("model_type") if isinstance(raw.get("model_type"), str) else None,
+        num_attention_heads=heads,
+        num_key_value_heads=as_int("num_key_value_heads") or heads,
+        num_hidden_layers=as_int("num_hidden_layers"),
+        hidden_size=as_int("hidden_size"),
+        vocab_size=as_int("vocab_size"),
+        num_experts=experts,
+    )

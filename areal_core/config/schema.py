@@ -1,0 +1,148 @@
+"""The typed run config. YAML and ``key=value`` overrides are checked against it.
+
+Ranges and choices live in each field's metadata (``ge``, ``gt``, ``le``,
+``lt``, ``choices``, ``pattern``) so one walker checks all of them and names
+the key, the value and what is allowed. A component section (``actor``,
+``rollout``, ``algorithm``, ...) may also hold keys its selected component
+declares in its own ``config_class``; those land in the section's ``extra``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]*"
+
+
+def spec(default: Any = None, *, factory: Any = None, help: str = "", **rules: Any) -> Any:
+    """A dataclass field with a help line and validation rules in its metadata."""
+    meta = {"help": help, **rules}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    path: str = spec("", help="HF model folder (safetensors + config.json); '' = the built-in demo model")
+    dtype: str = spec("bfloat16", choices=["float32", "bfloat16"], help="parameter / compute dtype")
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = spec("adamw", choices=["adamw"])
+    lr: float = spec(1e-6, gt=0.0, le=1.0, help="peak learning rate")
+    weight_decay: float = spec(0.0, ge=0.0)
+    beta1: float = spec(0.9, ge=0.0, lt=1.0)
+    beta2: float = spec(0.999, ge=0.0, lt=1.0)
+    eps: float = spec(1e-8, gt=0.0)
+    warmup_steps: int = spec(0, ge=0)
+    lr_schedule: str = spec("constant", choices=["constant", "linear", "cosine"])
+    grad_clip: float = spec(1.0, ge=0.0, help="max global grad norm; 0 disables clipping")
+
+
+@dataclass
+class ActorConfig:
+    """The policy's train engine (its placement comes from ``allocation``)."""
+
+    backend: str = spec("fsdp", pattern=NAME_PATTERN, help="train engine (areal.engines.train)")
+    optimizer: OptimizerConfig = spec(factory=OptimizerConfig)
+    mb_max_tokens: int = spec(8192, ge=1, help="token budget of one packed micro-batch")
+    gradient_checkpointing: bool = spec(False)
+    extra: dict = spec(factory=dict, help="keys declared by the selected backend's config_class")
+
+
+@dataclass
+class SamplingConfig:
+    max_new_tokens: int = spec(256, ge=1)
+    temperature: float = spec(1.0, ge=0.0, help="0 = greedy")
+    top_p: float = spec(1.0, gt=0.0, le=1.0)
+    top_k: int = spec(-1, ge=-1, help="-1 = off")
+    stop: list = spec(factory=list, help="stop strings")
+
+
+@dataclass
+class RolloutConfig:
+    """Generation: the inference backend and the asynchronous controller."""
+
+    backend: str = spec("local", pattern=NAME_PATTERN, help="inference engine (areal.engines.inference)")
+    group_size: int = spec(8, ge=1, help="completions sampled per prompt")
+    batch_size: int = spec(8, ge=1, help="prompt groups per training step")
+    max_head_offpolicyness: int = spec(4, ge=0, help="staleness bound in versions; 0 = synchronous")
+    max_concurrent_rollouts: int = spec(64, ge=1)
+    request_timeout_s: float = spec(600.0, gt=0.0)
+    sampling: SamplingConfig = spec(factory=SamplingConfig)
+    extra: dict = spec(factory=dict)
+
+
+@dataclass
+class NamedConfig:
+    name: str = spec("", pattern=NAME_PATTERN)
+    extra: dict = spec(factory=dict)
+
+
+@dataclass
+class AlgorithmConfig(NamedConfig):
+    name: str = spec("grpo", pattern=NAME_PATTERN, help="areal.algorithms")
+
+
+@dataclass
+class WorkflowConfig(NamedConfig):
+    name: str = spec("rlvr", pattern=NAME_PATTERN, help="areal.workflows")
+
+
+@dataclass
+class RewardConfig(NamedConfig):
+    name: str = spec("math", pattern=NAME_PATTERN, help="areal.rewards")
+
+
+@dataclass
+class DatasetConfig(NamedConfig):
+    name: str = spec("arithmetic", pattern=NAME_PATTERN, help="areal.datasets")
+
+
+@dataclass
+class LauncherConfig(NamedConfig):
+    name: str = spec("local", pattern=NAME_PATTERN, help="areal.launchers")
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = spec(100, ge=1)
+    save_every: int = spec(0, ge=0, help="steps between checkpoints; 0 = only at the end")
+    eval_every: int = spec(0, ge=0, help="steps between evaluations; 0 = never")
+    seed: int = spec(1, ge=0)
+
+
+@dataclass
+class RunConfig:
+    experiment: str = spec("areal", pattern=NAME_PATTERN)
+    trial: str = spec("run0", pattern=NAME_PATTERN)
+    output_dir: str = spec("runs", help="runs are written to <output_dir>/<experiment>/<trial>")
+    allocation: str = spec("", help="placement, e.g. 'vllm:d2t4+fsdp:d8'; '' = '<rollout.backend>:cpu+<actor.backend>:d1@cpu'")
+    model: ModelConfig = spec(factory=ModelConfig)
+    actor: ActorConfig = spec(factory=ActorConfig)
+    rollout: RolloutConfig = spec(factory=RolloutConfig)
+    algorithm: AlgorithmConfig = spec(factory=AlgorithmConfig)
+    workflow: WorkflowConfig = spec(factory=WorkflowConfig)
+    reward: RewardConfig = spec(factory=RewardConfig)
+    dataset: DatasetConfig = spec(factory=DatasetConfig)
+    launcher: LauncherConfig = spec(factory=LauncherConfig)
+    trainer: TrainerConfig = spec(factory=TrainerConfig)
+
+    def allocation_text(self) -> str:
+        """The allocation as written, or the single-machine CPU default."""
+        return self.allocation or f"{self.rollout.backend}:cpu+{self.actor.backend}:d1@cpu"
+
+
+# section -> (component kind, key holding the component's name)
+COMPONENT_SECTIONS: dict[str, tuple[str, str]] = {
+    "actor": ("train_engine", "backend"),
+    "rollout": ("inference_engine", "backend"),
+    "algorithm": ("algorithm", "name"),
+    "workflow": ("workflow", "name"),
+    "reward": ("reward", "name"),
+    "dataset": ("dataset", "name"),
+    "launcher": ("launcher", "name"),
+}

@@ -1,0 +1,146 @@
+"""Everything checked before a run starts, reported all at once.
+
+Order: config types and ranges; the allocation's syntax; the selected
+components (resolved through their entry points: only those are imported)
+and their own keys; then every plugin's ``areal_validate_config`` and
+``areal_validate_parallelism``. A hook that crashes becomes a problem naming
+its plugin rather than a traceback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from areal_core.config.allocation import Allocation, AllocationParseError, parse_allocation
+from areal_core.config.load import build, load_config
+from areal_core.config.model_info import ModelInfo, read_model_info
+from areal_core.discovery import closest
+from areal_core.config.schema import COMPONENT_SECTIONS, RunConfig
+from areal_core.parallelism import BackendSupport
+from areal_core.plugins import PluginManager, get_plugin_manager
+from areal_core.problems import Problem
+from areal_core.registry import KINDS, ComponentError, contract_for, names, resolve
+
+
+@dataclass
+class ValidatedRun:
+    """A config with everything it selects, and every problem found on the way."""
+
+    config: RunConfig
+    allocation: Allocation | None = None
+    model: ModelInfo | None = None
+    backends: dict[str, BackendSupport] = field(default_factory=dict)
+    backend_owners: dict[str, str] = field(default_factory=dict)
+    components: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def resolved_dict(self) -> dict:
+        """The config as written to the run folder, component options filled in."""
+        data = asdict(self.config)
+        data["allocation"] = str(self.allocation) if self.allocation else self.config.allocation_text()
+        for section, options in self.options.items():
+            data[section]["extra"] = asdict(options) if options is not None else {}
+        return data
+
+
+def split_fix(message: str) -> tuple[str, str]:
+    head, sep, fix = message.partition(" Fix: ")
+    return head, fix.rstrip(".") if sep else ""
+
+
+def declared_backends(manager: PluginManager) -> tuple[dict[str, BackendSupport], dict[str, str], list[Problem]]:
+    """Every declared backend, who declared it, and any clash between declarations."""
+    backends: dict[str, BackendSupport] = {}
+    owners: dict[str, str] = {}
+    problems: list[Problem] = []
+    for info, result in manager.call_each("areal_declare_backends", problems):
+        for support in result or []:
+            if not isinstance(support, BackendSupport):
+                problems.append(Problem("core.plugin", f'plugin "{info.name}" ({info.distribution} '
+                                        f"{info.version}) declared {support!r}, not a BackendSupport",
+                                        f"report this to the maintainers of {info.distribution}"))
+                continue
+            if support.backend in backends:
+                problems.append(Problem(
+                    "core.duplicate-backend",
+                    f"backend '{support.backend}' is declared by two plugins: "
+                    f"{owners[support.backend]} and {info.distribution} {info.version}",
+                    "uninstall one of them, or block one with AREAL_DISABLE_PLUGINS=<distribution>",
+                    key="allocation"))
+                continue
+            backends[support.backend] = support
+            owners[support.backend] = f"{info.distribution} {info.version}"
+    return backends, owners, problems
+
+
+def resolve_components(run: ValidatedRun) -> None:
+    """Import each selected component and check the keys it declares."""
+    for section, (kind, key) in COMPONENT_SECTIONS.items():
+        section_cfg = getattr(run.config, section)
+        name = getattr(section_cfg, key)
+        label = KINDS[kind][1]
+        extra = dict(section_cfg.extra)
+        core_keys = [f.name for f in fields(type(section_cfg)) if f.name != "extra"]
+        try:
+            cls = resolve(kind, name, expected=contract_for(kind))
+        except ComponentError as exc:
+            message, fix = split_fix(str(exc))
+            owner = run.backend_owners.get(name) if kind.endswith("_engine") else None
+            if owner and name not in names(kind):
+                message += (f" ({owner} declares the backend '{name}' for placement checks but "
+                            f"provides no {label} named '{name}' in this version.)")
+            run.problems.append(Problem("core.component", message, fix, key=f"{section}.{key}"))
+            for extra_key in extra:
+                run.problems.append(_unknown_extra(section, extra_key, core_keys, f"{label} '{name}' is not available"))
+            continue
+        if contract_for(kind) is None and not callable(cls):
+            run.problems.append(Problem("core.component", f"{label} '{name}' is {cls!r}, not callable",
+                                        "its entry point must name a function or class", f"{section}.{key}"))
+            continue
+        run.components[section] = cls
+        config_class = getattr(cls, "config_class", None)
+        declared = [f.name for f in fields(config_class)] if config_class is not None else []
+        for extra_key in [k for k in extra if k not in declared]:
+            run.problems.append(_unknown_extra(section, extra_key, core_keys + declared,
+                                               f"neither the core nor {label} '{name}' declares it"))
+            del extra[extra_key]
+        run.options[section] = build(config_class, extra, f"{section}.", run.problems) if config_class else None
+
+
+def _unknown_extra(section: str, key: str, known: list[str], why: str) -> Problem:
+    guess = closest(key, known)
+    hint = f"did you mean {section}.{guess}?" if guess else "remove it, or check the component's documentation for its keys"
+    return Problem("core.unknown-key", f"unknown key: {why}", hint, key=f"{section}.{key}")
+
+
+def validate_run(path: str | None = None, overrides: list[str] | None = None, *,
+                 manager: PluginManager | None = None, with_components: bool = True) -> ValidatedRun:
+    """Load, resolve and validate a run; ``run.problems`` holds everything wrong."""
+    config, problems = load_config(path, overrides)
+    run = ValidatedRun(config=config, problems=problems)
+    manager = manager or get_plugin_manager()
+    run.backends, run.backend_owners, backend_problems = declared_backends(manager)
+    run.problems.extend(backend_problems)
+    try:
+        run.allocation = parse_allocation(config.allocation_text())
+    except AllocationParseError as exc:
+        where = "" if config.allocation else "the default allocation (from actor/rollout backends): "
+        run.problems.append(Problem("core.allocation-syntax", f"{where}{exc.reason} at character "
+                                    f"{exc.position + 1}\n      {exc.text}\n      {' ' * exc.position}^",
+                                    "see docs/engines.md for the allocation grammar", key="allocation"))
+    run.model = read_model_info(config.model.path)
+    if with_components:
+        resolve_components(run)
+    for _, result in manager.call_each("areal_validate_config", run.problems, config=config):
+        run.problems.extend(result or [])
+    if run.allocation is not None:
+        for _, result in manager.call_each("areal_validate_parallelism", run.problems, config=config,
+                                    allocation=run.allocation, model=run.model, backends=run.backends):
+            run.problems.extend(result or [])
+    return run

@@ -1,0 +1,147 @@
+"""What engine backends declare about placement, and the core's own plan rules.
+
+Each engine plugin declares its backends through ``areal_declare_backends``;
+the rules every plan must obey whatever the backend (known backend, supported
+dimensions and devices, colocated components of equal size, one trainer and
+at least one inference engine) are checked here, and plugins add their own
+through ``areal_validate_parallelism``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from areal_core.config.allocation import DIMENSION_NAMES, DIMENSIONS, Allocation, Component
+from areal_core.discovery import did_you_mean
+from areal_core.problems import Problem
+
+KINDS = ("train", "inference")
+
+
+@dataclass(frozen=True)
+class BackendSupport:
+    """One backend's declaration.
+
+    ``dims`` lists the parallel dimensions it accepts above 1 (``"dtc"``);
+    ``devices`` where it can run; ``description`` one line for ``areal plugins``.
+    """
+
+    backend: str
+    kind: str
+    dims: str = "d"
+    devices: tuple[str, ...] = ("gpu",)
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"BackendSupport.kind must be one of {KINDS}, got {self.kind!r}")
+        bad = set(self.dims) - set(DIMENSIONS)
+        if bad:
+            raise ValueError(f"BackendSupport.dims has unknown dimension(s) {sorted(bad)}")
+
+
+def default_role(kind: str) -> str:
+    """The config section a component serves when the allocation does not name it."""
+    return "actor" if kind == "train" else "rollout"
+
+
+def core_plan_problems(allocation: Allocation, backends: dict[str, BackendSupport]) -> list[Problem]:
+    """Rules every allocation obeys, whichever plugins are installed."""
+    problems: list[Problem] = []
+    known = sorted(backends)
+    for comp in allocation.components:
+        support = backends.get(comp.backend)
+        if support is None:
+            listing = ", ".join(known) if known else "none (install an engine plugin)"
+            problems.append(
+                Problem(
+                    "core.unknown-backend",
+                    f"backend '{comp.backend}' in '{comp}' is not declared by any installed plugin."
+                    f"{did_you_mean(comp.backend, known)} Declared backends: {listing}.",
+                    f"install the plugin providing '{comp.backend}' "
+                    f"(pip install areal-plugin-{comp.backend}) or correct the allocation",
+                    key="allocation",
+                )
+            )
+            continue
+        problems.extend(_dimension_problems(comp, support))
+    for group in allocation.groups:
+        if len(group) > 1 and len({c.world_size for c in group}) > 1:
+            sizes = ", ".join(f"{c} uses {c.world_size}" for c in group)
+            problems.append(
+                Problem(
+                    "core.colocated-size",
+                    f"colocated components must have the same number of processes: {sizes}.",
+                    "give every component joined by '|' the same product of dimensions, "
+                    "or separate them with '+'",
+                    key="allocation",
+                )
+            )
+    problems.extend(_role_problems(allocation, backends))
+    return problems
+
+
+def _dimension_problems(comp: Component, support: BackendSupport) -> list[Problem]:
+    out = []
+    for dim in DIMENSIONS:
+        size = getattr(comp.parallel, dim)
+        if size > 1 and dim not in support.dims:
+            allowed = ", ".join(f"{d} ({DIMENSION_NAMES[d]})" for d in support.dims)
+            out.append(
+                Problem(
+                    "core.unsupported-dimension",
+                    f"'{comp}': {comp.backend} does not support {DIMENSION_NAMES[dim]} "
+                    f"parallelism ({dim}{size}); it supports {allowed}.",
+                    f"remove {dim}{size} or choose a backend that supports it",
+                    key="allocation",
+                )
+            )
+    if comp.device not in support.devices:
+        out.append(
+            Problem(
+                "core.unsupported-device",
+                f"'{comp}': {comp.backend} cannot run on {comp.device}; it runs on "
+                f"{', '.join(support.devices)}.",
+                "place it on " + " or ".join(support.devices)
+                + (" (append @cpu)" if "cpu" in support.devices else ""),
+                key="allocation",
+            )
+        )
+    return out
+
+
+def _role_problems(allocation: Allocation, backends: dict[str, BackendSupport]) -> list[Problem]:
+    roles: dict[str, list[Component]] = {}
+    kinds: dict[str, int] = {"train": 0, "inference": 0}
+    for comp in allocation.components:
+        support = backends.get(comp.backend)
+        if support is None:
+            continue
+        kinds[support.kind] += 1
+        roles.setdefault(comp.name or default_role(support.kind), []).append(comp)
+    out = []
+    for role, comps in roles.items():
+        if len(comps) > 1:
+            out.append(
+                Problem(
+                    "core.duplicate-role",
+                    f"{len(comps)} components serve '{role}': "
+                    + ", ".join(f"'{c}'" for c in comps) + ".",
+                    "give each one its own name, e.g. fsdp[actor]:d4+fsdp[ref]:d4",
+                    key="allocation",
+                )
+            )
+    for kind, label, example in (
+        ("train", "a train engine", "fsdp:d1@cpu"),
+        ("inference", "an inference engine", "local:cpu"),
+    ):
+        if kinds[kind] == 0 and any(c.backend in backends for c in allocation.components):
+            out.append(
+                Problem(
+                    f"core.no-{kind}-engine",
+                    f"allocation '{allocation}' places no {kind} engine; an RL run needs {label}.",
+                    f"add one joined with '+', e.g. '{allocation}+{example}'",
+                    key="allocation",
+                )
+            )
+    return out

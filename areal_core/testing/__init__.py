@@ -1,0 +1,34 @@
+"""The conformance kit: test suites a plugin author subclasses to check a component.
+
+::
+
+    from areal_core.testing import RewardConformance
+
+    class TestMyReward(RewardConformance):
+        component_name = "my_reward"  # the entry-point name
+        examples = [("1+1=", "2", {"answer": "2"}, 1.0)]
+
+Each suite resolves the component through its installed entry point, so
+install the plugin first (``pip install -e .``). ``capabilities`` on the
+test class picks which optional features are tested (default: all the
+component declares); a test of one not picked is skipped, saying which.
+See ``docs/writing-plugins.md``.
+
+Only test suites import this package (it imports pytest; never torch);
+importing :mod:`areal_core` does not.
+"""
+
+from areal_core.testing.algorithm import AlgorithmConformance
+from areal_core.testing.base import KNOWN_CAPABILITIES, ComponentConformance, requires
+from areal_core.testing.distributions import install_fake_distribution
+from areal_core.testing.inference import InferenceEngineConformance
+from areal_core.testing.reward import RewardConformance
+from areal_core.testing.scripted_engine import ScriptedInferenceEngine
+from areal_core.testing.train import TrainEngineConformance, neg_logprob_loss
+from areal_core.testing.workflow import WorkflowConformance, engine_spans
+
+__all__ = [
+    "KNOWN_CAPABILITIES", "AlgorithmConformance", "ComponentConformance", "InferenceEngineConformance",
+    "RewardConformance", "ScriptedInferenceEngine", "TrainEngineConformance", "WorkflowConformance",
+    "engine_spans", "install_fake_distribution", "neg_logprob_loss", "requires",
+]

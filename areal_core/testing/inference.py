@@ -1,0 +1,172 @@
+"""Conformance suite for inference engines (entry-point group ``areal.engines.inference``)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any, Awaitable, Callable, ClassVar, TypeVar
+
+import pytest
+
+from areal_core.api.inference import STOP_REASONS, GenerationRequest, GenerationResponse, SamplingParams
+from areal_core.testing.base import ComponentConformance, requires
+
+T = TypeVar("T")
+
+
+class InferenceEngineConformance(ComponentConformance):
+    """Generates with a real engine instance and checks the contract of every response.
+
+    Set on the subclass: ``component_name``; ``prompt_ids``, token ids valid
+    for the engine's model; override :meth:`make` to build the engine (a tiny
+    model path, a small context) and, for capability
+    ``update_weights_from_disk``, :meth:`weights_path_for_update`. Tune
+    ``max_new_tokens``, ``long_max_new_tokens`` (a generation still running
+    ``pause_after_s`` seconds after it started, for ``pause``) and
+    ``timeout_s`` (every await on the engine).
+
+    Capabilities tested: ``seed``, ``pause``, ``update_weights_from_disk``.
+    """
+
+    kind: ClassVar[str] = "inference_engine"
+    prompt_ids: ClassVar[list[int]] = [1, 2, 3, 4]
+    max_new_tokens: ClassVar[int] = 8
+    long_max_new_tokens: ClassVar[int] = 512
+    pause_after_s: ClassVar[float] = 0.1
+    timeout_s: ClassVar[float] = 120.0
+
+    # -- for subclasses -----------------------------------------------------
+    def weights_path_for_update(self) -> str:
+        """A folder of weights the engine can load with ``update_weights_from_disk``."""
+        pytest.fail(f"{type(self).__name__} tests capability 'update_weights_from_disk' but does not "
+                    f"override weights_path_for_update() to return a folder of weights to load")
+
+    # -- helpers ------------------------------------------------------------
+    def run_engine(self, body: Callable[[Any], Awaitable[T]]) -> T:
+        """Build and start an engine, run ``body(engine)`` in a fresh event loop, close the engine."""
+
+        async def main() -> T:
+            engine = self.make(self.component_class())
+            await self.within(engine.start(), "start()")
+            try:
+                return await body(engine)
+            finally:
+                await self.within(engine.aclose(), "aclose()")
+
+        return asyncio.run(main())
+
+    async def within(self, awaitable: Awaitable[T], what: str) -> T:
+        try:
+            return await asyncio.wait_for(awaitable, self.timeout_s)
+        except asyncio.TimeoutError:
+            pytest.fail(f"{self.component_name}: {what} did not finish within {self.timeout_s}s "
+                        f"(timeout_s of {type(self).__name__})")
+
+    def request(self, **sampling: Any) -> GenerationRequest:
+        params = {"max_new_tokens": self.max_new_tokens, **sampling}
+        return GenerationRequest(list(self.prompt_ids), SamplingParams(**params))
+
+    async def generate(self, engine: Any, request: GenerationRequest) -> GenerationResponse:
+        response = await self.within(engine.agenerate(request), f"agenerate(rid={request.rid})")
+        assert isinstance(response, GenerationResponse), (
+            f"{self.component_name}.agenerate returned {type(response).__name__}, not a GenerationResponse")
+        assert response.rid == request.rid, f"response rid {response.rid!r} is not the request's {request.rid!r}"
+        assert list(response.input_ids) == list(request.input_ids), (
+            f"response input_ids {list(response.input_ids)[:8]}... are not the request's "
+            f"{list(request.input_ids)[:8]}...")
+        return response
+
+    # -- tests --------------------------------------------------------------
+    def test_generate_stays_within_max_new_tokens(self) -> None:
+        async def body(engine: Any) -> None:
+            r = await self.generate(engine, self.request())
+            assert len(r.output_ids) <= self.max_new_tokens, (
+                f"{len(r.output_ids)} tokens generated with max_new_tokens={self.max_new_tokens}")
+            assert r.stop_reason in STOP_REASONS and r.stop_reason != "abort", (
+                f"stop_reason {r.stop_reason!r} while nothing paused the engine; expected 'stop' or 'length'")
+            if r.stop_reason == "length":
+                assert len(r.output_ids) == self.max_new_tokens, (
+                    f"stop_reason 'length' after {len(r.output_ids)} of {self.max_new_tokens} tokens")
+
+        self.run_engine(body)
+
+    def test_logprobs_are_finite_and_not_positive(self) -> None:
+        async def body(engine: Any) -> None:
+            r = await self.generate(engine, self.request())
+            bad = [(i, lp) for i, lp in enumerate(r.output_logprobs)
+                   if not isinstance(lp, (int, float)) or not math.isfinite(lp) or lp > 1e-6]
+            assert not bad, (f"logprobs must be finite log-probabilities <= 0 (not logits or "
+                             f"probabilities); got (position, value) {bad[:8]}")
+
+        self.run_engine(body)
+
+    def test_versions_equal_engine_version(self) -> None:
+        async def body(engine: Any) -> None:
+            r = await self.generate(engine, self.request())
+            assert set(r.output_versions) <= {engine.version}, (
+                f"output_versions {r.output_versions} but engine.version is {engine.version}")
+
+        self.run_engine(body)
+
+    def test_concurrent_requests_all_complete(self) -> None:
+        async def body(engine: Any) -> None:
+            requests = [self.request() for _ in range(4)]
+            responses = await asyncio.gather(*(self.generate(engine, r) for r in requests))
+            assert len(responses) == 4
+
+        self.run_engine(body)
+
+    @requires("seed")
+    def test_same_seed_gives_same_tokens(self) -> None:
+        async def body(engine: Any) -> None:
+            first = await self.generate(engine, self.request(temperature=1.0, seed=1234))
+            second = await self.generate(engine, self.request(temperature=1.0, seed=1234))
+            assert first.output_ids == second.output_ids, (
+                f"seed 1234 gave {first.output_ids} then {second.output_ids}")
+
+        self.run_engine(body)
+
+    @requires("pause")
+    def test_pause_returns_partial_output_and_resume_continues(self) -> None:
+        async def body(engine: Any) -> None:
+            long = self.request(max_new_tokens=self.long_max_new_tokens)
+            task = asyncio.ensure_future(self.generate(engine, long))
+            await asyncio.sleep(self.pause_after_s)
+            if task.done():
+                await task
+                pytest.fail(f"a {self.long_max_new_tokens}-token generation finished within "
+                            f"{self.pause_after_s}s, before pause() could interrupt it; raise "
+                            f"long_max_new_tokens or lower pause_after_s")
+            await self.within(engine.pause(), "pause()")
+            partial = await self.within(task, "the in-flight request after pause()")
+            assert partial.stop_reason == "abort", (
+                f"the request in flight at pause() ended with stop_reason {partial.stop_reason!r} after "
+                f"{len(partial.output_ids)} tokens; pause() must return it with 'abort' and the tokens so far")
+            assert len(partial.output_ids) < self.long_max_new_tokens
+            await self.within(engine.resume(), "resume()")
+            after = await self.generate(engine, self.request())
+            assert after.stop_reason != "abort", "a request after resume() was aborted"
+
+        self.run_engine(body)
+
+    @requires("update_weights_from_disk")
+    def test_update_weights_from_disk_sets_the_version(self) -> None:
+        path = self.weights_path_for_update()
+
+        async def body(engine: Any) -> None:
+            version = engine.version + 1
+            await self.within(engine.update_weights_from_disk(path, version), "update_weights_from_disk()")
+            assert engine.version == version, (
+                f"engine.version is {engine.version} after update_weights_from_disk(..., {version})")
+            r = await self.generate(engine, self.request())
+            assert set(r.output_versions) <= {version}, (
+                f"tokens generated after the update to version {version} carry {r.output_versions}")
+
+        self.run_engine(body)
+
+    def test_aclose_is_idempotent(self) -> None:
+        async def body(engine: Any) -> None:
+            await self.within(engine.aclose(), "aclose()")
+            await self.within(engine.aclose(), "a second aclose()")
+
+        self.run_engine(body)  # and a third, on the way out

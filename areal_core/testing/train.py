@@ -1,0 +1,109 @@
+"""Conformance suite for train engines (entry-point group ``areal.engines.train``)."""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import Any, ClassVar, Iterator
+
+import pytest
+
+from areal_core.testing.base import ComponentConformance, as_list, finite_number, requires
+
+
+def neg_logprob_loss(logprobs: Any, entropy: Any, batch: dict) -> tuple[Any, dict]:
+    """The simplest loss: mean negative log-likelihood of every token (supervised fine-tuning).
+
+    Only ``-`` and ``.mean()`` are used, so it works on any tensor library.
+    """
+    return (-logprobs).mean(), {}
+
+
+class TrainEngineConformance(ComponentConformance):
+    """Runs forward and optimizer steps on a real engine instance.
+
+    Set on the subclass: ``component_name``; override :meth:`make` (a tiny
+    model, a high enough learning rate that two steps on one batch lower its
+    loss) and :meth:`make_batch` (a packed batch: ``input_ids`` [T],
+    ``position_ids`` [T], ``cu_seqlens`` [B+1], ``loss_mask`` [T], as the
+    engine's tensors).
+
+    Capabilities tested: ``save_load``.
+    """
+
+    kind: ClassVar[str] = "train_engine"
+
+    # -- for subclasses -----------------------------------------------------
+    def make_batch(self) -> dict:
+        pytest.fail(f"{type(self).__name__} must override make_batch() to return a packed batch")
+
+    # -- helpers ------------------------------------------------------------
+    @contextmanager
+    def engine(self) -> Iterator[Any]:
+        """An initialized engine, closed afterwards."""
+        engine = self.make(self.component_class())
+        engine.initialize()
+        try:
+            yield engine
+        finally:
+            engine.close()
+
+    def logprobs(self, engine: Any, batch: dict) -> list[float]:
+        """Per-token logprobs of ``batch``, checked for shape and sign."""
+        out = engine.forward_logprobs(batch)
+        assert isinstance(out, dict) and "logprobs" in out, (
+            f"forward_logprobs returned {type(out).__name__} {list(out) if isinstance(out, dict) else ''}; "
+            f"it must return a dict with 'logprobs'")
+        values = as_list(out["logprobs"])
+        n = len(as_list(batch["input_ids"]))
+        assert len(values) == n, (f"forward_logprobs gave {len(values)} logprobs for {n} tokens; "
+                                  f"it must give one per token of the packed batch")
+        bad = [(i, v) for i, v in enumerate(values)
+               if not isinstance(v, (int, float)) or not math.isfinite(v) or v > 1e-6]
+        assert not bad, f"logprobs must be finite and <= 0; got (position, value) {bad[:8]}"
+        return values
+
+    def mean_nll(self, engine: Any, batch: dict) -> float:
+        values = self.logprobs(engine, batch)
+        return -sum(values) / len(values)
+
+    # -- tests --------------------------------------------------------------
+    def test_forward_logprobs_gives_one_logprob_per_token(self) -> None:
+        with self.engine() as engine:
+            self.logprobs(engine, self.make_batch())
+
+    def test_train_batch_reports_a_finite_loss_and_bumps_the_version(self) -> None:
+        with self.engine() as engine:
+            before = engine.version
+            stats = engine.train_batch(self.make_batch(), neg_logprob_loss)
+            assert isinstance(stats, dict) and "loss" in stats, (
+                f"train_batch returned {stats!r}; it must return a dict of stats with 'loss'")
+            finite_number(stats["loss"], "train_batch stats['loss']")
+            assert engine.version == before + 1, (
+                f"version went from {before} to {engine.version} in one train_batch; it must rise by 1")
+
+    def test_training_lowers_the_loss(self) -> None:
+        with self.engine() as engine:
+            batch = self.make_batch()
+            before = self.mean_nll(engine, batch)
+            engine.train_batch(self.make_batch(), neg_logprob_loss)
+            engine.train_batch(self.make_batch(), neg_logprob_loss)
+            after = self.mean_nll(engine, batch)
+            assert after < before, (
+                f"two steps of neg_logprob_loss on one batch moved its loss from {before} to {after}; "
+                f"train_batch must step the optimizer on the loss_fn it is given (or raise the test "
+                f"engine's learning rate)")
+
+    @requires("save_load")
+    def test_load_restores_the_saved_weights(self, tmp_path: Any) -> None:
+        path = str(tmp_path / "checkpoint")
+        with self.engine() as engine:
+            batch = self.make_batch()
+            engine.save(path)
+            saved = self.logprobs(engine, batch)
+            engine.train_batch(self.make_batch(), neg_logprob_loss)
+            engine.load(path)
+            loaded = self.logprobs(engine, batch)
+        worst = max(abs(a - b) for a, b in zip(saved, loaded))
+        assert worst <= 1e-6, (f"after save, train, load the logprobs differ from the saved state's by up to "
+                               f"{worst}; load must restore the weights saved")

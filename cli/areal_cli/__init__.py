@@ -1,0 +1,1 @@
+"""The ``areal`` command line (Typer)."""

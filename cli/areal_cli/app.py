@@ -1,0 +1,58 @@
+"""The ``areal`` console script: built-in and plugin commands, gathered through one hook."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from rich.console import Console
+
+from areal_core.cli_registrar import CommandRegistrar
+from areal_core.plugins import PluginManager, get_plugin_manager
+
+err_console = Console(stderr=True)
+
+HELP = "areal: fully asynchronous RL for LLM reasoning and agents."
+
+
+def collect_commands(manager: PluginManager) -> CommandRegistrar:
+    """Call every ``areal_register_commands``, built-ins first so they keep their names."""
+    registrar = CommandRegistrar()
+    impls = list(reversed(manager.hook.areal_register_commands.get_hookimpls()))
+    impls.sort(key=lambda impl: not manager.plugins[impl.plugin_name].builtin)
+    for impl in impls:
+        info = manager.plugins[impl.plugin_name]
+        registrar._bind(info.name, f'"{info.name}" ({info.distribution} {info.version})', info.builtin)
+        try:
+            impl.function(registrar=registrar)
+        except Exception as exc:  # one plugin's broken CLI must not take the others down
+            registrar.errors.append(
+                f'plugin "{info.name}" ({info.distribution} {info.version}) crashed adding its '
+                f"commands: {type(exc).__name__}: {exc}. Fix: upgrade or disable {info.distribution}."
+            )
+    return registrar
+
+
+def build_app(manager: PluginManager) -> tuple[typer.Typer, list[str]]:
+    app = typer.Typer(name="areal", help=HELP, no_args_is_help=True, add_completion=False,
+                      pretty_exceptions_enable=False)
+    registrar = collect_commands(manager)
+    for name, cmd in registrar.commands.items():
+        if cmd.is_group:
+            app.add_typer(cmd.target, name=name)
+        else:
+            app.command(name=name)(cmd.target)
+    return app, registrar.errors
+
+
+def main(argv: list[str] | None = None) -> None:
+    manager = get_plugin_manager()
+    app, errors = build_app(manager)
+    for line in manager.warnings() + errors:
+        err_console.print("warning:", style="yellow", end=" ")
+        err_console.print(line, highlight=False, soft_wrap=True, markup=False)
+    app(args=argv if argv is not None else sys.argv[1:], prog_name="areal")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

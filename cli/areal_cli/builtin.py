@@ -1,0 +1,110 @@
+"""Built-in CLI commands, registered through ``areal_register_commands`` like a plugin's."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from areal_core.hookspecs import hookimpl
+from areal_core.problems import format_problems
+
+console = Console(highlight=False, soft_wrap=True, markup=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
+
+ConfigArg = Annotated[Optional[Path], typer.Argument(help="YAML run config; omit for the built-in demo")]
+OverridesArg = Annotated[Optional[list[str]], typer.Argument(help="dotted overrides, e.g. actor.optimizer.lr=1e-5")]
+
+
+def _split(config: Path | None, overrides: list[str] | None) -> tuple[str | None, list[str]]:
+    """Typer cannot tell `areal check a=1` from `areal check file.yaml`; an '=' marks an override."""
+    overrides = list(overrides or [])
+    if config is not None and "=" in str(config) and not config.exists():
+        return None, [str(config), *overrides]
+    return (str(config) if config is not None else None), overrides
+
+
+def _validated(config: Path | None, overrides: list[str] | None, *, demo_header: bool):
+    from areal_core.config.validate import validate_run
+    from areal_core.problems import ProblemsError
+
+    path, overrides = _split(config, overrides)
+    try:
+        run = validate_run(path, overrides)
+    except ProblemsError as exc:
+        err.print(str(exc))
+        raise typer.Exit(1) from None
+    if run.problems:
+        source = path or ("the built-in demo" if demo_header else "the default config")
+        err.print(format_problems(run.problems, source))
+        raise typer.Exit(1)
+    return run, path
+
+
+def check(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
+    """Validate a run config and its placement; start nothing. Exit 0 when valid, 1 with every problem."""
+    run, path = _validated(config, overrides, demo_header=False)
+    alloc = run.allocation
+    console.print(f"{path or 'default config'}: OK. allocation {alloc} "
+                  f"({alloc.n_devices} accelerator(s), {sum(c.world_size for c in alloc.components)} process(es))")
+
+
+def run(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
+    """Train: with no CONFIG, the built-in demo (a small real model on a built-in task, CPU only)."""
+    from areal_core.api import Context
+
+    validated, _ = _validated(config, overrides, demo_header=config is None)
+    cfg = validated.config
+    run_dir = Path(cfg.output_dir).expanduser() / cfg.experiment / cfg.trial
+    if (run_dir / "config.yaml").exists():
+        err.print(f"run folder {run_dir} already holds a run. Fix: choose another name with "
+                  f"trial=<name>, or delete the folder.")
+        raise typer.Exit(1)
+    launcher_cls = validated.components["launcher"]
+    launcher = launcher_cls.create(Context(config=cfg, options=validated.options.get("launcher")))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_resolved_config(validated.resolved_dict(), run_dir / "config.yaml")
+    raise typer.Exit(launcher.launch(cfg, validated.allocation, run_dir))
+
+
+def write_resolved_config(data: dict, target: Path) -> None:
+    """Write atomically: a reader never sees half a config."""
+    import yaml
+
+    tmp = target.with_suffix(".yaml.tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    os.replace(tmp, target)
+
+
+def plugins(as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False) -> None:
+    """Every installed plugin: distribution, version, components, hooks and load errors."""
+    from areal_cli.listing import collect_listing
+
+    listing = collect_listing()
+    if as_json:
+        typer.echo(json.dumps(listing, indent=2))
+        return
+    table = Table(title="areal plugins", show_lines=True)
+    for col in ("distribution", "components", "hooks", "problems"):
+        table.add_column(col, overflow="fold")
+    for entry in listing["distributions"]:
+        comps = "\n".join(f"{kind}: {', '.join(names)}" for kind, names in entry["components"].items())
+        backs = "\n".join(f"backend {b['backend']} ({b['kind']}, dims {b['dims']}, {'/'.join(b['devices'])})"
+                          for b in entry["backends"])
+        table.add_row(f"{entry['distribution']} {entry['version']}" + (" (built-in)" if entry["builtin"] else ""),
+                      "\n".join(x for x in (comps, backs) if x) or "-",
+                      "\n".join(entry["hooks"]) or "-",
+                      "\n".join(entry["errors"] + entry["warnings"]) or "-")
+    console.print(table)
+
+
+@hookimpl(trylast=True)
+def areal_register_commands(registrar) -> None:
+    registrar.add_command(run, "run")
+    registrar.add_command(check, "check")
+    registrar.add_command(plugins, "plugins")

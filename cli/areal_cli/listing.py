@@ -1,0 +1,47 @@
+"""What ``areal plugins`` reports, gathered without importing any component."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from areal_core.discovery import entry_points, normalize
+from areal_core.plugins import get_plugin_manager
+from areal_core.registry import KINDS
+
+
+def collect_listing() -> dict:
+    manager = get_plugin_manager()
+    by_dist: dict[str, dict] = {}
+
+    def entry(distribution: str, version: str, builtin: bool) -> dict:
+        return by_dist.setdefault(normalize(distribution), {
+            "distribution": distribution, "version": version, "builtin": builtin,
+            "plugins": [], "hooks": [], "components": {}, "backends": [], "errors": [], "warnings": [],
+        })
+
+    for info in manager.plugins.values():
+        e = entry(info.distribution, info.version, info.builtin)
+        e["plugins"].append(info.name)
+        e["hooks"] = sorted(set(e["hooks"]) | set(info.hooks))
+        e["errors"].extend(info.errors)
+        e["warnings"].extend(info.warnings)
+    for kind, (group, label, _) in KINDS.items():
+        claims: dict[str, list] = {}
+        for found in entry_points(group):
+            e = entry(found.distribution, found.version, found.builtin)
+            e["components"].setdefault(kind, []).append(found.name)
+            claims.setdefault(found.name, []).append(found)
+        for name, founds in claims.items():
+            if len(founds) > 1:
+                owners = " and ".join(f.owner for f in founds)
+                for f in founds:
+                    entry(f.distribution, f.version, f.builtin)["errors"].append(
+                        f"{label} '{name}' is provided by two distributions: {owners}. Fix: uninstall "
+                        f"one, or block one with AREAL_DISABLE_PLUGINS=<distribution>.")
+    for info, result in manager.call_each("areal_declare_backends"):
+        for support in result or []:
+            try:
+                entry(info.distribution, info.version, info.builtin)["backends"].append(asdict(support))
+            except TypeError:
+                pass  # not a BackendSupport: `areal check` reports it
+    return {"distributions": sorted(by_dist.values(), key=lambda e: (not e["builtin"], e["distribution"]))}

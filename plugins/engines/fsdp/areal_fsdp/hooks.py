@@ -1,0 +1,67 @@
+"""Placement declaration and plan rules of the ``fsdp`` backend.
+
+Imports only :mod:`areal_core`: ``areal plugins`` and ``areal check`` load
+this module on every call, on machines without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from areal_core import Problem, hookimpl
+from areal_core.config.allocation import Allocation, Component
+from areal_core.config.model_info import ModelInfo
+from areal_core.parallelism import BackendSupport
+from areal_core.parallelism_rules import heads_problem
+
+BACKEND = "fsdp"
+
+# Dimensions only wired on GPU here: ring-attention context parallel needs
+# NCCL kernels (not gloo), and DTensor tensor parallel is GPU-only in areal.
+_GPU_ONLY = {
+    "c": "context parallel needs ring-attention kernels, which gloo does not provide",
+    "t": "DTensor tensor parallel is only wired for GPU in areal",
+}
+
+
+@hookimpl
+def areal_declare_backends() -> list[BackendSupport]:
+    return [
+        BackendSupport(
+            BACKEND,
+            "train",
+            dims="dtc",
+            devices=("gpu", "cpu"),
+            description="PyTorch FSDP2 trainer: data, tensor and context parallel",
+        )
+    ]
+
+
+@hookimpl
+def areal_validate_parallelism(
+    config: Any, allocation: Allocation, model: ModelInfo | None
+) -> list[Problem]:
+    problems: list[Problem] = []
+    for comp in allocation.find(backend=BACKEND):
+        problems.extend(_component_problems(comp, model))
+    return problems
+
+
+def _component_problems(comp: Component, model: ModelInfo | None) -> list[Problem]:
+    par = comp.parallel
+    if comp.device == "cpu":
+        refused = [dim for dim in ("c", "t") if getattr(par, dim) > 1]
+        # Fold every refused dimension into data parallel for the suggested fix.
+        folded = replace(comp, parallel=replace(par, d=par.d * par.c * par.t, c=1, t=1))
+        return [
+            Problem(
+                f"{BACKEND}.{'context' if dim == 'c' else 'tensor'}-needs-gpu",
+                f"'{comp}': {dim}{getattr(par, dim)} on cpu is not supported: {_GPU_ONLY[dim]}.",
+                f"use data parallel instead, e.g. '{folded}', or place it on gpu (drop '@cpu')",
+                key="allocation",
+            )
+            for dim in refused
+        ]
+    problem = heads_problem(f"{BACKEND}.tensor-heads", comp, par.t, model)
+    return [problem] if problem else []

@@ -1,0 +1,106 @@
+"""Plan rules of the fsdp backend, called directly as the hooks would be."""
+
+from __future__ import annotations
+
+import pytest
+
+from areal_core.config.allocation import parse_allocation
+from areal_core.config.model_info import ModelInfo
+from areal_core.config.schema import RunConfig
+from areal_core.parallelism import BackendSupport, core_plan_problems
+from areal_core.plugins import manager_from_modules
+from areal_fsdp import hooks
+from areal_fsdp.hooks import areal_declare_backends, areal_validate_parallelism
+
+# 32 query heads, 8 key-value heads (grouped-query attention).
+MODEL = ModelInfo(path="m", num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=24)
+# Any inference backend, so the core's "needs an inference engine" rule stays quiet.
+INFERENCE = BackendSupport("gen", "inference", dims="d", devices=("gpu", "cpu"))
+
+
+def validate(text: str, model: ModelInfo | None = MODEL):
+    return areal_validate_parallelism(config=RunConfig(), allocation=parse_allocation(text), model=model)
+
+
+def codes(problems):
+    return [p.code for p in problems]
+
+
+def test_declaration():
+    (support,) = areal_declare_backends()
+    assert (support.backend, support.kind, support.dims, support.devices) == (
+        "fsdp",
+        "train",
+        "dtc",
+        ("gpu", "cpu"),
+    )
+
+
+def test_hook_module_registers_cleanly():
+    manager = manager_from_modules(hooks, names=["fsdp"])
+    assert manager.warnings() == []
+    assert manager.plugins["fsdp"].hooks == ["areal_declare_backends", "areal_validate_parallelism"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["fsdp:d8", "fsdp:d2t4", "fsdp:t8", "fsdp:d2t2c2", "fsdp:d4@cpu", "fsdp:cpu", "vllm:d2t16+fsdp:d8"],
+)
+def test_valid_plans(text):
+    assert validate(text) == []
+
+
+def test_tensor_must_divide_heads():
+    (problem,) = validate("fsdp:d2t16")
+    assert problem.code == "fsdp.tensor-heads"
+    assert problem.key == "allocation"
+    assert "'fsdp:d2t16'" in problem.message
+    assert "t16" in problem.message and "32 attention heads" in problem.message
+    assert "8 key-value heads" in problem.message
+    assert problem.hint == "choose t from 1, 2, 4, 8, e.g. 'fsdp:d2t8'"
+
+
+def test_tensor_must_divide_odd_head_count():
+    model = ModelInfo(path="m", num_attention_heads=14, num_key_value_heads=2, num_hidden_layers=24)
+    (problem,) = validate("fsdp:t4", model)
+    assert problem.code == "fsdp.tensor-heads"
+    assert "14 attention heads" in problem.message and "2 key-value heads" in problem.message
+    assert "1, 2" in problem.hint
+
+
+def test_unknown_model_skips_head_rules():
+    assert validate("fsdp:t7", model=None) == []
+
+
+def test_context_parallel_needs_gpu():
+    (problem,) = validate("fsdp:d2c2@cpu")
+    assert problem.code == "fsdp.context-needs-gpu"
+    assert "'fsdp:d2c2@cpu'" in problem.message and "c2" in problem.message
+    assert "'fsdp:d4@cpu'" in problem.hint
+
+
+def test_tensor_parallel_needs_gpu_and_both_are_reported():
+    problems = validate("fsdp:t2c2@cpu")
+    assert codes(problems) == ["fsdp.context-needs-gpu", "fsdp.tensor-needs-gpu"]
+    assert "t2" in problems[1].message and "'fsdp:t2c2@cpu'" in problems[1].message
+    assert all("'fsdp:d4@cpu'" in p.hint for p in problems)
+
+
+def test_only_fsdp_components_are_judged():
+    # t16 does not divide 8 kv heads, but the component is not fsdp's.
+    assert validate("other:t16+fsdp:d2") == []
+
+
+def test_each_component_reported():
+    problems = validate("fsdp[actor]:t16+fsdp[ref]:t3")
+    assert codes(problems) == ["fsdp.tensor-heads", "fsdp.tensor-heads"]
+    assert "'fsdp[actor]:t16'" in problems[0].message
+    assert "'fsdp[ref]:t3'" in problems[1].message
+
+
+def test_core_rejects_undeclared_dimensions():
+    backends = {b.backend: b for b in [*areal_declare_backends(), INFERENCE]}
+    assert core_plan_problems(parse_allocation("gen:d1+fsdp:d2t2c2"), backends) == []
+    problems = core_plan_problems(parse_allocation("gen:d1+fsdp:d2p2e4"), backends)
+    assert codes(problems) == ["core.unsupported-dimension", "core.unsupported-dimension"]
+    assert "p2" in problems[0].message and "e4" in problems[1].message

@@ -1,0 +1,58 @@
+"""The local backend's declaration, and the core rules it relies on."""
+
+from __future__ import annotations
+
+import pytest
+
+from areal_core.config.allocation import parse_allocation
+from areal_core.parallelism import BackendSupport, core_plan_problems
+from areal_core.plugins import manager_from_modules
+from areal_local import hooks
+from areal_local.hooks import areal_declare_backends
+
+TRAIN = BackendSupport("trainer", "train", dims="d", devices=("gpu", "cpu"))
+
+
+def plan_problems(text: str):
+    backends = {b.backend: b for b in [*areal_declare_backends(), TRAIN]}
+    return core_plan_problems(parse_allocation(text), backends)
+
+
+def test_declaration():
+    (support,) = areal_declare_backends()
+    assert (support.backend, support.kind, support.dims, support.devices) == (
+        "local",
+        "inference",
+        "d",
+        ("cpu",),
+    )
+    assert support.description == "embedded CPU generator, one process per d"
+
+
+def test_hook_module_declares_only():
+    manager = manager_from_modules(hooks, names=["local"])
+    assert manager.warnings() == []
+    assert manager.plugins["local"].hooks == ["areal_declare_backends"]
+
+
+@pytest.mark.parametrize("text", ["local:cpu+trainer:d1@cpu", "local:d4@cpu+trainer:d2@cpu", "local:d2@cpu|trainer:d2@cpu"])
+def test_valid_plans(text):
+    assert plan_problems(text) == []
+
+
+@pytest.mark.parametrize(
+    ("text", "dims"),
+    [("local:d2t2@cpu+trainer:d1@cpu", ["t2"]), ("local:p2e2@cpu+trainer:d1@cpu", ["p2", "e2"])],
+)
+def test_core_rejects_other_dimensions(text, dims):
+    problems = plan_problems(text)
+    assert [p.code for p in problems] == ["core.unsupported-dimension"] * len(dims)
+    for problem, dim in zip(problems, dims):
+        assert dim in problem.message
+
+
+def test_core_rejects_gpu():
+    (problem,) = plan_problems("local:d2+trainer:d1@cpu")
+    assert problem.code == "core.unsupported-device"
+    assert "'local:d2'" in problem.message
+    assert "@cpu" in problem.hint

