@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,8 @@ import pytest
 from areal_core.testing.distributions import install_fake_distribution
 
 DOUBLES = Path(__file__).parent / "doubles"
+# Test doubles are imported by name in tests (they are never shipped).
+sys.path.insert(0, str(DOUBLES))
 
 STACK_ENTRY_POINTS = {
     "areal": {"stack-doubles": "stack_doubles"},

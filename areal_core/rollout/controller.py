@@ -1,0 +1,413 @@
+"""The rollout controller: many episodes in flight on one asyncio loop,
+admitted under the staleness bound, handed to the trainer as batches.
+
+The trainer is ordinary synchronous code; the controller runs its event loop
+in a background thread and the trainer calls the thread-safe methods here
+(``submit``, ``wait``, ``prepare_batch``, ``pause``, ``resume``,
+``update_weights``). Workflows run as asyncio tasks on that loop; sync
+rewards they call through :func:`areal_core.api.call_reward` run in the
+loop's default executor, a thread pool, never on the loop itself.
+
+The staleness rule. An episode admitted at version ``s`` must be trained by
+version ``s + eta``. Admission (see :mod:`areal_core.rollout.staleness`)
+keeps the number of episodes due by any version within the batches that
+exist until then; batches are handed out earliest-deadline-first (oldest
+ready groups first), and a batch waits for a still-running episode only when
+leaving it behind would make some later batch unable to take everything due
+by then. So every trained sample obeys ``v - start_version <= eta``, and
+fast episodes still overtake slow ones whenever there is slack.
+With ``eta = 0`` the controller is an ordinary synchronous trainer: batch
+``k`` is exactly the ``k``-th block of ``batch_size`` items.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Awaitable, Callable, Iterable, Iterator
+
+from areal_core.api.inference import InferenceEngine
+from areal_core.api.workflow import Workflow
+from areal_core.rollout.batch import EpisodeGroup
+from areal_core.rollout.interruptible import InterruptibleEngine
+from areal_core.rollout.staleness import StalenessManager
+
+ShouldAccept = Callable[[EpisodeGroup], bool]
+
+
+class RolloutError(RuntimeError):
+    """A workflow raised; the message names the workflow and the item."""
+
+
+class StallError(RuntimeError):
+    """The data source ran dry before a batch could be filled."""
+
+
+def has_reward_variance(group: EpisodeGroup) -> bool:
+    """A ``should_accept`` for dynamic filtering: False when every reward in the
+    group is the same, which gives no signal under a group baseline."""
+    return len(set(group.rewards)) > 1
+
+
+class RolloutController:
+    def __init__(
+        self,
+        engines: list[InferenceEngine],
+        workflow: Workflow,
+        *,
+        batch_size: int,
+        max_head_offpolicyness: int = 0,
+        max_concurrent_rollouts: int = 64,
+        should_accept: ShouldAccept | None = None,
+        request_timeout_s: float = 600.0,
+        reward_workers: int = 4,
+        call_timeout_s: float = 600.0,
+    ) -> None:
+        self.batch_size = batch_size
+        self.eta = max_head_offpolicyness
+        self.staleness = StalenessManager(batch_size, max_head_offpolicyness, max_concurrent_rollouts)
+        self.engines = list(engines)
+        self.workflow = workflow
+        self.should_accept = should_accept
+        self.request_timeout_s = request_timeout_s
+        self.call_timeout_s = call_timeout_s
+        self._reward_workers = reward_workers
+        self._cond = threading.Condition()
+        self._version = 0
+        self._pending: deque[tuple[int, Any]] = deque()
+        self._running: dict[int, int] = {}  # seq -> start version
+        self._ready: list[tuple[int, int, EpisodeGroup]] = []  # heap of (start_version, seq, group)
+        self._source: Iterator[Any] | None = None
+        self._source_obj: Any = None
+        self._source_done = False
+        self._next_seq = 0
+        self._done_watermark = 0  # every seq below it is consumed or rejected
+        self._done_extra: set[int] = set()
+        self._consumed_accepted = 0
+        self._resumed_watermark = 0  # items done before a resume are skipped when pulled again
+        self._resumed_extra: set[int] = set()
+        self._error: BaseException | None = None
+        self._paused = False
+        self._tasks: set[asyncio.Task] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.engine: InterruptibleEngine | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> RolloutController:
+        if self._thread is not None:
+            return self
+        ready = threading.Event()
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+            loop.set_default_executor(ThreadPoolExecutor(self._reward_workers, thread_name_prefix="areal-reward"))
+            self._loop = loop
+            self.engine = InterruptibleEngine(self.engines, self.request_timeout_s)
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(loop.shutdown_default_executor())
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name="areal-rollout", daemon=True)
+        self._thread.start()
+        if not ready.wait(30):
+            raise TimeoutError("waited 30 s for the rollout controller's event loop thread to start")
+        return self
+
+    def close(self) -> None:
+        """Cancel every episode and stop the loop thread; idempotent."""
+        if self._loop is None or self._thread is None:
+            return
+        loop, self._loop = self._loop, None
+
+        async def shutdown() -> None:
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), loop).result(self.call_timeout_s)
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            self._thread.join(self.call_timeout_s)
+            self._thread = None
+
+    def __enter__(self) -> RolloutController:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, coro: Awaitable[Any], what: str) -> Any:
+        if self._loop is None:
+            raise RuntimeError("the rollout controller is not started; call start() first")
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(self.call_timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"waited {self.call_timeout_s:.0f} s for the rollout controller to {what}") from None
+
+    def _kick(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._admit)
+
+    # ------------------------------------------------------------ input
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def submit(self, item: Any) -> None:
+        """Queue one item (one prompt group); it starts when admission allows."""
+        with self._cond:
+            self._pending.append((self._next_seq, item))
+            self._next_seq += 1
+        self._kick()
+
+    def set_source(self, source: Iterable[Any]) -> None:
+        """Pull items from ``source`` whenever admission allows (used by ``prepare_batch``)."""
+        with self._cond:
+            self._source_obj = source
+            self._source = iter(source)
+            self._source_done = False
+        self._kick()
+
+    def _next_item(self) -> tuple[int, Any] | None:
+        if self._pending:
+            return self._pending.popleft()
+        while self._source is not None and not self._source_done:
+            try:
+                item = next(self._source)
+            except StopIteration:
+                self._source_done = True
+                self._cond.notify_all()
+                return None
+            seq = self._next_seq
+            self._next_seq += 1
+            if seq >= self._resumed_watermark and seq not in self._resumed_extra:
+                return seq, item
+        return None
+
+    # ------------------------------------------------------------ the loop side
+    def _admit(self) -> None:
+        with self._cond:
+            while not self._paused and self._error is None and self.staleness.capacity(self._version) > 0:
+                nxt = self._next_item()
+                if nxt is None:
+                    break
+                seq, item = nxt
+                self.staleness.on_start()
+                self._running[seq] = self._version
+                task = asyncio.get_running_loop().create_task(self._episode(seq, item, self._version))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _episode(self, seq: int, item: Any, start_version: int) -> None:
+        admitted = time.monotonic()
+        try:
+            result = await self.workflow.arun_episode(self.engine, item)
+            group = None
+            if result is not None:
+                group = EpisodeGroup(seq, item, start_version, list(result), admitted, time.monotonic())
+                if self.should_accept is not None and not self.should_accept(group):
+                    group = None
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            with self._cond:
+                if self._error is None:
+                    err = RolloutError(f"workflow {type(self.workflow).__name__} failed on item #{seq} "
+                                       f"({_short(item)}): {type(exc).__name__}: {exc}")
+                    err.__cause__ = exc
+                    self._error = err
+                self._cond.notify_all()
+            return
+        with self._cond:
+            del self._running[seq]
+            if group is None:
+                self.staleness.on_reject()
+                self._mark_done(seq)
+            else:
+                self.staleness.on_accept()
+                heapq.heappush(self._ready, (start_version, seq, group))
+            self._cond.notify_all()
+        self._admit()
+
+    def _mark_done(self, seq: int) -> None:
+        self._done_extra.add(seq)
+        while self._done_watermark in self._done_extra:
+            self._done_extra.discard(self._done_watermark)
+            self._done_watermark += 1
+
+    # ------------------------------------------------------------ output
+    def _can_hand_out(self, count: int) -> bool:
+        """Whether the ``count`` oldest ready groups may form the batch for this version now.
+
+        Earliest-deadline-first: a group started at version ``s`` must be
+        trained by version ``s + eta``. Handing out the oldest ready groups
+        is safe when, for every later batch ``k = 0..eta`` steps ahead, the
+        groups left behind (ready or still running) that are due by then fit
+        in the ``k`` batches before it. Otherwise a running group that is
+        due soon must finish first, and the batch waits for it.
+        """
+        if len(self._ready) < count:
+            return False
+        if len(self._ready) == count and not self._running:
+            return True
+        left_ready = [entry[0] for entry in heapq.nlargest(len(self._ready) - count, self._ready)]
+        if not self._fits(left_ready + list(self._running.values()), count):
+            # Waiting helps only if running episodes cause the overflow; when the
+            # ready groups alone overflow (the version moved on without batches
+            # being taken), waiting would never end: hand out the oldest.
+            return not self._fits(left_ready, count)
+        return True
+
+    def _fits(self, starts: list[int], count: int) -> bool:
+        for k in range(self.eta + 1):
+            due = self._version + k - self.eta
+            if sum(1 for start in starts if start <= due) > k * count:
+                return False
+        return True
+
+    def _stalled(self, count: int) -> bool:
+        return (self._source_done or self._source is None) and not self._pending and not self._running \
+            and len(self._ready) < count
+
+    def wait(self, count: int, timeout: float | None = None) -> list[EpisodeGroup]:
+        """Block until ``count`` accepted groups can be handed out; oldest first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._error is not None:
+                    raise self._error
+                if self._can_hand_out(count):
+                    groups = [heapq.heappop(self._ready)[2] for _ in range(count)]
+                    for g in groups:
+                        self._mark_done(g.seq)
+                    self._consumed_accepted += count
+                    return groups
+                if self._stalled(count):
+                    c = self.staleness.counts
+                    raise StallError(
+                        f"the data source ran dry: a batch needs {count} accepted groups but only "
+                        f"{len(self._ready)} are ready, none running; {c.started} episodes started, "
+                        f"{c.rejected} rejected by the workflow or should_accept. Fix: give the dataset "
+                        f"more items (or more epochs), or accept more groups (e.g. dynamic filtering off)"
+                    )
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"waited {timeout:.0f} s for {count} accepted rollout groups: "
+                                       + self._describe())
+                self._cond.wait(remaining if remaining is not None else 1.0)
+
+    def prepare_batch(self, dataloader: Iterable[Any], timeout: float | None = None) -> list[EpisodeGroup]:
+        """The next batch of ``batch_size`` groups, drawing items from ``dataloader`` as admission allows.
+
+        Keep passing the same dataloader: it is iterated once, lazily, across calls.
+        """
+        if dataloader is not self._source_obj:
+            self.set_source(dataloader)
+        return self.wait(self.batch_size, timeout)
+
+    def _describe(self) -> str:
+        c = self.staleness.counts
+        return (f"{len(self._ready)} ready, {len(self._running)} running, {len(self._pending)} queued, "
+                f"{c.rejected} rejected, version {self._version}, paused={self._paused}, "
+                f"admission capacity {self.staleness.capacity(self._version)}")
+
+    # ------------------------------------------------------------ weights
+    def set_version(self, version: int) -> None:
+        with self._cond:
+            self._version = version
+            self._cond.notify_all()
+        self._kick()
+
+    def pause(self) -> None:
+        """Stop admitting; engines abort in-flight requests, which wait to be continued."""
+        self._call(self._pause(), "pause generation")
+
+    def resume(self) -> None:
+        self._call(self._resume(), "resume generation")
+
+    async def _pause(self) -> None:
+        with self._cond:
+            self._paused = True
+        self.engine.close_gate()
+        if all("pause" in e.capabilities for e in self.engines):
+            await asyncio.gather(*(e.pause() for e in self.engines))
+        else:  # no interruption: let requests in flight finish under the old weights
+            while sum(self.engine._in_flight):
+                await asyncio.sleep(0.001)
+
+    async def _resume(self) -> None:
+        if all("pause" in e.capabilities for e in self.engines):
+            await asyncio.gather(*(e.resume() for e in self.engines))
+        with self._cond:
+            self._paused = False
+        self.engine.open_gate()
+        self._admit()
+
+    def update_weights(self, apply: Callable[[], Awaitable[Any]], version: int) -> float:
+        """Pause, run ``apply()`` on the loop, set ``version``, resume; nothing else inside the pause.
+
+        Returns the seconds generation was paused.
+        """
+        async def swap() -> float:
+            began = time.monotonic()
+            await self._pause()
+            try:
+                await apply()
+                with self._cond:
+                    self._version = version
+                    self._cond.notify_all()
+            finally:
+                await self._resume()
+            return time.monotonic() - began
+
+        return self._call(swap(), f"update weights to version {version}")
+
+    def update_weights_from_disk(self, path: str, version: int) -> float:
+        async def apply() -> None:
+            await asyncio.gather(*(e.update_weights_from_disk(path, version) for e in self.engines))
+
+        return self.update_weights(apply, version)
+
+    # ------------------------------------------------------------ state
+    def stats(self) -> dict[str, int]:
+        with self._cond:
+            c = self.staleness.counts
+            return {"version": self._version, "queued": len(self._pending), "running": len(self._running),
+                    "ready": len(self._ready), "started": c.started, "accepted": c.accepted,
+                    "rejected": c.rejected, "consumed": self._consumed_accepted}
+
+    def state_dict(self) -> dict:
+        """What resume needs: the version, the staleness counters as if nothing were in
+        flight (in-flight episodes are redone after resume), and which items are done."""
+        with self._cond:
+            return {"version": self._version, "consumed": self._consumed_accepted,
+                    "rejected": self.staleness.counts.rejected,
+                    "done_watermark": self._done_watermark, "done_extra": sorted(self._done_extra)}
+
+    def load_state_dict(self, state: dict) -> None:
+        with self._cond:
+            if self._running or self._ready or self._next_seq:
+                raise RuntimeError("load_state_dict must be called before any item is submitted")
+            self._version = state["version"]
+            self._consumed_accepted = state["consumed"]
+            self.staleness.load_state_dict({"started": state["consumed"] + state["rejected"], "running": 0,
+                                            "accepted": state["consumed"], "rejected": state["rejected"]})
+            self._done_watermark = state["done_watermark"]
+            self._done_extra = set(state["done_extra"])
+            self._resumed_watermark = self._done_watermark
+            self._resumed_extra = set(self._done_extra)
+
+
+def _short(item: Any, limit: int = 80) -> str:
+    text = repr(item)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

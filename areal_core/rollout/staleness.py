@@ -1,0 +1,65 @@
+"""Staleness admission: how many new episodes may start now.
+
+Counted in prompt groups (one dataset item = one group of trajectories).
+With batch size ``B``, staleness bound ``eta`` and trainer version ``v``::
+
+    capacity = min(max_concurrent - running,
+                   (eta + v + 1) * B - (accepted + running))
+
+``accepted`` counts every group ever accepted (consumed or not); a rejected
+group gives its slot back. Admission alone bounds how many samples exist per
+version; the controller also hands batches out oldest-first and holds a batch
+while an episode old enough to break the bound is still running, which makes
+the bound hold for every sample even when episodes finish out of order (see
+``RolloutController.wait``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class StalenessCounts:
+    started: int = 0
+    running: int = 0
+    accepted: int = 0
+    rejected: int = 0
+
+
+class StalenessManager:
+    def __init__(self, batch_size: int, max_head_offpolicyness: int, max_concurrent_rollouts: int) -> None:
+        if batch_size < 1 or max_head_offpolicyness < 0 or max_concurrent_rollouts < 1:
+            raise ValueError(
+                "StalenessManager needs batch_size >= 1, max_head_offpolicyness >= 0 and "
+                f"max_concurrent_rollouts >= 1; got {batch_size}, {max_head_offpolicyness}, "
+                f"{max_concurrent_rollouts}"
+            )
+        self.batch_size = batch_size
+        self.eta = max_head_offpolicyness
+        self.max_concurrent = max_concurrent_rollouts
+        self.counts = StalenessCounts()
+
+    def capacity(self, version: int) -> int:
+        c = self.counts
+        by_concurrency = self.max_concurrent - c.running
+        by_staleness = (self.eta + version + 1) * self.batch_size - (c.accepted + c.running)
+        return max(0, min(by_concurrency, by_staleness))
+
+    def on_start(self) -> None:
+        self.counts.started += 1
+        self.counts.running += 1
+
+    def on_accept(self) -> None:
+        self.counts.running -= 1
+        self.counts.accepted += 1
+
+    def on_reject(self) -> None:
+        self.counts.running -= 1
+        self.counts.rejected += 1
+
+    def state_dict(self) -> dict:
+        return asdict(self.counts)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.counts = StalenessCounts(**state)
