@@ -88,10 +88,19 @@ def test_run_writes_the_resolved_config_then_launches(double_stack, tmp_path):
     written = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert written["algorithm"] == {"name": "algo_double", "extra": {"eps_clip": 0.5, "group_norm": True}}
     assert written["allocation"] == "infer_double:cpu+train_double:cpu"
-    assert json.loads((run_dir / "launched.json").read_text()) == {"allocation": "infer_double:cpu+train_double:cpu"}
+    assert json.loads((run_dir / "launched.json").read_text()) == {"allocation": "infer_double:cpu+train_double:cpu",
+                                                                   "resume": False}
     again, _ = invoke("run", *double_stack, f"output_dir={out}", "experiment=exp")
     assert again.exit_code == 1
-    assert "already holds a run" in again.output
+    assert "already holds a run. Fix: continue it with --resume" in again.output
+    resumed, _ = invoke("run", *double_stack, f"output_dir={out}", "experiment=exp", "algorithm.eps_clip=0.5",
+                        "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    assert json.loads((run_dir / "launched.json").read_text())["resume"] is True
+    changed, _ = invoke("run", *double_stack, f"output_dir={out}", "experiment=exp", "algorithm.eps_clip=0.6",
+                        "--resume")
+    assert changed.exit_code == 1
+    assert "the config differs from the one" in changed.output and "algorithm.extra.eps_clip (0.5 -> 0.6)" in changed.output
 
 
 def test_run_with_problems_writes_nothing(double_stack, tmp_path):

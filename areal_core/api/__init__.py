@@ -14,6 +14,7 @@ from areal_core.api.inference import (
     GenerationResponse,
     InferenceEngine,
     SamplingParams,
+    ServerProcess,
 )
 from areal_core.api.launcher import Launcher
 from areal_core.api.reward import Reward, RewardResult, call_reward
@@ -22,6 +23,6 @@ from areal_core.api.workflow import Trajectory, Workflow
 
 __all__ = [
     "Algorithm", "Component", "Context", "Dataset", "GenerationRequest", "GenerationResponse",
-    "InferenceEngine", "Launcher", "Needs", "Reward", "RewardResult", "SamplingParams",
+    "InferenceEngine", "Launcher", "Needs", "Reward", "RewardResult", "SamplingParams", "ServerProcess",
     "TrainEngine", "Trajectory", "Workflow", "call_reward",
 ]

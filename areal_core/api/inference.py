@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from abc import abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from areal_core.api.component import Component
 
@@ -61,6 +61,22 @@ class GenerationResponse:
             raise ValueError(f"GenerationResponse.stop_reason must be one of {STOP_REASONS}, got {self.stop_reason!r}")
 
 
+@dataclass
+class ServerProcess:
+    """A server the launcher starts for an engine and waits for before training starts.
+
+    ``ready()`` is polled until True (for up to ``startup_timeout_s``);
+    ``what`` names what is waited for in a timeout error ("the /health
+    endpoint of the vLLM server on 127.0.0.1:8001").
+    """
+
+    argv: list[str]
+    ready: Callable[[], bool]
+    what: str
+    env: dict = field(default_factory=dict)
+    startup_timeout_s: float = 300.0
+
+
 class InferenceEngine(Component):
     """A generation backend the rollout controller drives (entry-point group ``areal.engines.inference``).
 
@@ -69,8 +85,18 @@ class InferenceEngine(Component):
     ``"seed"`` (same seed, same tokens).
     """
 
+    @classmethod
+    def server_process(cls, context: Any, index: int, port: int) -> ServerProcess | None:
+        """The process the launcher runs as server ``index`` (of the allocation's ``d``) on ``port``.
+
+        None (the default): the engine lives inside the trainer process. When
+        a server is started, the engine built in the trainer finds its
+        address in ``context.extras["address"]`` (``"127.0.0.1:<port>"``).
+        """
+        return None
+
     async def start(self) -> None:
-        """Bring the engine up (spawn processes, wait for readiness with a timeout)."""
+        """Connect (wait for readiness with a timeout); called on the controller's loop."""
 
     @abstractmethod
     async def agenerate(self, request: GenerationRequest) -> GenerationResponse:

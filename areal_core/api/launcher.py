@@ -13,5 +13,11 @@ class Launcher(Component):
     """Starts every process of a run from its allocation, watches them, tears them down."""
 
     @abstractmethod
-    def launch(self, config: Any, allocation: Any, run_dir: Path) -> int:
-        """Run to completion; return the exit status. Must leave no process behind."""
+    def launch(self, run: Any, run_dir: Path, *, resume: bool = False) -> int:
+        """Run to completion and return the exit status; leave no process behind.
+
+        ``run`` is the :class:`~areal_core.config.validate.ValidatedRun`
+        (config, parsed allocation, declared backends, resolved components);
+        ``run_dir`` holds its resolved ``config.yaml``; ``resume`` continues
+        from the last complete checkpoint there.
+        """

@@ -19,6 +19,11 @@ class TrainEngine(Component):
 
     Capabilities: ``"save_load"``, ``"export_disk"``, ``"export_tensors"``,
     ``"reference"`` (frozen copy for KL), ``"critic"`` (value head).
+
+    ``context.extras["role"]`` is ``"actor"`` (trained) or ``"reference"``
+    (the initial weights, frozen: no optimizer, only ``forward_logprobs``).
+    With world size > 1 every rank calls ``save`` / ``load`` with the same
+    folder; the engine decides how ranks share the writing.
     """
 
     def initialize(self) -> None:

@@ -110,8 +110,9 @@ class LauncherConfig(NamedConfig):
 @dataclass
 class TrainerConfig:
     total_steps: int = spec(100, ge=1)
+    epochs: int = spec(0, ge=0, help="passes over the dataset; 0 = as many as the steps need")
     save_every: int = spec(0, ge=0, help="steps between checkpoints; 0 = only at the end")
-    eval_every: int = spec(0, ge=0, help="steps between evaluations; 0 = never")
+    save_every_s: float = spec(0.0, ge=0.0, help="seconds between checkpoints; 0 = off")
     seed: int = spec(1, ge=0)
 
 

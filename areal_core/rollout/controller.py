@@ -118,6 +118,11 @@ class RolloutController:
         self._thread.start()
         if not ready.wait(30):
             raise TimeoutError("waited 30 s for the rollout controller's event loop thread to start")
+
+        async def start_engines() -> None:
+            await asyncio.gather(*(e.start() for e in self.engines))
+
+        self._call(start_engines(), f"start {len(self.engines)} inference engine(s)")
         return self
 
     def close(self) -> None:
@@ -130,9 +135,13 @@ class RolloutController:
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.gather(*(e.aclose() for e in self.engines), return_exceptions=True)
 
         try:
             asyncio.run_coroutine_threadsafe(shutdown(), loop).result(self.call_timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"waited {self.call_timeout_s:.0f} s for episodes to cancel and "
+                               "inference engines to close") from None
         finally:
             loop.call_soon_threadsafe(loop.stop)
             self._thread.join(self.call_timeout_s)
@@ -146,6 +155,7 @@ class RolloutController:
 
     def _call(self, coro: Awaitable[Any], what: str) -> Any:
         if self._loop is None:
+            coro.close()
             raise RuntimeError("the rollout controller is not started; call start() first")
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:

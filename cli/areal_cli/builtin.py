@@ -54,22 +54,56 @@ def check(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
                   f"({alloc.n_devices} accelerator(s), {sum(c.world_size for c in alloc.components)} process(es))")
 
 
-def run(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
+ResumeOpt = Annotated[bool, typer.Option("--resume", help="continue the run in its folder from the last complete checkpoint")]
+
+
+def run(config: ConfigArg = None, overrides: OverridesArg = None, resume: ResumeOpt = False) -> None:
     """Train: with no CONFIG, the built-in demo (a small real model on a built-in task, CPU only)."""
     from areal_core.api import Context
 
     validated, _ = _validated(config, overrides, demo_header=config is None)
     cfg = validated.config
     run_dir = Path(cfg.output_dir).expanduser() / cfg.experiment / cfg.trial
-    if (run_dir / "config.yaml").exists():
-        err.print(f"run folder {run_dir} already holds a run. Fix: choose another name with "
-                  f"trial=<name>, or delete the folder.")
+    saved = run_dir / "config.yaml"
+    resolved = validated.resolved_dict()
+    if resume:
+        if not saved.exists():
+            err.print(f"--resume: {run_dir} holds no run to resume (no config.yaml). Fix: check output_dir, "
+                      f"experiment and trial, or drop --resume to start the run.")
+            raise typer.Exit(1)
+        differences = _differences(_load_yaml(saved), resolved)
+        if differences:
+            err.print(f"--resume: the config differs from the one {run_dir} was started with, at: "
+                      f"{', '.join(differences)}. Fix: resume with the same config and overrides.")
+            raise typer.Exit(1)
+    elif saved.exists():
+        err.print(f"run folder {run_dir} already holds a run. Fix: continue it with --resume, choose another "
+                  f"name with trial=<name>, or delete the folder.")
         raise typer.Exit(1)
     launcher_cls = validated.components["launcher"]
     launcher = launcher_cls.create(Context(config=cfg, options=validated.options.get("launcher")))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_resolved_config(validated.resolved_dict(), run_dir / "config.yaml")
-    raise typer.Exit(launcher.launch(cfg, validated.allocation, run_dir))
+    if not resume:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_resolved_config(resolved, saved)
+    raise typer.Exit(launcher.launch(validated, run_dir, resume=resume))
+
+
+def _load_yaml(path: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
+    keys = sorted(set(a) | set(b))
+    out = []
+    for k in keys:
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out.extend(_differences(va, vb, f"{prefix}{k}."))
+        elif va != vb:
+            out.append(f"{prefix}{k} ({va!r} -> {vb!r})")
+    return out
 
 
 def write_resolved_config(data: dict, target: Path) -> None:

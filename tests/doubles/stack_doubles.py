@@ -69,8 +69,8 @@ class DatasetDouble(Dataset):
 class LauncherDouble(Launcher):
     """Records what it was asked to launch in the run folder, returns 0."""
 
-    def launch(self, config, allocation, run_dir):
-        Path(run_dir, "launched.json").write_text(json.dumps({"allocation": str(allocation)}))
+    def launch(self, run, run_dir, *, resume=False):
+        Path(run_dir, "launched.json").write_text(json.dumps({"allocation": str(run.allocation), "resume": resume}))
         return 0
 
 

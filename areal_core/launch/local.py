@@ -1,0 +1,132 @@
+"""The ``local`` launcher: every process of a run on this machine.
+
+Inference servers first (engines that run their own server process, see
+:meth:`areal_core.api.InferenceEngine.server_process`), each waited for with
+its own timeout; then the train ranks, ``python -m areal_core.trainer``,
+with a torch.distributed rendezvous on 127.0.0.1. Cores are split between
+all of them (``OMP_NUM_THREADS`` and friends) so processes do not fight over
+them. The launcher shows a live progress bar from the run's metrics, and on
+exit, Ctrl-C, SIGTERM or a crash it stops every process it started (see
+:mod:`areal_core.launch.supervisor`); a crash is reported with the process's
+own last log lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from areal_core.api import Context, Launcher
+from areal_core.launch.supervisor import (
+    ProcessFailed, ProcessSpec, Shutdown, Supervisor, free_port, rendezvous_env, split_threads,
+)
+from areal_core.parallelism import default_role
+
+console = Console(stderr=True, highlight=False, markup=False, soft_wrap=True)
+
+
+def role_of(run: Any, component: Any) -> str:
+    return component.name or default_role(run.backends[component.backend].kind)
+
+
+class MetricsTail:
+    """Follows ``metrics.jsonl`` and feeds the progress display (the trainers' output goes to log files).
+
+    The trainer may rewrite the file on resume (dropping steps after the
+    checkpoint), so a replaced or shorter file is read again from the start.
+    A display problem is never allowed to stop the run.
+    """
+
+    def __init__(self, run_dir: Path, total: int) -> None:
+        from areal_core.metrics import ProgressDisplay
+
+        self.path = run_dir / "metrics.jsonl"
+        self.identity: tuple[int, int] | None = None
+        self.offset = 0
+        self.display = ProgressDisplay(total, {"reward": "reward/mean", "staleness": "staleness/token_lag_mean",
+                                               "train tok/s": "throughput/train_tokens_per_s"})
+
+    def poll(self) -> bool:
+        try:
+            self._read_new_rows()
+        except (OSError, ValueError):
+            pass  # a half-written or replaced file: read again next time
+        return False
+
+    def _read_new_rows(self) -> None:
+        if not self.path.exists():
+            return
+        stat = self.path.stat()
+        if (stat.st_ino, stat.st_dev) != self.identity or stat.st_size < self.offset:
+            self.identity, self.offset = (stat.st_ino, stat.st_dev), 0
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            for line in f:
+                if not line.endswith(b"\n"):
+                    break
+                self.offset += len(line)
+                row = json.loads(line)
+                self.display.update(row["step"] - 1, row)
+
+    def close(self) -> None:
+        self.display.close()
+
+
+class LocalLauncher(Launcher):
+    def launch(self, run: Any, run_dir: Path, *, resume: bool = False) -> int:
+        run_dir = Path(run_dir)
+        cfg = run.config
+        actor = next(c for c in run.allocation.components if role_of(run, c) == "actor")
+        rollout = next(c for c in run.allocation.components if role_of(run, c) == "rollout")
+        engine_cls = run.components["rollout"]
+        ports = [free_port() for _ in range(rollout.parallel.d)]
+        servers = [engine_cls.server_process(Context(config=cfg, options=run.options.get("rollout"), placement=rollout),
+                                             i, port) for i, port in enumerate(ports)]
+        servers = [(i, s) for i, s in enumerate(servers) if s is not None]
+        threads = split_threads(len(servers) + actor.world_size)
+        master_port = free_port()
+        progress = MetricsTail(run_dir, cfg.trainer.total_steps)
+        try:
+            with Supervisor(run_dir / "logs") as sup:
+                sup.install_signal_handlers()
+                addresses = {}
+                started = []
+                for (i, server), n in zip(servers, threads):
+                    started.append((sup.start(ProcessSpec(f"rollout-{i}", server.argv, env=server.env, threads=n)),
+                                    server))
+                    addresses[f"AREAL_ROLLOUT_{i}_ADDRESS"] = f"127.0.0.1:{ports[i]}"
+                for managed, server in started:
+                    sup.wait_ready(managed, server.ready, server.startup_timeout_s, server.what)
+                ranks = []
+                for rank, n in zip(range(actor.world_size), threads[len(servers):]):
+                    argv = [sys.executable, "-m", "areal_core.trainer", str(run_dir)] + (["--resume"] if resume else [])
+                    env = {**rendezvous_env(rank, actor.world_size, master_port), **addresses,
+                           "PYTHONUNBUFFERED": "1"}
+                    ranks.append(sup.start(ProcessSpec(f"actor-rank{rank}", argv, env=env, threads=n)))
+                sup.watch(until=lambda: progress.poll() or all(r.poll() == 0 for r in ranks))
+                progress.poll()
+        except ProcessFailed as exc:
+            progress.close()
+            console.print(f"areal run failed: {exc}")
+            return 1
+        except Shutdown as exc:
+            progress.close()
+            console.print(f"areal run stopped ({exc}); every process it started was stopped. "
+                          f"Continue with: areal run ... --resume")
+            return exc.exit_code
+        except KeyboardInterrupt:
+            progress.close()
+            console.print("areal run interrupted; every process it started was stopped. Continue with --resume")
+            return 130
+        except TimeoutError as exc:
+            progress.close()
+            console.print(f"areal run failed: {exc}")
+            return 1
+        progress.close()
+        console.print(f"areal run finished: {run_dir}")
+        return 0

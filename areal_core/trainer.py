@@ -1,0 +1,315 @@
+"""The RL loop, run by every train rank: ``python -m areal_core.trainer RUN_DIR [--resume]``.
+
+One step::
+
+    batch <- controller.prepare_batch(data)       rank 0; generation never stops for it
+    proximal / reference logprobs                 only when the algorithm asks
+    advantages <- algorithm; stats <- actor.train_batch(batch, algorithm.loss)
+    version + 1; export weights; controller.update_weights_from_disk(...)
+                                                  the only pause: interrupt, swap, resume
+    checkpoint, metrics                           while generation goes on
+
+Rank 0 owns the rollout controller, the metrics and the checkpoints; the
+batch reaches the other ranks by broadcast, and each train engine takes its
+share. A checkpoint holds the model and optimizer (written by the train
+engine), the controller's counters and done items, the RNG states and the
+step, so ``--resume`` continues with no sample trained twice or skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from areal_core.api import Context
+from areal_core.checkpoint import CheckpointStore, load_pickle, rng_state, save_pickle_atomic, set_rng_state
+from areal_core.config.validate import ValidatedRun, validate_run
+from areal_core.metrics import JsonlSink, MetricsLogger, TensorboardSink, summarize
+from areal_core.parallelism import default_role
+from areal_core.problems import ProblemsError, format_problems
+from areal_core.rollout import RolloutController, pack_groups
+
+DIST_TIMEOUT_S = 600
+
+
+def build(run: ValidatedRun, section: str, **extras: Any) -> Any:
+    """Instantiate the selected component of ``section`` (functions, e.g. rewards, are used as they are)."""
+    cls = run.components[section]
+    if not isinstance(cls, type):
+        return cls
+    return cls.create(Context(config=run.config, options=run.options.get(section), extras=extras))
+
+
+def data_stream(dataset: Any, epochs: int) -> Iterator[Any]:
+    """The dataset repeated ``epochs`` times (0: without end), in a fixed order."""
+    for epoch in itertools.count() if epochs == 0 else range(epochs):
+        yield from dataset
+
+
+class Trainer:
+    def __init__(self, run: ValidatedRun, run_dir: Path, rank: int = 0, world_size: int = 1) -> None:
+        self.run, self.cfg, self.run_dir = run, run.config, Path(run_dir)
+        self.algorithm = build(run, "algorithm")
+        self.rank, self.world_size = rank, world_size
+        self.actor = build(run, "actor", role="actor")
+        # A frozen copy of the initial policy, only when the algorithm asks for reference logprobs.
+        self.reference = build(run, "actor", role="reference") if self.algorithm_needs().reference_logprobs else None
+        self.controller: RolloutController | None = None
+        self.store = CheckpointStore(self.run_dir / "checkpoints")
+        self.step = 0
+
+    def algorithm_needs(self):
+        return self.algorithm.needs
+
+    # -------------------------------------------------------------- setup (rank 0)
+    def _rollout_side(self) -> None:
+        reward = build(self.run, "reward")
+        workflow = build(self.run, "workflow", reward=reward)
+        placement = next(c for c in self.run.allocation.components
+                         if (c.name or default_role(self.run.backends[c.backend].kind)) == "rollout")
+        engines = [
+            self.run.components["rollout"].create(Context(
+                config=self.cfg, options=self.run.options.get("rollout"), placement=placement,
+                extras={"server_index": i, "address": os.environ.get(f"AREAL_ROLLOUT_{i}_ADDRESS")}))
+            for i in range(placement.parallel.d)
+        ]
+        r = self.cfg.rollout
+        self.controller = RolloutController(
+            engines, workflow, batch_size=r.batch_size, max_head_offpolicyness=r.max_head_offpolicyness,
+            max_concurrent_rollouts=r.max_concurrent_rollouts, request_timeout_s=r.request_timeout_s)
+        self.dataset = build(self.run, "dataset")
+        self.data = data_stream(self.dataset, self.cfg.trainer.epochs)
+
+    # -------------------------------------------------------------- checkpoints
+    def _restore(self) -> None:
+        latest = self._broadcast(self.store.latest() if self.rank == 0 else None)
+        if latest is None:
+            if self.rank == 0:
+                print(f"resume: no complete checkpoint under {self.store.root}; starting from step 0", flush=True)
+            return
+        meta = self.store.load_meta(latest)
+        self.actor.load(str(latest / "actor"))
+        self.step = meta["step"]
+        if self.rank == 0:
+            self.controller.load_state_dict(load_pickle(latest / "controller.pkl"))
+            print(f"resume: continuing after step {self.step} from {latest}", flush=True)
+        set_rng_state(load_pickle(latest / f"rng-rank{self.rank}.pkl"))
+
+    def _write_rank_files(self, folder: Path, controller_state: dict | None) -> None:
+        self.actor.save(str(folder / "actor"))  # collective for distributed engines
+        save_pickle_atomic(rng_state(), folder / f"rng-rank{self.rank}.pkl")
+        if controller_state is not None:
+            save_pickle_atomic(controller_state, folder / "controller.pkl")
+
+    def _save(self) -> None:
+        """Rank 0 owns the atomic folder; the other ranks write into it before it is renamed."""
+        if self.rank == 0:
+            state = self.controller.state_dict()
+
+            def write(folder: Path) -> None:
+                self._broadcast(folder)
+                self._write_rank_files(folder, state)
+                self._barrier()
+
+            self.store.save(self.step, write, {"version": self.actor.version})
+            self.store.prune(keep=2)
+        else:
+            folder = self._broadcast(None)
+            self._write_rank_files(folder, None)
+            self._barrier()
+
+    # -------------------------------------------------------------- the loop
+    def fit(self, resume: bool = False) -> None:
+        self.actor.initialize()
+        if self.reference is not None:
+            self.reference.initialize()
+        if self.rank == 0:
+            self._rollout_side()
+        if resume:
+            self._restore()
+        else:
+            seed_everything(self.cfg.trainer.seed + self.rank)
+        if self.rank == 0:
+            _truncate_steps(self.run_dir / "samples.jsonl", self.step)
+        total = self.cfg.trainer.total_steps
+        # Steps are logged 1-based; everything after the resumed step is dropped and redone.
+        logger = MetricsLogger([JsonlSink(self.run_dir, self.step + 1), TensorboardSink(self.run_dir, self.step + 1)]) \
+            if self.rank == 0 else None
+        try:
+            if self.controller is not None:
+                self.controller.start()
+                self.controller.set_version(self.actor.version)
+            last_save, checkpoint_s = time.monotonic(), 0.0
+            while self.step < total:
+                metrics = self.train_step()
+                self.step += 1
+                metrics["time/checkpoint_s"] = checkpoint_s  # the previous step's save
+                if logger is not None:  # before the save: a step in a checkpoint always has its metrics
+                    logger.log(self.step, metrics)
+                every, every_s = self.cfg.trainer.save_every, self.cfg.trainer.save_every_s
+                due = (every and self.step % every == 0) or (every_s and time.monotonic() - last_save >= every_s)
+                checkpoint_s = 0.0
+                if due or self.step == total:
+                    began = time.monotonic()
+                    self._save()
+                    last_save = time.monotonic()
+                    checkpoint_s = last_save - began
+        finally:
+            if self.controller is not None:
+                self.controller.close()
+            if logger is not None:
+                logger.close()
+            self.actor.close()
+            if self.reference is not None:
+                self.reference.close()
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def _broadcast(self, obj: Any) -> Any:
+        if self.world_size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def train_step(self) -> dict[str, float]:
+        began = time.monotonic()
+        groups = self.controller.prepare_batch(self.data, timeout=self.cfg.rollout.request_timeout_s) \
+            if self.rank == 0 else None
+        waited = time.monotonic() - began
+        version = self.actor.version
+        packed = self._broadcast(pack_groups(groups) if groups is not None else None)
+        needs = self.algorithm.needs
+        if needs.proximal_logprobs:
+            packed["prox_logprobs"] = self.actor.forward_logprobs(packed)["logprobs"]
+        if needs.reference_logprobs:
+            packed["ref_logprobs"] = self.reference.forward_logprobs(packed)["logprobs"]
+        packed = self.algorithm.compute_advantages(packed)
+        train_began = time.monotonic()
+        stats = self.actor.train_batch(packed, self.algorithm.loss)
+        train_s = time.monotonic() - train_began
+        new_version = self.actor.version
+        metrics: dict[str, float] = {f"train/{k}": float(v) for k, v in stats.items() if _is_number(v)}
+        if self.rank == 0:
+            sync_began = time.monotonic()
+            weights = self.run_dir / "weights" / f"v{new_version:06d}"
+            self.actor.export_to_disk(str(weights))
+            paused_s = self.controller.update_weights_from_disk(str(weights), new_version)
+            metrics["time/weight_sync_s"] = time.monotonic() - sync_began
+            metrics["time/generation_paused_s"] = paused_s
+            _prune_weights(self.run_dir / "weights", keep=2)
+            metrics.update(self._rollout_metrics(groups, packed, version, waited, train_s))
+            self._record_samples(groups, version)
+        return metrics
+
+    def _rollout_metrics(self, groups, packed, version: int, waited: float, train_s: float) -> dict[str, float]:
+        produced = [v for v, m in zip(packed["versions"], packed["loss_mask"]) if m]
+        lags = [version - v for v in produced]
+        m: dict[str, float] = {}
+        m.update(summarize(packed["rewards"], "reward"))
+        m.update(summarize([version - g.start_version for g in groups], "staleness/episode_lag"))
+        if lags:
+            m["staleness/token_lag_max"] = float(max(lags))
+            m["staleness/token_lag_mean"] = sum(lags) / len(lags)
+        stats = self.controller.stats()
+        m.update({f"rollout/{k}": float(v) for k, v in stats.items()})
+        m["time/wait_batch_s"] = waited
+        m["time/train_s"] = train_s
+        m["throughput/train_tokens_per_s"] = len(packed["input_ids"]) / train_s if train_s > 0 else 0.0
+        return m
+
+    def _record_samples(self, groups, version: int) -> None:
+        """One JSON line per step naming the data items it trained on (what resume is checked against)."""
+        import json
+
+        with open(self.run_dir / "samples.jsonl", "a") as f:
+            f.write(json.dumps({"step": self.step + 1, "version": version,
+                                "items": [g.seq for g in groups]}) + "\n")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's and torch's generators (the last two when installed)."""
+    import random
+
+    random.seed(seed)
+    try:
+        import numpy
+
+        numpy.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+    try:
+        import torch
+
+        torch.manual_seed(seed)
+    except ImportError:
+        pass
+
+
+def _truncate_steps(path: Path, last_step: int) -> None:
+    """Drop records of steps after ``last_step`` (trained after the checkpoint a run resumes from)."""
+    if not path.exists():
+        return
+    import json
+
+    kept = [line for line in path.read_text().splitlines(keepends=True)
+            if line.endswith("\n") and json.loads(line)["step"] <= last_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
+def _prune_weights(folder: Path, keep: int) -> None:
+    versions = sorted(p for p in folder.glob("v*") if p.is_dir())
+    for old in versions[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _is_number(value: Any) -> bool:
+    try:
+        float(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m areal_core.trainer", description="one train rank of an areal run")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args(argv)
+    config_path = args.run_dir / "config.yaml"
+    try:
+        run = validate_run(str(config_path), [])
+    except ProblemsError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if run.problems:
+        print(format_problems(run.problems, str(config_path)), file=sys.stderr)
+        return 2
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:
+        import datetime
+
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S))
+    trainer = Trainer(run, args.run_dir, rank, world)
+    trainer.fit(resume=args.resume)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Test doubles for a whole RL run through the real launcher and trainer.
+
+Installed as a fake distribution (entry points included) by
+``tests/test_trainer_e2e.py``; the trainer subprocess resolves them by name as
+it would real plugins. The train engine double "learns" a counter, writes
+real files on save / export and sleeps ``step_s`` per step so a test can
+kill it mid-run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from areal_core import hookimpl
+from areal_core.api import Algorithm, Dataset, TrainEngine, call_reward
+from areal_core.parallelism import BackendSupport
+from latency_engine_double import GroupWorkflowDouble, LatencyEngineDouble, items
+
+
+@dataclass
+class CounterEngineConfig:
+    step_s: float = 0.0
+
+
+class CounterTrainEngineDouble(TrainEngine):
+    capabilities = frozenset({"save_load", "export_disk"})
+    config_class = CounterEngineConfig
+
+    def initialize(self):
+        self.state = {"version": 0, "tokens_seen": 0}
+
+    @property
+    def version(self):
+        return self.state["version"]
+
+    def forward_logprobs(self, batch, temperature=1.0):
+        return {"logprobs": [-1.0] * len(batch["input_ids"])}
+
+    def train_batch(self, batch, loss_fn):
+        loss, stats = loss_fn(None, None, batch)
+        time.sleep(self.context.options.step_s)
+        self.state["version"] += 1
+        self.state["tokens_seen"] += len(batch["input_ids"])
+        return {"loss": loss, **stats}
+
+    def save(self, path, *, with_optimizer=True):
+        Path(path).mkdir(parents=True, exist_ok=True)
+        Path(path, "state.json").write_text(json.dumps(self.state))
+
+    def load(self, path, *, with_optimizer=True):
+        self.state = json.loads(Path(path, "state.json").read_text())
+
+    def export_to_disk(self, path):
+        Path(path).mkdir(parents=True, exist_ok=True)
+        Path(path, "weights.json").write_text(json.dumps({"version": self.state["version"]}))
+
+
+class DiskLatencyEngineDouble(LatencyEngineDouble):
+    """The latency engine double, built from a context, loading its version from exported weights."""
+
+    @classmethod
+    def create(cls, context):
+        return cls(seed=context.extras.get("server_index", 0), max_token_latency_s=0.001)
+
+    async def update_weights_from_disk(self, path, version):
+        exported = json.loads(Path(path, "weights.json").read_text())["version"]
+        if exported != version:
+            raise RuntimeError(f"weights at {path} are version {exported}, expected {version}")
+        await super().update_weights_from_disk(path, version)
+
+
+class RewardingWorkflowDouble(GroupWorkflowDouble):
+    """Group workflow double whose rewards come from the run's reward component."""
+
+    @classmethod
+    def create(cls, context):
+        workflow = cls(group_size=context.config.rollout.group_size)
+        workflow.reward = context.extras["reward"]
+        return workflow
+
+    async def arun_episode(self, engine, item):
+        trajectories = await super().arun_episode(engine, item)
+        results = await asyncio.gather(*(call_reward(self.reward, "", str(t.tokens[-1]), item) for t in trajectories))
+        for t, r in zip(trajectories, results):
+            t.reward = r.reward
+        return trajectories
+
+
+def parity_reward_double(prompt, completion, item):
+    return float(int(completion) % 2)
+
+
+class ItemsDatasetDouble(Dataset):
+    def __iter__(self):
+        return iter(items(int(os.environ.get("AREAL_TEST_ITEMS", "200")), seed=self.context.config.trainer.seed))
+
+    def __len__(self):
+        return int(os.environ.get("AREAL_TEST_ITEMS", "200"))
+
+
+class MeanRewardAlgorithmDouble(Algorithm):
+    def compute_advantages(self, batch):
+        per_seq = batch["rewards"]
+        mean = sum(per_seq) / len(per_seq)
+        batch["advantages"] = [per_seq[i] - mean for i, n in enumerate(batch["seq_lens"]) for _ in range(n)]
+        return batch
+
+    def loss(self, logprobs, entropy, batch):
+        return 0.0, {"advantage_abs_mean": sum(map(abs, batch["advantages"])) / len(batch["advantages"])}
+
+
+@hookimpl
+def areal_declare_backends():
+    return [
+        BackendSupport("rl_train_double", "train", dims="d", devices=("cpu",)),
+        BackendSupport("rl_infer_double", "inference", dims="d", devices=("cpu",)),
+    ]
+
+
+ENTRY_POINTS = {
+    "areal": {"rl-doubles": "rl_doubles"},
+    "areal.engines.train": {"rl_train_double": "rl_doubles:CounterTrainEngineDouble"},
+    "areal.engines.inference": {"rl_infer_double": "rl_doubles:DiskLatencyEngineDouble"},
+    "areal.algorithms": {"rl_algo_double": "rl_doubles:MeanRewardAlgorithmDouble"},
+    "areal.workflows": {"rl_workflow_double": "rl_doubles:RewardingWorkflowDouble"},
+    "areal.rewards": {"parity_double": "rl_doubles:parity_reward_double"},
+    "areal.datasets": {"items_double": "rl_doubles:ItemsDatasetDouble"},
+}
+
+CONFIG = """\
+allocation: rl_infer_double:d2@cpu+rl_train_double:cpu
+actor: {backend: rl_train_double}
+rollout: {backend: rl_infer_double, group_size: 2, batch_size: 3, max_head_offpolicyness: 0}
+algorithm: {name: rl_algo_double}
+workflow: {name: rl_workflow_double}
+reward: {name: parity_double}
+dataset: {name: items_double}
+trainer: {total_steps: 6}
+"""

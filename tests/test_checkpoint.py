@@ -1,0 +1,216 @@
+"""Checkpoints a resumed run can trust: complete or absent, whatever moment the
+writer died at, and RNG state that reproduces the same random numbers."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from areal_core.checkpoint import (
+    CheckpointStore,
+    atomic_dir,
+    load_pickle,
+    rng_state,
+    save_pickle_atomic,
+    set_rng_state,
+)
+
+
+def writer_of(text):
+    def write(folder):
+        (folder / "model.bin").write_text(text)
+    return write
+
+
+def names(folder):
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_save_makes_a_step_folder_with_meta_and_points_latest_at_it(tmp_path):
+    store = CheckpointStore(tmp_path / "checkpoints")
+    assert store.latest() is None
+    path = store.save(12, writer_of("w12"), {"version": 3})
+    assert path == tmp_path / "checkpoints" / "step-00000012"
+    assert names(path) == ["meta.json", "model.bin"]
+    assert store.load_meta(path) == {"step": 12, "version": 3}
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-00000012"
+    assert store.latest() == path
+    assert names(tmp_path / "checkpoints") == ["latest", "step-00000012"]
+
+
+def test_a_write_that_raises_leaves_no_folder_and_latest_unchanged(tmp_path):
+    store = CheckpointStore(tmp_path)
+    first = store.save(1, writer_of("w1"), {})
+
+    def broken(folder):
+        (folder / "model.bin").write_text("half")
+        raise RuntimeError("out of disk")
+
+    with pytest.raises(RuntimeError, match="out of disk"):
+        store.save(2, broken, {})
+    assert names(tmp_path) == ["latest", "step-00000001"]
+    assert store.latest() == first
+
+
+def test_replacing_an_existing_step_folder(tmp_path):
+    store = CheckpointStore(tmp_path)
+    store.save(5, writer_of("old"), {"run": 1})
+    with pytest.raises(ValueError):
+        with atomic_dir(tmp_path / "step-00000005") as tmp:
+            (tmp / "model.bin").write_text("never")
+            raise ValueError
+    assert (tmp_path / "step-00000005" / "model.bin").read_text() == "old"
+
+    path = store.save(5, writer_of("new"), {"run": 2})
+    assert (path / "model.bin").read_text() == "new"
+    assert store.load_meta(path)["run"] == 2
+    assert names(tmp_path) == ["latest", "step-00000005"]
+
+
+def crash_before_pointer(monkeypatch):
+    def crash(name):
+        raise KeyboardInterrupt("killed between folder rename and pointer update")
+    monkeypatch.setattr(CheckpointStore, "_write_pointer", lambda self, name: crash(name))
+
+
+def test_crash_between_folder_rename_and_pointer_update(tmp_path, monkeypatch):
+    store = CheckpointStore(tmp_path)
+    store.save(1, writer_of("w1"), {})
+    second = store.save(2, writer_of("w2"), {})
+    with monkeypatch.context() as m:
+        crash_before_pointer(m)
+        with pytest.raises(KeyboardInterrupt):
+            store.save(3, writer_of("w3"), {})
+    assert (tmp_path / "step-00000003" / "meta.json").is_file()
+    # the pointer is the commit point: it still names step 2, which is complete
+    assert store.latest() == second
+
+    # the pointer names a folder that is gone: fall back to the newest complete one
+    (tmp_path / "latest").write_text("step-00000009\n")
+    assert store.latest() == tmp_path / "step-00000003"
+
+
+def test_without_a_pointer_the_newest_complete_folder_wins(tmp_path, monkeypatch):
+    store = CheckpointStore(tmp_path)
+    crash_before_pointer(monkeypatch)
+    for step in (1, 2):
+        with pytest.raises(KeyboardInterrupt):
+            store.save(step, writer_of("w"), {})
+    (tmp_path / "step-00000007").mkdir()  # no meta.json: incomplete
+    (tmp_path / "step-00000008.tmp-123").mkdir()
+    assert not (tmp_path / "latest").exists()
+    assert store.latest() == tmp_path / "step-00000002"
+
+
+def test_prune_keeps_the_newest_and_never_the_latest(tmp_path):
+    store = CheckpointStore(tmp_path)
+    for step in range(1, 6):
+        store.save(step, writer_of(f"w{step}"), {})
+    store.prune(keep=2)
+    assert names(tmp_path) == ["latest", "step-00000004", "step-00000005"]
+
+    (tmp_path / "latest").write_text("step-00000004\n")  # e.g. a rollback
+    store.prune(keep=0)
+    assert names(tmp_path) == ["latest", "step-00000004"]
+    with pytest.raises(ValueError, match="keep must be >= 0"):
+        store.prune(-1)
+
+
+def test_prune_removes_temporary_folders_of_dead_writers(tmp_path):
+    store = CheckpointStore(tmp_path)
+    store.save(1, writer_of("w1"), {})
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    stale = tmp_path / f"step-00000002.tmp-{dead.stdout.strip()}"
+    stale.mkdir()
+    mine = tmp_path / f"step-00000003.tmp-{os.getpid()}"
+    mine.mkdir()
+    store.prune(keep=5)
+    assert not stale.exists() and mine.exists()
+
+
+def draws():
+    import numpy as np
+    import torch
+
+    return (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist())
+
+
+def test_rng_state_round_trip_reproduces_python_numpy_and_torch(tmp_path):
+    pytest.importorskip("numpy")
+    pytest.importorskip("torch")
+    random.seed(1)
+    draws()  # advance every generator away from its seed
+    save_pickle_atomic(rng_state(), tmp_path / "rng.pkl")
+    expected = draws()
+    draws()  # move on, as the rest of a run would
+    set_rng_state(load_pickle(tmp_path / "rng.pkl"))
+    assert draws() == expected
+    assert names(tmp_path) == ["rng.pkl"]
+
+
+def test_save_pickle_atomic_replaces_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "state" / "loader.pkl"
+    save_pickle_atomic({"position": 1}, path)
+    save_pickle_atomic({"position": 2}, path)
+    assert load_pickle(path) == {"position": 2}
+    assert names(path.parent) == ["loader.pkl"]
+
+
+WRITER = textwrap.dedent('''
+    import hashlib, os, sys, time
+    from areal_core.checkpoint import CheckpointStore
+
+    store = CheckpointStore(sys.argv[1])
+    latest = store.latest()
+    step = store.load_meta(latest)["step"] + 1 if latest else 0
+    print("ready", flush=True)
+    while True:
+        files = {name: os.urandom(3 * 1024 * 1024) for name in ("model.bin", "optim.bin")}
+        def write(folder):
+            for name, data in files.items():
+                with open(folder / name, "wb") as f:
+                    for i in range(0, len(data), 256 * 1024):
+                        f.write(data[i:i + 256 * 1024])
+                        time.sleep(0.001)  # a slow disk: most kills land mid-write
+        digests = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+        store.save(step, write, {"sha256": digests})
+        store.prune(keep=3)
+        step += 1
+''')
+
+
+def test_sigkill_at_random_moments_never_leaves_a_broken_checkpoint(tmp_path):
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    root = tmp_path / "checkpoints"
+    store = CheckpointStore(root)
+    rng = random.Random(0)
+    steps = []
+    for _ in range(10):
+        proc = subprocess.Popen([sys.executable, str(script), str(root)],
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.02, 0.4))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+
+        # every folder under a final name that has meta.json is whole, not only the latest
+        complete = [p for p in root.glob("step-*") if ".tmp-" not in p.name and (p / "meta.json").exists()]
+        for folder in complete:
+            for name, digest in store.load_meta(folder)["sha256"].items():
+                assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == digest, (folder, name)
+        latest = store.latest()
+        if latest is not None:
+            assert latest in complete
+            steps.append(store.load_meta(latest)["step"])
+    assert steps == sorted(steps) and steps and steps[-1] >= 3, steps

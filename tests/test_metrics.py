@@ -1,0 +1,217 @@
+"""Per-step metrics as a user finds them: metrics.jsonl, TensorBoard events, the
+progress bar, and a broken sink that must not stop training."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from areal_core.metrics import (
+    JsonlSink,
+    MetricsLogger,
+    MetricsSink,
+    ProgressDisplay,
+    TensorboardSink,
+    histogram,
+    summarize,
+)
+
+
+def read_jsonl(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_jsonl_writes_one_line_per_step_with_step_time_and_metrics(tmp_path):
+    sink = JsonlSink(tmp_path)
+    sink.write(0, {"loss": 1.5, "reward/mean": 0.25})
+    # flushed at once: readable before close
+    assert read_jsonl(tmp_path)[0]["loss"] == 1.5
+    sink.write(1, {"loss": float("nan"), "tokens": 7, "note": "not a number"})
+    sink.close()
+    lines = read_jsonl(tmp_path)
+    assert [r["step"] for r in lines] == [0, 1]
+    assert all(isinstance(r["time"], float) for r in lines)
+    assert lines[0] | {"time": 0} == {"step": 0, "time": 0, "loss": 1.5, "reward/mean": 0.25}
+    # strict JSON: NaN becomes null, non-numbers are dropped
+    assert lines[1] | {"time": 0} == {"step": 1, "time": 0, "loss": None, "tokens": 7}
+    assert "NaN" not in (tmp_path / "metrics.jsonl").read_text()
+
+
+def test_jsonl_resume_drops_steps_at_or_after_resume_step_then_appends(tmp_path):
+    sink = JsonlSink(tmp_path)
+    for step in range(5):
+        sink.write(step, {"x": float(step)})
+    sink.close()
+
+    sink = JsonlSink(tmp_path, resume_step=3)
+    assert [r["step"] for r in read_jsonl(tmp_path)] == [0, 1, 2]
+    sink.write(3, {"x": 30.0})
+    sink.write(4, {"x": 40.0})
+    sink.close()
+    assert [(r["step"], r["x"]) for r in read_jsonl(tmp_path)] == [
+        (0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+
+
+def test_jsonl_reopen_without_resume_step_keeps_everything(tmp_path):
+    with MetricsLogger([JsonlSink(tmp_path)]) as logger:
+        logger.log(0, {"x": 1.0})
+    with MetricsLogger([JsonlSink(tmp_path)]) as logger:
+        logger.log(1, {"x": 2.0})
+    assert [r["step"] for r in read_jsonl(tmp_path)] == [0, 1]
+
+
+def test_jsonl_drops_a_trailing_partial_line_from_a_crash(tmp_path):
+    sink = JsonlSink(tmp_path)
+    sink.write(0, {"x": 1.0})
+    sink.write(1, {"x": 2.0})
+    sink.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "time": 1.0, "x": 3.')  # killed mid-write
+
+    sink = JsonlSink(tmp_path)
+    sink.write(2, {"x": 3.0})
+    sink.close()
+    assert [(r["step"], r["x"]) for r in read_jsonl(tmp_path)] == [(0, 1.0), (1, 2.0), (2, 3.0)]
+
+
+def read_tfrecords(path):
+    """Parse TFRecord framing (len, crc(len), payload, crc(payload)) into Event protos."""
+    from tensorboardX.proto.event_pb2 import Event
+    from tensorboardX.record_writer import masked_crc32c
+
+    data = path.read_bytes()
+    events, pos = [], 0
+    while pos < len(data):
+        header = data[pos:pos + 8]
+        (length,) = struct.unpack("<Q", header)
+        (header_crc,) = struct.unpack("<I", data[pos + 8:pos + 12])
+        assert header_crc == masked_crc32c(header)
+        payload = data[pos + 12:pos + 12 + length]
+        (payload_crc,) = struct.unpack("<I", data[pos + 12 + length:pos + 16 + length])
+        assert payload_crc == masked_crc32c(payload)
+        events.append(Event.FromString(payload))
+        pos += 16 + length
+    return events
+
+
+def test_tensorboard_event_file_holds_the_finite_scalars(tmp_path):
+    pytest.importorskip("tensorboardX")
+    sink = TensorboardSink(tmp_path)
+    sink.write(0, {"loss": 2.0, "reward/mean": 0.5, "bad": float("inf")})
+    sink.write(1, {"loss": 1.0, "reward/mean": float("nan"), "skip": "text"})
+    sink.close()
+
+    files = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(files) == 1
+    scalars = [
+        (value.tag, event.step, value.simple_value)
+        for event in read_tfrecords(files[0])
+        for value in event.summary.value
+    ]
+    assert sorted(scalars) == [("loss", 0, 2.0), ("loss", 1, 1.0), ("reward/mean", 0, 0.5)]
+
+
+def test_progress_on_a_terminal_shows_step_and_fields_and_tolerates_missing_ones():
+    from rich.console import Console
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=200)
+    display = ProgressDisplay(10, {"reward": "reward/mean", "tokens/s": "tps"}, console=console)
+    assert display.enabled
+    display.update(0, {"reward/mean": 0.123456, "tps": 12345.6})
+    display.update(1, {"tps": "oops"})  # missing reward, non-numeric throughput: no raise
+    display.close()
+    text = out.getvalue()
+    assert "2/10" in text
+    assert "reward -" in text and "tokens/s oops" in text
+    display.update(2, {})  # after close: silently nothing
+
+
+def test_progress_writes_nothing_when_not_a_terminal_or_disabled():
+    from rich.console import Console
+
+    not_tty = io.StringIO()
+    display = ProgressDisplay(10, console=Console(file=not_tty))
+    assert not display.enabled
+    display.update(0, {"reward/mean": 1.0})
+    display.close()
+
+    tty = io.StringIO()
+    off = ProgressDisplay(10, enabled=False, console=Console(file=tty, force_terminal=True))
+    off.update(0, {"reward/mean": 1.0})
+    off.close()
+    assert (not_tty.getvalue(), tty.getvalue(), off.enabled) == ("", "", False)
+
+
+class FailingSink:
+    def __init__(self):
+        self.calls = 0
+        self.closed = False
+
+    def write(self, step, metrics):
+        self.calls += 1
+        raise OSError("disk full")
+
+    def close(self):
+        self.closed = True
+
+    def __repr__(self):
+        return "FailingSink()"
+
+
+class ListSink:
+    def __init__(self):
+        self.rows = []
+
+    def write(self, step, metrics):
+        self.rows.append((step, metrics))
+
+    def close(self):
+        pass
+
+
+def test_a_failing_sink_warns_once_is_disabled_and_the_others_go_on(caplog):
+    bad, good = FailingSink(), ListSink()
+    assert isinstance(bad, MetricsSink)
+    with caplog.at_level(logging.WARNING, logger="areal_core.metrics"):
+        with MetricsLogger([bad, good]) as logger:
+            for step in range(3):
+                logger.log(step, {"loss": float(step)})
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "FailingSink()" in warnings[0].getMessage() and "disk full" in warnings[0].getMessage()
+    assert bad.calls == 1 and bad.closed
+    assert [step for step, _ in good.rows] == [0, 1, 2]
+
+
+def test_for_run_writes_jsonl_and_tensorboard(tmp_path):
+    pytest.importorskip("tensorboardX")
+    with MetricsLogger.for_run(tmp_path, total_steps=2, progress=False) as logger:
+        logger.log(0, {"loss": 1.0})
+    assert read_jsonl(tmp_path)[0]["loss"] == 1.0
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_summarize_and_histogram():
+    stats = summarize([1.0, 2.0, 3.0, 4.0], "reward")
+    assert stats == pytest.approx(
+        {"reward/mean": 2.5, "reward/std": math.sqrt(1.25), "reward/min": 1.0, "reward/max": 4.0})
+    assert summarize([], "reward") == {}
+    assert histogram([0, 2, 1, 0, 2, 0]) == {0: 3, 1: 1, 2: 2}
+    assert list(histogram([3, 1, 2])) == [1, 2, 3]
+
+
+def test_importing_metrics_and_checkpoint_imports_nothing_heavy():
+    code = (
+        "import sys, areal_core.metrics, areal_core.checkpoint;"
+        "print(sorted(m for m in ('torch', 'numpy', 'tensorboardX', 'rich.progress') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,349 @@
+"""The process supervisor with real processes: environment, logs, failures, and no orphans."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from areal_core.launch import (
+    ProcessFailed,
+    ProcessSpec,
+    Supervisor,
+    free_port,
+    rendezvous_env,
+    split_threads,
+)
+
+PY = sys.executable
+LINUX = sys.platform.startswith("linux")
+
+# Starts `sleep 1000`, then atomically writes "<own pid> <sleep pid>" to argv[1] and sleeps.
+SPAWNER = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    helper = subprocess.Popen(["sleep", "1000"])
+    with open(sys.argv[1] + ".tmp", "w") as f:
+        f.write(f"{os.getpid()} {helper.pid}")
+    os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+    time.sleep(1000)
+    """
+)
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie nobody has reaped yet counts as dead."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False if LINUX else True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def survivors(pids: list[int], within_s: float = 5.0) -> list[int]:
+    """The pids still alive after waiting up to ``within_s`` for all of them to go."""
+    deadline = time.monotonic() + within_s
+    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def read_pids(path: Path) -> list[int]:
+    return [int(p) for p in path.read_text().split()]
+
+
+def spawner(name: str, pid_file: Path) -> ProcessSpec:
+    return ProcessSpec(name, [PY, "-c", SPAWNER, str(pid_file)])
+
+
+# -- environment and logs -------------------------------------------------------
+
+
+def test_processes_get_their_env_and_threads_and_log_to_log_dir(tmp_path):
+    show = "import os; print('threads', *(os.environ[v] for v in ['OMP_NUM_THREADS', 'MKL_NUM_THREADS', 'ROLE']))"
+    with Supervisor(tmp_path / "logs") as sup:
+        a = sup.start(ProcessSpec("rollout-0", [PY, "-c", show], env={"ROLE": "server"}, threads=3))
+        trainer_env = {"ROLE": "trainer", "OMP_NUM_THREADS": "5"}
+        b = sup.start(ProcessSpec("actor-rank0", [PY, "-c", show], env=trainer_env, threads=1))
+        sup.watch(timeout_s=20)
+    assert a.poll() == 0 and b.poll() == 0
+    assert a.log_path == tmp_path / "logs" / "rollout-0.log"
+    assert a.tail()[-1] == "threads 3 3 server"
+    assert b.tail()[-1] == "threads 5 1 trainer"  # an explicit env var wins over `threads`
+
+
+def test_cwd_is_used_and_a_missing_program_names_the_process(tmp_path):
+    with Supervisor(tmp_path / "logs") as sup:
+        m = sup.start(ProcessSpec("where", [PY, "-c", "import os; print(os.getcwd())"], cwd=str(tmp_path)))
+        sup.watch(timeout_s=20)
+        assert m.tail()[-1] == str(tmp_path)
+        with pytest.raises(FileNotFoundError, match="cannot start ghost: 'no-such-program-xyz' is not on its PATH"):
+            sup.start(ProcessSpec("ghost", ["no-such-program-xyz"]))
+        with pytest.raises(ValueError, match="'where' was already started"):
+            sup.start(ProcessSpec("where", [PY, "-c", "pass"]))
+
+
+# -- watch ------------------------------------------------------------------------
+
+
+def test_watch_returns_when_every_process_exits_zero(tmp_path):
+    with Supervisor(tmp_path / "logs") as sup:
+        ms = [sup.start(ProcessSpec(f"p{i}", [PY, "-c", f"import time; time.sleep({0.1 * i})"])) for i in range(3)]
+        sup.watch(timeout_s=20)
+        assert [m.poll() for m in ms] == [0, 0, 0]
+
+
+def test_a_crash_is_raised_with_its_log_and_stops_the_others_and_their_children(tmp_path):
+    crash = "import sys, time; time.sleep(0.5); print('CUDA out of memory on rank 1', file=sys.stderr); sys.exit(3)"
+    with Supervisor(tmp_path / "logs", term_timeout_s=5) as sup:
+        long_running = [sup.start(spawner(f"server-{i}", tmp_path / f"pids-{i}")) for i in range(2)]
+        for i, m in enumerate(long_running):
+            sup.wait_ready(m, (tmp_path / f"pids-{i}").exists, timeout_s=20, what="its pid file")
+        sup.start(ProcessSpec("actor-rank1", [PY, "-c", crash]))
+        with pytest.raises(ProcessFailed) as failed:
+            sup.watch(timeout_s=20)
+        err = failed.value
+        assert (err.name, err.returncode) == ("actor-rank1", 3)
+        assert "CUDA out of memory on rank 1" in err.log_tail
+        assert str(err).startswith("actor-rank1 exited with code 3; last")
+        assert "CUDA out of memory on rank 1" in str(err)
+        pids = [m.pid for m in long_running] + [p for i in range(2) for p in read_pids(tmp_path / f"pids-{i}")]
+        assert survivors(pids, within_s=0) == []  # watch returned only after stopping them
+
+
+def test_watch_reports_the_first_failure_not_its_consequences(tmp_path):
+    # "second" fails only because "first" did: the cause is what the user must see.
+    first = "import sys, time; time.sleep(0.3); print('the real cause'); sys.exit(7)"
+    second = "import sys, time; time.sleep(0.35); sys.exit(1)"
+    with Supervisor(tmp_path / "logs") as sup:
+        sup.start(ProcessSpec("second", [PY, "-c", second]))
+        sup.start(ProcessSpec("first", [PY, "-c", first]))
+        time.sleep(1.0)  # both have ended before anyone looks
+        with pytest.raises(ProcessFailed, match="first exited with code 7") as failed:
+            sup.watch(timeout_s=20)
+        assert failed.value.log_tail[-1] == "the real cause"
+
+
+def test_death_by_signal_is_reported_as_such(tmp_path):
+    with Supervisor(tmp_path / "logs") as sup:
+        sup.start(ProcessSpec("oom", ["sh", "-c", "kill -9 $$"]))
+        with pytest.raises(ProcessFailed, match=r"oom was killed by signal 9 \(SIGKILL\)") as failed:
+            sup.watch(timeout_s=20)
+        assert failed.value.returncode == -signal.SIGKILL
+
+
+def test_watch_until_and_timeout(tmp_path):
+    with Supervisor(tmp_path / "logs", term_timeout_s=2) as sup:
+        server = sup.start(ProcessSpec("server", ["sleep", "1000"]))
+        trainer = sup.start(ProcessSpec("trainer", [PY, "-c", "pass"]))
+        sup.watch(until=lambda: trainer.poll() is not None, timeout_s=20)
+        assert trainer.poll() == 0 and server.poll() is None
+        with pytest.raises(TimeoutError, match="waited 0 s for every process to finish; still running: server"):
+            sup.watch(timeout_s=0.1)
+    assert server.poll() == -signal.SIGTERM
+
+
+# -- wait_ready ---------------------------------------------------------------------
+
+
+def test_wait_ready_timeout_names_what_it_waited_for(tmp_path):
+    with Supervisor(tmp_path / "logs") as sup:
+        loads = "import time; print('loading weights', flush=True); time.sleep(1000)"
+        m = sup.start(ProcessSpec("rollout-0", [PY, "-c", loads]))
+        start = time.monotonic()
+        with pytest.raises(TimeoutError) as timeout:
+            sup.wait_ready(m, lambda: False, timeout_s=1.0, what="the health endpoint")
+        assert 0.9 < time.monotonic() - start < 5
+        msg = str(timeout.value)
+        assert msg.startswith("waited 1 s for the health endpoint (rollout-0")
+        assert "loading weights" in msg
+
+
+def test_wait_ready_treats_connection_errors_as_not_ready_and_quotes_the_last(tmp_path):
+    def refused() -> bool:
+        raise ConnectionRefusedError("[Errno 111] Connection refused")
+
+    with Supervisor(tmp_path / "logs") as sup:
+        m = sup.start(ProcessSpec("rollout-0", ["sleep", "1000"]))
+        with pytest.raises(TimeoutError, match="last check failed with ConnectionRefusedError"):
+            sup.wait_ready(m, refused, timeout_s=0.3, what="the health endpoint")
+
+
+def test_a_process_dying_during_wait_ready_is_raised(tmp_path):
+    dies = "import sys; print('bad model path', file=sys.stderr); sys.exit(2)"
+    with Supervisor(tmp_path / "logs") as sup:
+        m = sup.start(ProcessSpec("rollout-0", [PY, "-c", dies]))
+        expected = "rollout-0 exited with code 2 before the health endpoint was ready"
+        with pytest.raises(ProcessFailed, match=expected) as failed:
+            sup.wait_ready(m, lambda: False, timeout_s=20, what="the health endpoint")
+        assert "bad model path" in failed.value.log_tail
+
+
+# -- stopping -----------------------------------------------------------------------
+
+
+def test_stop_all_kills_what_ignores_sigterm_and_is_idempotent(tmp_path):
+    stubborn = "import signal as s, time; s.signal(s.SIGTERM, s.SIG_IGN); print('up', flush=True); time.sleep(99)"
+    sup = Supervisor(tmp_path / "logs", term_timeout_s=0.5)
+    m = sup.start(ProcessSpec("stubborn", [PY, "-c", stubborn]))
+    sup.wait_ready(m, lambda: m.tail()[-1:] == ["up"], timeout_s=20, what="its first line")
+    start = time.monotonic()
+    sup.stop_all()
+    assert time.monotonic() - start < 5
+    assert m.poll() == -signal.SIGKILL and not alive(m.pid)
+    sup.stop_all()
+
+
+@pytest.mark.skipif(not LINUX, reason="needs the Linux trampoline")
+def test_helpers_left_behind_by_a_finished_process_are_stopped(tmp_path):
+    leaves_helper = ["sh", "-c", f"sleep 1000 & echo $! > {tmp_path / 'helper'}"]
+    with Supervisor(tmp_path / "logs") as sup:
+        sup.start(ProcessSpec("leaves-helper", leaves_helper))
+        sup.watch(timeout_s=20)
+        assert survivors(read_pids(tmp_path / "helper")) == []  # gone while the supervisor still runs
+
+
+@pytest.mark.skipif(not LINUX, reason="needs the Linux trampoline")
+def test_a_process_started_from_a_thread_outlives_the_thread(tmp_path):
+    # The kernel sends the parent-death signal when the starting *thread* exits.
+    with Supervisor(tmp_path / "logs") as sup:
+        started = []
+        t = threading.Thread(target=lambda: started.append(sup.start(ProcessSpec("server", ["sleep", "1000"]))))
+        t.start()
+        t.join()
+        time.sleep(0.5)
+        assert started[0].poll() is None
+
+
+# -- the launcher itself dies -------------------------------------------------------
+
+LAUNCHER = textwrap.dedent(
+    """
+    import os, sys
+    from pathlib import Path
+    from areal_core.launch import ProcessSpec, Shutdown, Supervisor
+
+    out, spawner = Path(sys.argv[1]), sys.argv[2]
+    with Supervisor(out / "logs", term_timeout_s=5) as sup:
+        sup.install_signal_handlers()
+        try:
+            kids = [sup.start(ProcessSpec(f"spawner-{i}", [sys.executable, "-c", spawner, str(out / f"pids-{i}")]))
+                    for i in range(2)]
+            for i, kid in enumerate(kids):
+                sup.wait_ready(kid, (out / f"pids-{i}").exists, timeout_s=20, what="its pid file")
+            pids = [kid.pid for kid in kids] + [(out / f"pids-{i}").read_text() for i in range(2)]
+            (out / "all.tmp").write_text(" ".join(map(str, pids)))
+            os.replace(out / "all.tmp", out / "all")
+            sup.watch()
+        except Shutdown as stop:
+            sys.exit(stop.exit_code)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "sig",
+    [
+        signal.SIGINT,
+        signal.SIGTERM,
+        signal.SIGHUP,
+        pytest.param(signal.SIGKILL, marks=pytest.mark.skipif(not LINUX, reason="needs PR_SET_PDEATHSIG")),
+    ],
+    ids=lambda s: s.name,
+)
+def test_no_orphans_when_the_launcher_dies(tmp_path, sig):
+    (tmp_path / "launcher.py").write_text(LAUNCHER)
+    launcher = subprocess.Popen([PY, str(tmp_path / "launcher.py"), str(tmp_path), SPAWNER])
+    try:
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "all").exists():
+            assert launcher.poll() is None, "the launcher exited before starting its children"
+            assert time.monotonic() < deadline, "waited 20 s for the launcher to write its children's pids"
+            time.sleep(0.05)
+        pids = read_pids(tmp_path / "all")  # 2 group leaders, 2 children, 2 grandchildren
+        assert len(pids) == 6 and all(alive(p) for p in pids)
+        launcher.send_signal(sig)
+        assert launcher.wait(timeout=10) == (-sig if sig == signal.SIGKILL else 128 + sig)
+        assert survivors(pids) == []
+    finally:
+        launcher.kill()
+        launcher.wait()
+
+
+# -- helpers ------------------------------------------------------------------------
+
+
+def test_split_threads_examples():
+    assert split_threads(2, cpu_count=8) == [4, 4]
+    assert split_threads(3, cpu_count=8) == [3, 3, 2]
+    assert split_threads(4, cpu_count=2) == [1, 1, 1, 1]
+    assert split_threads(0, cpu_count=4) == []
+    assert sum(split_threads(2)) >= 2
+    with pytest.raises(ValueError, match="cpu_count must be >= 1"):
+        split_threads(2, cpu_count=0)
+
+
+@given(st.integers(1, 300), st.integers(1, 300))
+def test_split_threads_is_fair(n, cpus):
+    threads = split_threads(n, cpu_count=cpus)
+    assert len(threads) == n and min(threads) >= 1
+    assert sum(threads) == max(cpus, n)
+    assert max(threads) - min(threads) <= 1
+
+
+def test_rendezvous_env_uses_torchrun_names():
+    assert rendezvous_env(1, 4, 29500) == {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+        "RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "4",
+    }
+    assert rendezvous_env(1, 4, 29500, local_rank=0)["LOCAL_RANK"] == "0"
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
+        rendezvous_env(2, 2, 29500)
+
+
+def test_free_port_can_be_bound():
+    import socket
+
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_two_ranks_rendezvous_with_gloo(tmp_path):
+    rank = textwrap.dedent(
+        """
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        print("sum", t.item(), flush=True)
+        dist.destroy_process_group()
+        """
+    )
+    port = free_port()
+    with Supervisor(tmp_path / "logs", term_timeout_s=2) as sup:
+        ranks = [
+            sup.start(ProcessSpec(f"actor-rank{r}", [PY, "-c", rank], env=rendezvous_env(r, 2, port), threads=1))
+            for r in range(2)
+        ]
+        sup.watch(timeout_s=60)
+    assert [m.tail()[-1] for m in ranks] == ["sum 2.0", "sum 2.0"]

@@ -1,0 +1,115 @@
+"""A whole run through `areal run`: the local launcher, the trainer subprocess,
+the controller, checkpoints, metrics, and resume after a real kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from areal_core.testing.distributions import install_fake_distribution
+
+DOUBLES = Path(__file__).parent / "doubles"
+AREAL = str(Path(sys.executable).with_name("areal"))
+
+
+@pytest.fixture
+def rl_run(tmp_path):
+    """Installs the RL doubles; yields a function running `areal run` in a subprocess."""
+    sys.path.insert(0, str(DOUBLES))
+    import rl_doubles
+
+    files = {name: (DOUBLES / name).read_text() for name in ("rl_doubles.py", "latency_engine_double.py")}
+    with install_fake_distribution(tmp_path / "site", "areal-test-rl-doubles", "0.0.1", rl_doubles.ENTRY_POINTS,
+                                   files) as site:
+        config = tmp_path / "run.yaml"
+        config.write_text(rl_doubles.CONFIG)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+
+        def start(*overrides: str) -> subprocess.Popen:
+            return subprocess.Popen([AREAL, "run", str(config), f"output_dir={tmp_path / 'runs'}", *overrides],
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+        yield start, tmp_path / "runs" / "areal"
+
+
+def finish(proc: subprocess.Popen, timeout: float = 120) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out
+    return out
+
+
+def processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode():
+                pids.append(int(proc.name))
+        except OSError:
+            pass
+    return pids
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_run_trains_every_step_and_writes_its_outputs(rl_run):
+    start, runs = rl_run
+    out = finish(start("trial=plain"))
+    run_dir = runs / "plain"
+    assert "areal run finished" in out
+    samples = read_jsonl(run_dir / "samples.jsonl")
+    assert [s["step"] for s in samples] == [1, 2, 3, 4, 5, 6]
+    assert [s["items"] for s in samples] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11], [12, 13, 14], [15, 16, 17]]
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    assert all(m["staleness/token_lag_max"] == 0 for m in metrics)  # eta = 0: synchronous
+    assert {"reward/mean", "time/weight_sync_s", "rollout/rejected", "train/loss"} <= set(metrics[0])
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert json.loads((run_dir / "checkpoints" / latest / "actor" / "state.json").read_text())["version"] == 6
+    assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["v000005", "v000006"]
+
+
+def test_async_run_respects_the_staleness_bound(rl_run):
+    start, runs = rl_run
+    finish(start("trial=async", "rollout.max_head_offpolicyness=2", "rollout.batch_size=2"))
+    metrics = read_jsonl(runs / "async" / "metrics.jsonl")
+    assert len(metrics) == 6 and all(m["staleness/token_lag_max"] <= 2 for m in metrics)
+    items = [i for s in read_jsonl(runs / "async" / "samples.jsonl") for i in s["items"]]
+    assert len(items) == len(set(items)) == 12
+
+
+def test_resume_after_a_kill_matches_an_uninterrupted_run(rl_run):
+    start, runs = rl_run
+    finish(start("trial=reference", "actor.step_s=0.3", "trainer.save_every=1"))
+    reference = read_jsonl(runs / "reference" / "samples.jsonl")
+
+    proc = start("trial=killed", "actor.step_s=0.3", "trainer.save_every=1")
+    samples = runs / "killed" / "samples.jsonl"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not samples.exists() or len(samples.read_text().splitlines()) < 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)  # the launcher dies without cleanup; its children must follow
+    proc.wait(30)
+    assert (runs / "killed" / "logs" / "actor-rank0.log").exists()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and processes_mentioning(str(runs / "killed")):
+        time.sleep(0.1)
+    assert processes_mentioning(str(runs / "killed")) == []  # no orphan trainer
+    done_before = len(read_jsonl(samples))
+    assert 3 <= done_before < 6
+
+    out = finish(start("trial=killed", "actor.step_s=0.3", "trainer.save_every=1", "--resume"))
+    assert "resume: continuing after step" in (runs / "killed" / "logs" / "actor-rank0.log").read_text()
+    resumed = read_jsonl(samples)
+    assert [s["step"] for s in resumed] == [1, 2, 3, 4, 5, 6]  # the final step, each step once
+    assert [s["items"] for s in resumed] == [s["items"] for s in reference]  # no sample twice, none skipped
+    assert [m["step"] for m in read_jsonl(runs / "killed" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
