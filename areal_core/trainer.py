@@ -33,7 +33,7 @@ from areal_core.config.validate import ValidatedRun, validate_run
 from areal_core.metrics import JsonlSink, MetricsLogger, TensorboardSink, summarize
 from areal_core.parallelism import default_role
 from areal_core.problems import ProblemsError, format_problems
-from areal_core.rollout import RolloutController, pack_groups
+from areal_core.rollout import RolloutController, has_reward_variance, pack_groups
 
 DIST_TIMEOUT_S = 600
 
@@ -64,6 +64,11 @@ class Trainer:
         self.store = CheckpointStore(self.run_dir / "checkpoints")
         self.step = 0
 
+    def _should_accept(self, group: Any) -> bool:
+        if self.cfg.rollout.dynamic_filtering and not has_reward_variance(group):
+            return False
+        return self.algorithm.should_accept(group)
+
     def algorithm_needs(self):
         return self.algorithm.needs
 
@@ -82,7 +87,9 @@ class Trainer:
         r = self.cfg.rollout
         self.controller = RolloutController(
             engines, workflow, batch_size=r.batch_size, max_head_offpolicyness=r.max_head_offpolicyness,
-            max_concurrent_rollouts=r.max_concurrent_rollouts, request_timeout_s=r.request_timeout_s)
+            max_concurrent_rollouts=r.max_concurrent_rollouts, request_timeout_s=r.request_timeout_s,
+            should_accept=self._should_accept)
+        self._last_generated = (0, time.monotonic())
         self.dataset = build(self.run, "dataset")
         self.data = data_stream(self.dataset, self.cfg.trainer.epochs)
 
@@ -228,6 +235,10 @@ class Trainer:
         m["time/wait_batch_s"] = waited
         m["time/train_s"] = train_s
         m["throughput/train_tokens_per_s"] = len(packed["input_ids"]) / train_s if train_s > 0 else 0.0
+        tokens, since = stats["generated_tokens"], time.monotonic()
+        before, before_t = self._last_generated
+        m["throughput/gen_tokens_per_s"] = (tokens - before) / (since - before_t) if since > before_t else 0.0
+        self._last_generated = (tokens, since)
         return m
 
     def _record_samples(self, groups, version: int) -> None:

@@ -113,3 +113,32 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(rl_run):
     assert [s["step"] for s in resumed] == [1, 2, 3, 4, 5, 6]  # the final step, each step once
     assert [s["items"] for s in resumed] == [s["items"] for s in reference]  # no sample twice, none skipped
     assert [m["step"] for m in read_jsonl(runs / "killed" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_two_train_ranks_share_batches_and_checkpoints(rl_run):
+    start, runs = rl_run
+    finish(start("trial=ranks", "allocation=rl_infer_double:d2@cpu+rl_train_double:d2@cpu",
+                 "trainer.total_steps=3", "trainer.save_every=1"))
+    run_dir = runs / "ranks"
+    assert [s["step"] for s in read_jsonl(run_dir / "samples.jsonl")] == [1, 2, 3]
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert sorted(p.name for p in latest.iterdir()) == ["actor", "controller.pkl", "meta.json", "rng-rank0.pkl",
+                                                          "rng-rank1.pkl"]
+    assert "resume" not in (run_dir / "logs" / "actor-rank1.log").read_text()
+
+
+def test_dynamic_filtering_rejects_groups_without_signal(rl_run):
+    start, runs = rl_run
+    finish(start("trial=filtered", "rollout.dynamic_filtering=true"))
+    metrics = read_jsonl(runs / "filtered" / "metrics.jsonl")
+    assert metrics[-1]["rollout/rejected"] > 0
+    assert all(m["reward/std"] > 0 or m["reward/min"] != m["reward/max"] for m in metrics)
+
+
+def test_a_crashing_trainer_is_reported_with_its_last_lines(rl_run):
+    start, runs = rl_run
+    proc = start("trial=crash", "actor.step_s=-1")  # time.sleep(-1) raises inside the train engine
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "areal run failed: actor-rank0 exited with code 1" in out
+    assert "ValueError: sleep length must be non-negative" in out

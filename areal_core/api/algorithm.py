@@ -25,6 +25,14 @@ class Algorithm(Component):
     def needs(self) -> Needs:
         return Needs()
 
+    def should_accept(self, group: Any) -> bool:
+        """Keep this finished group (an :class:`~areal_core.rollout.EpisodeGroup`) for training?
+
+        Runs on the rollout loop for every group; a rejected group frees its
+        slot and another item is sampled (dynamic sampling). Default: keep all.
+        """
+        return True
+
     @abstractmethod
     def compute_advantages(self, batch: dict) -> dict:
         """Return ``batch`` with per-token ``advantages`` (and ``returns`` for a critic) added."""

@@ -72,6 +72,7 @@ class RolloutConfig:
     max_head_offpolicyness: int = spec(4, ge=0, help="staleness bound in versions; 0 = synchronous")
     max_concurrent_rollouts: int = spec(64, ge=1)
     request_timeout_s: float = spec(600.0, gt=0.0)
+    dynamic_filtering: bool = spec(False, help="drop groups whose rewards are all equal and sample more in their place")
     sampling: SamplingConfig = spec(factory=SamplingConfig)
     extra: dict = spec(factory=dict)
 

@@ -88,6 +88,7 @@ class RolloutController:
         self._done_watermark = 0  # every seq below it is consumed or rejected
         self._done_extra: set[int] = set()
         self._consumed_accepted = 0
+        self._generated_tokens = 0  # by every finished episode, accepted or not
         self._resumed_watermark = 0  # items done before a resume are skipped when pulled again
         self._resumed_extra: set[int] = set()
         self._error: BaseException | None = None
@@ -225,6 +226,7 @@ class RolloutController:
             group = None
             if result is not None:
                 group = EpisodeGroup(seq, item, start_version, list(result), admitted, time.monotonic())
+                self._generated_tokens += group.generated_tokens()
                 if self.should_accept is not None and not self.should_accept(group):
                     group = None
         except asyncio.CancelledError:
@@ -394,7 +396,8 @@ class RolloutController:
             c = self.staleness.counts
             return {"version": self._version, "queued": len(self._pending), "running": len(self._running),
                     "ready": len(self._ready), "started": c.started, "accepted": c.accepted,
-                    "rejected": c.rejected, "consumed": self._consumed_accepted}
+                    "rejected": c.rejected, "consumed": self._consumed_accepted,
+                    "generated_tokens": self._generated_tokens}
 
     def state_dict(self) -> dict:
         """What resume needs: the version, the staleness counters as if nothing were in

@@ -91,8 +91,8 @@ class RewardingWorkflowDouble(GroupWorkflowDouble):
         return trajectories
 
 
-def parity_reward_double(prompt, completion, item):
-    return float(int(completion) % 2)
+def mod3_reward_double(prompt, completion, item):
+    return float(int(completion) % 3 == 0)
 
 
 class ItemsDatasetDouble(Dataset):
@@ -128,7 +128,7 @@ ENTRY_POINTS = {
     "areal.engines.inference": {"rl_infer_double": "rl_doubles:DiskLatencyEngineDouble"},
     "areal.algorithms": {"rl_algo_double": "rl_doubles:MeanRewardAlgorithmDouble"},
     "areal.workflows": {"rl_workflow_double": "rl_doubles:RewardingWorkflowDouble"},
-    "areal.rewards": {"parity_double": "rl_doubles:parity_reward_double"},
+    "areal.rewards": {"mod3_double": "rl_doubles:mod3_reward_double"},
     "areal.datasets": {"items_double": "rl_doubles:ItemsDatasetDouble"},
 }
 
@@ -138,7 +138,7 @@ actor: {backend: rl_train_double}
 rollout: {backend: rl_infer_double, group_size: 2, batch_size: 3, max_head_offpolicyness: 0}
 algorithm: {name: rl_algo_double}
 workflow: {name: rl_workflow_double}
-reward: {name: parity_double}
+reward: {name: mod3_double}
 dataset: {name: items_double}
 trainer: {total_steps: 6}
 """
