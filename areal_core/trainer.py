@@ -227,6 +227,7 @@ class Trainer:
         m: dict[str, float] = {}
         m.update(summarize(packed["rewards"], "reward"))
         m.update(summarize([version - g.start_version for g in groups], "staleness/episode_lag"))
+        m.update(summarize([g.finished_at - g.admitted_at for g in groups], "rollout/episode_latency_s"))
         if lags:
             m["staleness/token_lag_max"] = float(max(lags))
             m["staleness/token_lag_mean"] = sum(lags) / len(lags)
