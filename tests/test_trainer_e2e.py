@@ -142,3 +142,21 @@ def test_a_crashing_trainer_is_reported_with_its_last_lines(rl_run):
     assert proc.returncode == 1
     assert "areal run failed: actor-rank0 exited with code 1" in out
     assert "ValueError: sleep length must be non-negative" in out
+
+
+def test_a_run_with_the_real_embedded_engine(rl_run, tmp_path):
+    pytest.importorskip("areal_local")
+    from areal_local.models import tiny_model
+
+    model = tiny_model(tmp_path / "tiny", seed=0)
+    start, runs = rl_run
+    finish(start("trial=embedded", "allocation=local:cpu+rl_train_double:cpu", "rollout.backend=local",
+                 f"model.path={model}", "model.dtype=float32", "rollout.max_head_offpolicyness=1",
+                 "trainer.total_steps=4"), timeout=300)
+    run_dir = runs / "embedded"
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert all(m["staleness/token_lag_max"] <= 1 for m in metrics)
+    assert metrics[-1]["throughput/gen_tokens_per_s"] > 0
+    server_log = (run_dir / "logs" / "rollout-0.log").read_text()
+    assert "areal_local.server" in server_log and "weights v4" in server_log

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,8 +57,14 @@ class CounterTrainEngineDouble(TrainEngine):
         self.state = json.loads(Path(path, "state.json").read_text())
 
     def export_to_disk(self, path):
+        """Writes the version; with a real model configured, also its unchanged safetensors (a real
+        inference engine then reloads real weights at every step)."""
         Path(path).mkdir(parents=True, exist_ok=True)
         Path(path, "weights.json").write_text(json.dumps({"version": self.state["version"]}))
+        model = self.context.config.model.path
+        if model:
+            for name in ("model.safetensors", "config.json"):
+                shutil.copy(Path(model, name), Path(path, name))
 
 
 class DiskLatencyEngineDouble(LatencyEngineDouble):

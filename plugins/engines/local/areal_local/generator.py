@@ -1,0 +1,631 @@
+"""The embedded engine's generation core: continuous batching over any HF causal LM, on CPU.
+
+A :class:`Generator` is synchronous and single-threaded; a server loop drives
+it step by step (``add`` requests, call ``step`` until they come back as
+:class:`Finished`, ``abort_all`` / ``load_state_dict`` between steps). It owns
+no thread, socket or policy version: the caller stamps versions on tokens.
+
+Batching and the KV cache
+-------------------------
+Every running request owns one row ("slot") of a preallocated KV buffer per
+layer, ``[rows, kv_heads, columns, head_dim]``, handed to the HF model as its
+``past_key_values`` (:class:`SlotCache`). A row's tokens occupy columns
+``start .. end-1``; its next token is written at column ``end``. Each forward
+gets a 4D attention mask built from ``start`` / ``end`` (so the model never
+builds one) and per-row position ids ``column - start``:
+
+- *join*: waiting requests are prefilled together, left-padded to the longest
+  prompt of the group, straight into free rows (columns ``0 .. P-1``, a
+  shorter prompt starting at ``P - len``); their first token is sampled from
+  the prefill's last position. Nothing else in the batch moves.
+- *decode*: one forward of ``[B, 1]`` tokens; each row writes its K/V at its
+  own column ``end`` (one ``index_put`` per layer) and attends to columns
+  ``start .. end``. Rows of different lengths share the batch; attention spans
+  ``max(end) + 1`` columns, the others masked.
+- *leave*: a finished request's row is refilled by the last row (one copy of
+  that row's K/V), so running rows are always ``0 .. B-1`` and the next
+  waiting request can join in the same step.
+
+Buffers grow (rows up to ``max_batch``, columns by 1.5x) and are only copied
+when they grow. Attention runs through the model's own attention code
+(``sdpa`` with a boolean mask, or ``eager`` with an additive one).
+
+Sampling
+--------
+Per request: ``temperature`` (0 = greedy), ``top_k``, ``top_p`` (applied in
+that order, as HF's logits warpers do), ``max_new_tokens``, ``stop`` strings,
+``stop_token_ids`` / EOS, ``seed``. All rows are sampled at once: logits are
+divided by per-row temperatures, top-k / top-p masks are applied to the rows
+that ask for them, and each row draws its token by inverse-CDF sampling from
+one uniform number. That number comes from the request's own
+``random.Random(seed)`` when it has a seed (else from the generator's RNG), so
+a seeded request draws the same numbers whatever else is in the batch: given
+the same logits it samples the same tokens alone or beside other requests.
+(Batched matrix products may round the logits differently at another batch
+size; a token can then only change when its uniform lands within that rounding
+of a CDF boundary, which the tests have not seen happen.)
+
+The logprob of each sampled token is taken, in float32, under the
+distribution actually sampled from: ``log_softmax`` of ``logits /
+temperature`` after the top-k / top-p masks (renormalised); for greedy rows
+``log_softmax`` of the raw logits.
+
+Stops: EOS and ``stop_token_ids`` end a request with the stop token kept in
+``output_ids``; a stop string ends it at the token that completed it (kept,
+text is not cut; the check decodes the last few tokens with ``decode_fn``);
+``max_new_tokens`` ends it with ``"length"``. A token that completes a stop and
+reaches ``max_new_tokens`` reports ``"stop"``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import random
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+import torch
+from transformers.cache_utils import Cache
+
+from areal_core.api.inference import SamplingParams
+
+__all__ = ["Finished", "Generator", "RequestError", "SlotCache"]
+
+_SUPPORTED_ATTENTION = ("sdpa", "eager")
+_SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class RequestError(ValueError):
+    """A request the generator refuses; the message names the request, the field, the value and the limit."""
+
+
+@dataclass
+class Finished:
+    """A request that left the generator: its sampled tokens, their logprobs, and why it stopped.
+
+    ``stop_reason``: ``"stop"`` (EOS, a stop token id, or a stop string),
+    ``"length"`` (``max_new_tokens`` reached) or ``"abort"`` (the tokens so far;
+    continue from ``input_ids + output_ids``).
+    """
+
+    rid: str
+    output_ids: list[int]
+    logprobs: list[float]
+    stop_reason: str
+
+
+@dataclass(eq=False)
+class _Request:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    stop_ids: frozenset[int]
+    stop_window: int  # tokens decoded to look for a stop string
+    rng: random.Random | None
+    output_ids: list[int]
+    logprobs: list[float]
+
+    def finished(self, reason: str) -> Finished:
+        return Finished(self.rid, self.output_ids, self.logprobs, reason)
+
+
+class SlotCache(Cache):
+    """KV cache of a batch whose rows start and end at their own columns.
+
+    Per layer, ``keys`` / ``values`` are ``[rows, kv_heads, columns, head_dim]``
+    buffers, allocated at the first write with the capacity set by
+    :meth:`reserve`. Before each forward the owner says where the new K/V go:
+    :meth:`plan_prefill` (rows ``r0 .. r0+n-1``, columns ``0 .. P-1``) or
+    :meth:`plan_decode` (rows ``0 .. B-1``, one column per row). ``update``
+    writes there and returns the window the attention reads
+    (the owner's mask hides what a row must not see).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(layers=[])
+        self.keys: list[torch.Tensor | None] = []
+        self.values: list[torch.Tensor | None] = []
+        self.rows = 0
+        self.columns = 0
+        self._plan: tuple = ("none",)
+        self._length = 0
+
+    # -- capacity ---------------------------------------------------------
+    def reserve(self, rows: int, columns: int, max_rows: int) -> None:
+        """Make room for ``rows`` x ``columns``; existing contents are kept."""
+        if rows <= self.rows and columns <= self.columns:
+            return
+        new_rows = self.rows if rows <= self.rows else min(max_rows, max(rows, 2 * self.rows))
+        new_cols = self.columns if columns <= self.columns else max(columns, int(self.columns * 1.5), 64)
+        new_cols = -(-new_cols // 64) * 64
+        for store in (self.keys, self.values):
+            for i, old in enumerate(store):
+                if old is None:
+                    continue
+                grown = old.new_zeros((new_rows, old.shape[1], new_cols, old.shape[3]))
+                grown[: old.shape[0], :, : old.shape[2]] = old
+                store[i] = grown
+        self.rows, self.columns = new_rows, new_cols
+
+    def clear(self) -> None:
+        """Drop every buffer (memory is returned; the next write allocates again)."""
+        self.keys, self.values = [], []
+        self.rows = self.columns = 0
+        self._plan = ("none",)
+
+    def move_row(self, src: int, dst: int, columns: int) -> None:
+        """Copy row ``src``'s first ``columns`` columns onto row ``dst``."""
+        for store in (self.keys, self.values):
+            for buf in store:
+                if buf is not None:
+                    buf[dst, :, :columns] = buf[src, :, :columns]
+
+    # -- what the next forward writes -----------------------------------------
+    def plan_prefill(self, first_row: int, n: int, length: int) -> None:
+        self._plan = ("prefill", first_row, n, length)
+        self._length = length
+
+    def plan_decode(self, n: int, columns: torch.Tensor, length: int) -> None:
+        """Row ``i`` (of ``0 .. n-1``) writes at column ``columns[i]``; attention reads ``length`` columns."""
+        self._plan = ("decode", torch.arange(n), columns, n, length)
+        self._length = length
+
+    # -- the HF Cache interface -------------------------------------------------
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        while len(self.keys) <= layer_idx:
+            self.keys.append(None)
+            self.values.append(None)
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if keys is None:
+            _, heads, _, k_dim = key_states.shape
+            shape = (self.rows, heads, self.columns, k_dim)
+            keys = self.keys[layer_idx] = key_states.new_zeros(shape)
+            values = self.values[layer_idx] = value_states.new_zeros(shape[:3] + (value_states.shape[3],))
+        plan = self._plan
+        if plan[0] == "decode":
+            _, rows, cols, n, length = plan
+            keys[rows, :, cols] = key_states[:, :, 0]
+            values[rows, :, cols] = value_states[:, :, 0]
+            return keys[:n, :, :length], values[:n, :, :length]
+        if plan[0] == "prefill":
+            _, r0, n, length = plan
+            keys[r0 : r0 + n, :, :length] = key_states
+            values[r0 : r0 + n, :, :length] = value_states
+            return keys[r0 : r0 + n, :, :length], values[r0 : r0 + n, :, :length]
+        raise RuntimeError("SlotCache.update called without a plan; the Generator sets one before each forward")
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
+class Generator:
+    """Continuous-batching generation for one HF causal LM, driven by :meth:`step`.
+
+    ``model``: a ``transformers`` causal LM (``sdpa`` or ``eager`` attention,
+    float32 / bfloat16 / float16). ``eos_token_ids`` end every request
+    (``"stop"``). ``max_batch``: running requests at most; more wait. ``max_seq_len``
+    (default ``model.config.max_position_embeddings``): prompt + ``max_new_tokens``
+    at most. ``decode_fn``: token ids -> text, needed for stop strings
+    (``tokenizer.decode``). ``max_prefill_tokens``: padded prompt tokens per
+    prefill forward (more joiners are prefilled in several forwards of the same
+    step). ``seed``: the RNG of requests without their own seed.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        eos_token_ids: Iterable[int],
+        max_batch: int = 64,
+        max_seq_len: int | None = None,
+        decode_fn: Callable[[list[int]], str] | None = None,
+        max_prefill_tokens: int = 4096,
+        seed: int | None = None,
+    ) -> None:
+        config = model.config
+        if max_batch < 1:
+            raise ValueError(f"Generator: max_batch is {max_batch}; it must be at least 1")
+        if max_seq_len is None:
+            max_seq_len = getattr(config, "max_position_embeddings", None)
+            if max_seq_len is None:
+                raise ValueError(
+                    f"Generator: {type(model).__name__}'s config has no max_position_embeddings; pass max_seq_len"
+                )
+        if max_seq_len < 2:
+            raise ValueError(f"Generator: max_seq_len is {max_seq_len}; it must be at least 2")
+        attention = getattr(config, "_attn_implementation", None) or "eager"
+        if attention not in _SUPPORTED_ATTENTION:
+            raise ValueError(
+                f"Generator: {type(model).__name__} uses attention {attention!r}; the generator drives "
+                f"{' or '.join(_SUPPORTED_ATTENTION)} (load the model with attn_implementation='sdpa')"
+            )
+        layer_types = list(getattr(config, "layer_types", None) or [])
+        unknown = sorted(set(layer_types) - set(_SUPPORTED_LAYER_TYPES))
+        if unknown:
+            raise ValueError(
+                f"Generator: {type(model).__name__} has layer types {unknown}; the generator handles "
+                f"{', '.join(_SUPPORTED_LAYER_TYPES)} only"
+            )
+        self.model = model.eval()
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.max_batch = max_batch
+        self.max_seq_len = int(max_seq_len)
+        self.decode_fn = decode_fn
+        self.max_prefill_tokens = max_prefill_tokens
+        self._bool_mask = attention == "sdpa"
+        self._dtype = next(model.parameters()).dtype
+        # Models with sliding-window layers take a mask per layer type.
+        self._sliding_window = getattr(config, "sliding_window", None) if "sliding_attention" in layer_types else None
+        self._mask_per_type = bool(layer_types) and self._sliding_window is not None
+        self._keep_last = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._rng = random.Random(seed)
+        self._cache = SlotCache()
+        self._rows: list[_Request] = []  # running, row i of the cache
+        self._start: list[int] = []  # first column of row i
+        self._end: list[int] = []  # next column row i writes
+        self._waiting: deque[_Request] = deque()
+        self._live: set[str] = set()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def num_running(self) -> int:
+        return len(self._rows)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    # ---------------------------------------------------------------- requests
+    def add(self, rid: str, input_ids: list[int], sampling: SamplingParams) -> None:
+        """Queue a request; it joins the running batch at the next :meth:`step` with a free row.
+
+        Raises :class:`RequestError` (and changes nothing) for an empty prompt,
+        a token id outside the vocabulary, ``max_new_tokens < 1``, a prompt or
+        prompt + ``max_new_tokens`` longer than ``max_seq_len``, a bad
+        temperature / top_p / top_k / stop / seed, or an ``rid`` already live.
+        """
+        request = self._validate(rid, input_ids, sampling)
+        self._waiting.append(request)
+        self._live.add(rid)
+
+    def _validate(self, rid: str, input_ids: list[int], sampling: SamplingParams) -> _Request:
+        who = f"request {rid!r}"
+        if rid in self._live:
+            raise RequestError(f"{who} is already running or waiting; request ids must be unique among live requests")
+        ids = list(input_ids)
+        if not ids:
+            raise RequestError(f"{who}: input_ids is empty; a prompt needs at least 1 token")
+        for i, tok in enumerate(ids):
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < self.vocab_size:
+                raise RequestError(f"{who}: input_ids[{i}] = {tok!r} is outside the vocabulary [0, {self.vocab_size})")
+        n_new = sampling.max_new_tokens
+        if isinstance(n_new, bool) or not isinstance(n_new, int) or n_new < 1:
+            raise RequestError(f"{who}: sampling.max_new_tokens is {n_new!r}; it must be at least 1")
+        prompt, limit = len(ids), self.max_seq_len
+        if prompt >= limit:
+            raise RequestError(
+                f"{who}: the prompt has {prompt} tokens; max_seq_len is {limit}, so a prompt may have "
+                f"at most {limit - 1} tokens"
+            )
+        if prompt + n_new > limit:
+            raise RequestError(
+                f"{who}: the prompt ({prompt} tokens) + sampling.max_new_tokens ({n_new}) = {prompt + n_new} "
+                f"exceeds max_seq_len {limit}; max_new_tokens may be at most {limit - prompt} for this prompt"
+            )
+        t = sampling.temperature
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+            raise RequestError(f"{who}: sampling.temperature is {t!r}; it must be a finite number >= 0 (0 = greedy)")
+        p = sampling.top_p
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 < p <= 1:
+            raise RequestError(f"{who}: sampling.top_p is {p!r}; it must be in (0, 1]")
+        k = sampling.top_k
+        if isinstance(k, bool) or not isinstance(k, int) or (k != -1 and k < 1):
+            raise RequestError(f"{who}: sampling.top_k is {k!r}; it must be -1 (off) or at least 1")
+        for i, tok in enumerate(sampling.stop_token_ids):
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < self.vocab_size:
+                raise RequestError(
+                    f"{who}: sampling.stop_token_ids[{i}] = {tok!r} is outside the vocabulary [0, {self.vocab_size})"
+                )
+        for i, s in enumerate(sampling.stop):
+            if not isinstance(s, str) or not s:
+                raise RequestError(f"{who}: sampling.stop[{i}] is {s!r}; stop strings must be non-empty str")
+        if sampling.stop and self.decode_fn is None:
+            raise RequestError(
+                f"{who}: sampling.stop is {tuple(sampling.stop)!r} but this Generator has no decode_fn "
+                "to turn tokens into text; build it with decode_fn=tokenizer.decode"
+            )
+        seed = sampling.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise RequestError(f"{who}: sampling.seed is {seed!r}; it must be an int or None")
+        # A character is at most 4 byte tokens; a little slack for a window that starts mid-character.
+        window = 4 * max((len(s) for s in sampling.stop), default=0) + 4
+        return _Request(
+            rid=rid,
+            input_ids=ids,
+            sampling=sampling,
+            stop_ids=self.eos_token_ids | frozenset(sampling.stop_token_ids),
+            stop_window=window,
+            rng=random.Random(seed) if seed is not None else None,
+            output_ids=[],
+            logprobs=[],
+        )
+
+    def abort(self, rid: str) -> Finished | None:
+        """Take ``rid`` out (running or waiting) with its tokens so far, ``"abort"``; None when not live."""
+        for i, request in enumerate(self._rows):
+            if request.rid == rid:
+                self._remove_row(i)
+                self._live.discard(rid)
+                if not self._rows:
+                    self._cache.clear()
+                return request.finished("abort")
+        for request in self._waiting:
+            if request.rid == rid:
+                self._waiting.remove(request)
+                self._live.discard(rid)
+                return request.finished("abort")
+        return None
+
+    def abort_all(self) -> list[Finished]:
+        """Every running then waiting request with its tokens so far, ``"abort"``; the KV cache is dropped."""
+        out = [r.finished("abort") for r in self._rows] + [r.finished("abort") for r in self._waiting]
+        self._rows, self._start, self._end = [], [], []
+        self._waiting.clear()
+        self._live.clear()
+        self._cache.clear()
+        return out
+
+    # -------------------------------------------------------------------- step
+    def step(self) -> list[Finished]:
+        """Admit waiting requests (prefill), run one decode step for all running ones; return those that finished.
+
+        A joining request samples its first token from its prefill and, if
+        still running, its second from the decode step of the same call.
+        """
+        finished: list[Finished] = []
+        with torch.inference_mode():
+            while self._waiting and len(self._rows) < self.max_batch:
+                finished += self._prefill(self._take_group())
+            if self._rows:
+                finished += self._decode()
+        if not self._rows:
+            self._cache.clear()
+        return finished
+
+    def _take_group(self) -> list[_Request]:
+        """Waiting requests (FIFO) that fit one prefill forward: free rows and the padded-token budget."""
+        group: list[_Request] = []
+        longest = 0
+        free = self.max_batch - len(self._rows)
+        while self._waiting and len(group) < free:
+            request = self._waiting[0]
+            length = len(request.input_ids) + len(request.output_ids)
+            if group and max(longest, length) * (len(group) + 1) > self.max_prefill_tokens:
+                break
+            longest = max(longest, length)
+            group.append(self._waiting.popleft())
+        return group
+
+    def _prefill(self, group: list[_Request]) -> list[Finished]:
+        seqs = [r.input_ids + r.output_ids for r in group]
+        n, length = len(seqs), max(len(s) for s in seqs)
+        first = len(self._rows)
+        starts = [length - len(s) for s in seqs]
+        ids = torch.tensor([[0] * st + s for st, s in zip(starts, seqs)])  # [n, P], left-padded
+        start = torch.tensor(starts)
+        col = torch.arange(length)
+        position_ids = (col[None, :] - start[:, None]).clamp_(min=0)  # [n, P]
+        q, k = col[:, None], col[None, :]
+        causal = (k <= q)[None] & (k[None] >= start[:, None, None])  # [n, P(q), P(k)]
+        # A padding query attends to itself only, so nothing it computes is NaN.
+        causal |= torch.eye(length, dtype=torch.bool)[None]
+        sliding = None
+        if self._sliding_window is not None:
+            sliding = causal & ((q - k) < self._sliding_window)[None]
+        self._cache.reserve(first + n, length, self.max_batch)
+        self._cache.plan_prefill(first, n, length)
+        logits = self._forward(ids, position_ids, causal[:, None], None if sliding is None else sliding[:, None])
+        self._rows += group
+        self._start += starts
+        self._end += [length] * n
+        return self._advance(range(first, first + n), logits)
+
+    def _decode(self) -> list[Finished]:
+        n = len(self._rows)
+        length = max(self._end) + 1
+        self._cache.reserve(n, length, self.max_batch)
+        start = torch.tensor(self._start)
+        end = torch.tensor(self._end)
+        ids = torch.tensor([r.output_ids[-1] for r in self._rows])[:, None]  # [B, 1]
+        position_ids = (end - start)[:, None]
+        col = torch.arange(length)[None, :]
+        mask = (col >= start[:, None]) & (col <= end[:, None])  # [B, L]
+        sliding = None
+        if self._sliding_window is not None:
+            sliding = mask & (end[:, None] - col < self._sliding_window)
+        self._cache.plan_decode(n, end, length)
+        logits = self._forward(ids, position_ids, mask[:, None, None], None if sliding is None else sliding[:, None, None])
+        self._end = [e + 1 for e in self._end]
+        return self._advance(range(n), logits)
+
+    def _forward(self, ids, position_ids, mask, sliding) -> torch.Tensor:
+        """Last-position logits, float32 ``[rows, vocab]``."""
+        mask = self._mask_format(mask)
+        if self._mask_per_type:
+            mask = {"full_attention": mask, "sliding_attention": self._mask_format(sliding)}
+        kwargs = {"logits_to_keep": 1} if self._keep_last else {}
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            past_key_values=self._cache,
+            use_cache=True,
+            **kwargs,
+        )
+        return out.logits[:, -1].float()
+
+    def _mask_format(self, mask: torch.Tensor) -> torch.Tensor:
+        if self._bool_mask:
+            return mask
+        return torch.zeros(mask.shape, dtype=self._dtype).masked_fill_(~mask, torch.finfo(self._dtype).min)
+
+    def _advance(self, rows: range, logits: torch.Tensor) -> list[Finished]:
+        """Sample one token for each of ``rows``; record it; finish and remove the rows that stop."""
+        requests = [self._rows[i] for i in rows]
+        tokens, logprobs = sample(logits, [r.sampling for r in requests], [r.rng or self._rng for r in requests])
+        done: list[tuple[int, str]] = []
+        for i, request, token, logprob in zip(rows, requests, tokens, logprobs):
+            request.output_ids.append(token)
+            request.logprobs.append(logprob)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                done.append((i, reason))
+        finished = []
+        for i, reason in sorted(done, reverse=True):  # highest row first: moves never touch a row still to remove
+            request = self._rows[i]
+            self._remove_row(i)
+            self._live.discard(request.rid)
+            finished.append(request.finished(reason))
+        finished.reverse()
+        return finished
+
+    def _stop_reason(self, request: _Request, token: int) -> str | None:
+        if token in request.stop_ids:
+            return "stop"
+        if request.sampling.stop:
+            text = self.decode_fn(request.output_ids[-request.stop_window :])
+            if any(s in text for s in request.sampling.stop):
+                return "stop"
+        if len(request.output_ids) >= request.sampling.max_new_tokens:
+            return "length"
+        return None
+
+    def _remove_row(self, i: int) -> None:
+        last = len(self._rows) - 1
+        if i != last:
+            self._cache.move_row(last, i, self._end[last])
+            self._rows[i], self._start[i], self._end[i] = self._rows[last], self._start[last], self._end[last]
+        self._rows.pop()
+        self._start.pop()
+        self._end.pop()
+
+    # ----------------------------------------------------------------- weights
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
+        """Copy new weights into the model, between steps.
+
+        Names are the model's ``state_dict()`` names. Every name must exist,
+        with the same shape; floating-point tensors are cast to the
+        parameter's dtype, other dtypes must match. With ``strict`` every
+        parameter must be given (a tied alias such as ``lm_head.weight`` may
+        be left out). Everything is checked before anything is copied, so a
+        refused state dict leaves the old weights in place.
+
+        Running requests keep their tokens so far and go back to the front of
+        the queue: the KV cache computed under the old weights is dropped and
+        the next step prefills prompt + output under the new weights.
+        """
+        own = self.model.state_dict()
+        problems = []
+        for name, tensor in state_dict.items():
+            target = own.get(name)
+            if target is None:
+                problems.append(f"{name!r} is not a weight of {type(self.model).__name__}")
+            elif not isinstance(tensor, torch.Tensor):
+                problems.append(f"{name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+            elif tuple(tensor.shape) != tuple(target.shape):
+                problems.append(f"{name!r} has shape {tuple(tensor.shape)}, the model's is {tuple(target.shape)}")
+            elif tensor.dtype != target.dtype and not (tensor.is_floating_point() and target.is_floating_point()):
+                problems.append(f"{name!r} has dtype {tensor.dtype}, the model's is {target.dtype}")
+        if strict:
+            given = {own[name].data_ptr() for name in state_dict if name in own}
+            missing = [name for name, t in own.items() if name not in state_dict and t.data_ptr() not in given]
+            if missing:
+                shown = ", ".join(repr(m) for m in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+                problems.append(f"missing {len(missing)} weight(s): {shown} (pass strict=False for a partial update)")
+        if problems:
+            shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+            raise ValueError(f"Generator.load_state_dict: refused, nothing was loaded: {shown}")
+        with torch.no_grad():
+            for name, tensor in state_dict.items():
+                own[name].copy_(tensor)
+        self._requeue_running()
+
+    def load_safetensors_dir(self, path: str | Path, *, strict: bool = True) -> None:
+        """:meth:`load_state_dict` from every ``*.safetensors`` file in folder ``path`` (HF names)."""
+        from safetensors.torch import load_file
+
+        folder = Path(path)
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"Generator.load_safetensors_dir: no *.safetensors file in {folder}")
+        state: dict[str, torch.Tensor] = {}
+        for file in files:
+            state.update(load_file(str(file)))
+        self.load_state_dict(state, strict=strict)
+
+    def _requeue_running(self) -> None:
+        if self._rows:
+            self._waiting.extendleft(reversed(self._rows))
+        self._rows, self._start, self._end = [], [], []
+        self._cache.clear()
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], rngs: list[random.Random]
+) -> tuple[list[int], list[float]]:
+    """One token per row of ``logits`` (``[n, vocab]`` float32) and its logprob, all rows at once.
+
+    Row ``i`` uses ``params[i]`` and draws one uniform number from ``rngs[i]``
+    when it samples (temperature > 0). Shapes: ``z``, ``e``, ``cdf`` are
+    ``[n, vocab]``; ``m``, ``total``, ``u`` are per row.
+    """
+    n, vocab = logits.shape
+    temps = [p.temperature for p in params]
+    m, best = logits.max(-1, keepdim=True)
+    if all(t == 0 for t in temps):
+        logprobs = logits.gather(1, best) - m - (logits - m).exp_().sum(-1, keepdim=True).log_()
+        return best[:, 0].tolist(), logprobs[:, 0].tolist()
+
+    z = logits  # logits / temperature, then the top-k / top-p masks; never written in place
+    if any(t not in (0, 1) for t in temps):
+        z = logits / torch.tensor([t if t > 0 else 1.0 for t in temps])[:, None]
+    ks = [p.top_k if t > 0 and 0 < p.top_k < vocab else 0 for p, t in zip(params, temps)]
+    if any(ks):
+        kth = torch.topk(z, max(ks), dim=-1).values.gather(1, torch.tensor([max(k, 1) - 1 for k in ks])[:, None])
+        kth.masked_fill_(torch.tensor([k == 0 for k in ks])[:, None], -math.inf)
+        z = z.masked_fill(z < kth, -math.inf)  # ties with the k-th value are kept, as in HF
+    nucleus = [i for i, (p, t) in enumerate(zip(params, temps)) if t > 0 and p.top_p < 1.0]
+    if nucleus:
+        rows = torch.tensor(nucleus)
+        sub = z[rows]
+        sorted_z, order = torch.sort(sub, dim=-1)  # ascending, as HF's TopPLogitsWarper
+        cumulative = sorted_z.softmax(-1).cumsum_(-1)
+        drop = cumulative <= (1.0 - torch.tensor([params[i].top_p for i in nucleus]))[:, None]
+        drop[:, -1] = False  # keep at least the most likely token
+        z = z.index_put((rows,), sub.masked_fill(drop.scatter(1, order, drop), -math.inf))
+    if z is not logits:
+        m = z.max(-1, keepdim=True).values
+    e = (z - m).exp_()  # unnormalised probabilities
+    cdf = e.cumsum(-1)
+    # u in (0, 1]: the first column whose cdf reaches u * cdf[-1] has a nonzero probability.
+    u = torch.tensor([1.0 - rng.random() if t > 0 else 1.0 for rng, t in zip(rngs, temps)], dtype=torch.float32)
+    tokens = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:]).clamp_(max=vocab - 1)  # [n, 1]
+    greedy = torch.tensor([t == 0 for t in temps])
+    if greedy.any():  # their z is the raw logits: argmax, and the logprob below is log_softmax(logits)
+        tokens = torch.where(greedy[:, None], best, tokens)
+    logprobs = z.gather(1, tokens) - m - e.sum(-1, keepdim=True).log_()  # log_softmax(z)[token], float32
+    return tokens[:, 0].tolist(), logprobs[:, 0].tolist()

@@ -1,0 +1,290 @@
+"""The embedded engine's server process: ``python -m areal_local.server --model DIR --port N``.
+
+One process per inference server of the allocation. An engine thread owns
+the :class:`~areal_local.generator.Generator` and runs decode steps; the HTTP
+side (FastAPI on 127.0.0.1) only queues commands for it, so everything that
+touches the model happens between two decode steps of one thread:
+
+- ``POST /generate``: token ids in, token ids out, each with its behaviour
+  logprob and the policy version that sampled it.
+- ``POST /pause``: every request in flight returns what it has with
+  ``stop_reason="abort"``; requests arriving while paused return at once,
+  empty, with ``abort``. ``POST /resume`` lifts it.
+- ``POST /update_weights_from_disk`` (safetensors folder, version): applied
+  between steps. Requests still running (an update without a pause) are
+  stopped, their KV cache dropped, and continued from prompt + output so far
+  under the new weights, so their versions change exactly at the swap.
+  ``update_weights_from_tensors`` on the client hands tensors over through
+  shared memory (a safetensors folder in /dev/shm) and uses the same route.
+- ``GET /health``: version, running / waiting counts, paused.
+"""
+
+
+# No "from __future__ import annotations": FastAPI reads the request models from the
+# annotations of routes defined inside build_app, which must be real classes.
+import argparse
+import asyncio
+import logging
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from areal_core.api.inference import SamplingParams
+
+log = logging.getLogger("areal.local.server")
+
+
+@dataclass
+class Pending:
+    """A request the server owes an answer, with everything it produced so far."""
+
+    rid: str
+    prompt: list[int]
+    sampling: SamplingParams
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def extend(self, ids: list[int], logprobs: list[float], version: int) -> None:
+        self.output_ids += ids
+        self.logprobs += logprobs
+        self.versions += [version] * len(ids)
+
+    def answer(self, stop_reason: str) -> None:
+        result = {"rid": self.rid, "output_ids": self.output_ids, "output_logprobs": self.logprobs,
+                  "output_versions": self.versions, "stop_reason": stop_reason}
+        self.loop.call_soon_threadsafe(_set, self.future, result)
+
+    def fail(self, exc: BaseException) -> None:
+        self.loop.call_soon_threadsafe(_set_exception, self.future, exc)
+
+
+def _set(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
+
+
+class EngineLoop:
+    """The one thread that touches the model. Commands arrive through a queue."""
+
+    def __init__(self, generator: Any, load_weights: Any) -> None:
+        self.gen = generator
+        self.load_weights = load_weights
+        self.version = 0
+        self.paused = False
+        self.pending: dict[str, Pending] = {}
+        self.commands: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="areal-engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    # -- called from the HTTP loop ---------------------------------------
+    def call(self, name: str, *args: Any) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.commands.put((name, args, future, loop))
+        return future
+
+    def health(self) -> dict:
+        return {"status": "ok" if self.error is None else "error", "version": self.version,
+                "running": self.gen.num_running, "waiting": self.gen.num_waiting, "paused": self.paused,
+                "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}"}
+
+    # -- the engine thread -------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                busy = self.gen.num_running or self.gen.num_waiting
+                try:  # idle: block until a command arrives; busy: only take what is queued
+                    command = self.commands.get_nowait() if busy else self.commands.get()
+                except queue.Empty:
+                    command = None
+                while command is not None:
+                    self._apply(*command)
+                    try:
+                        command = self.commands.get_nowait()
+                    except queue.Empty:
+                        command = None
+                if self.gen.num_running or self.gen.num_waiting:
+                    for done in self.gen.step():
+                        self._finish(done)
+        except BaseException as exc:  # the process must not hang with requests waiting forever
+            self.error = exc
+            traceback.print_exc()
+            for pending in self.pending.values():
+                pending.fail(RuntimeError(f"the engine thread crashed: {type(exc).__name__}: {exc}"))
+            raise
+
+    def _finish(self, done: Any) -> None:
+        pending = self.pending.pop(done.rid)
+        pending.extend(done.output_ids, done.logprobs, self.version)
+        pending.answer(done.stop_reason)
+
+    def _reply(self, future: asyncio.Future, loop: asyncio.AbstractEventLoop, value: Any) -> None:
+        loop.call_soon_threadsafe(_set, future, value)
+
+    def _apply(self, name: str, args: tuple, future: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            if name == "generate":
+                self._add(*args, future=future, loop=loop)
+                return
+            if name == "pause":
+                self.paused = True
+                for done in self.gen.abort_all():
+                    self._finish(done)
+            elif name == "resume":
+                self.paused = False
+            elif name == "update":
+                self._update(*args)
+            else:
+                raise ValueError(f"unknown command {name!r}")
+            self._reply(future, loop, self.health())
+        except Exception as exc:
+            loop.call_soon_threadsafe(_set_exception, future, exc)
+
+    def _add(self, rid: str, input_ids: list[int], sampling: SamplingParams, *, future, loop) -> None:
+        pending = Pending(rid, list(input_ids), sampling, future, loop)
+        if self.paused:
+            pending.answer("abort")
+            return
+        if rid in self.pending:
+            pending.fail(ValueError(f"request {rid}: a request with this id is already running"))
+            return
+        self.gen.add(rid, list(input_ids), sampling)  # RequestError: the caller sees it as a 400
+        self.pending[rid] = pending
+
+    def _update(self, path: str, version: int) -> None:
+        began = time.monotonic()
+        interrupted = []
+        for done in self.gen.abort_all():  # nothing runs on stale KV after the swap
+            pending = self.pending[done.rid]
+            pending.extend(done.output_ids, done.logprobs, self.version)
+            interrupted.append(pending)
+        self.load_weights(path)
+        self.version = version
+        for pending in interrupted:
+            left = pending.sampling.max_new_tokens - len(pending.output_ids)
+            if left <= 0:
+                self.pending.pop(pending.rid)
+                pending.answer("length")
+                continue
+            self.gen.add(pending.rid, pending.prompt + pending.output_ids,
+                         replace(pending.sampling, max_new_tokens=left))
+        log.info("weights v%d from %s in %.3f s (%d requests continued)", version, path,
+                 time.monotonic() - began, len(interrupted))
+
+
+def build_app(engine: EngineLoop) -> Any:
+    from fastapi import FastAPI, HTTPException
+    from pydantic import BaseModel, Field
+
+    from areal_local.generator import RequestError
+
+    app = FastAPI(title="areal embedded inference engine")
+
+    class Sampling(BaseModel):
+        max_new_tokens: int = 256
+        temperature: float = 1.0
+        top_p: float = 1.0
+        top_k: int = -1
+        stop: list[str] = Field(default_factory=list)
+        stop_token_ids: list[int] = Field(default_factory=list)
+        seed: int | None = None
+
+    class Generate(BaseModel):
+        rid: str
+        input_ids: list[int]
+        sampling: Sampling = Field(default_factory=Sampling)
+
+    class Update(BaseModel):
+        path: str
+        version: int
+
+    @app.get("/health")
+    async def health() -> dict:
+        if engine.error is not None:
+            raise HTTPException(503, engine.health()["error"])
+        return engine.health()
+
+    @app.post("/generate")
+    async def generate(body: Generate) -> dict:
+        s = body.sampling
+        sampling = SamplingParams(s.max_new_tokens, s.temperature, s.top_p, s.top_k, tuple(s.stop),
+                                  tuple(s.stop_token_ids), s.seed)
+        try:
+            return await engine.call("generate", body.rid, body.input_ids, sampling)
+        except (RequestError, ValueError) as exc:
+            raise HTTPException(400, str(exc)) from None
+
+    @app.post("/pause")
+    async def pause() -> dict:
+        return await engine.call("pause")
+
+    @app.post("/resume")
+    async def resume() -> dict:
+        return await engine.call("resume")
+
+    @app.post("/update_weights_from_disk")
+    async def update(body: Update) -> dict:
+        try:
+            return await engine.call("update", body.path, body.version)
+        except (OSError, ValueError, KeyError) as exc:
+            raise HTTPException(400, f"cannot load weights from {body.path}: {type(exc).__name__}: {exc}") from None
+
+    return app
+
+
+def load_engine(model_path: str, dtype: str, max_batch: int) -> EngineLoop:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from areal_local.generator import Generator
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype, attn_implementation="sdpa").eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    eos = model.generation_config.eos_token_id
+    eos_ids = sorted({*(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+                      *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])})
+    generator = Generator(model, eos_token_ids=eos_ids, max_batch=max_batch,
+                          decode_fn=lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+    return EngineLoop(generator, generator.load_safetensors_dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m areal_local.server", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="HF model folder, or 'demo' for SmolLM2-135M-Instruct")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--max-batch", type=int, default=64)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    model = args.model
+    if model == "demo":
+        from areal_local.models import demo_model_path
+
+        model = str(demo_model_path(args.dtype))
+    began = time.monotonic()
+    engine = load_engine(model, args.dtype, args.max_batch)
+    log.info("loaded %s (%s) in %.1f s", model, args.dtype, time.monotonic() - began)
+    engine.start()
+    import uvicorn
+
+    uvicorn.run(build_app(engine), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

