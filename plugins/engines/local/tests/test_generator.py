@@ -1,0 +1,388 @@
+"""The generation core: continuous batching equals HF generate, logprobs, seeds, stops, aborts, weight swaps.
+
+Tiny random Llama / Qwen2 models (2 layers, vocab 512). Their weights are
+redrawn with std 0.2 so greedy outputs vary with the context (at the default
+init a tied tiny model mostly repeats its last token, which would hide cache
+bugs).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from areal_core.api.inference import SamplingParams
+from areal_local.generator import Finished, Generator, RequestError
+from areal_local.models import tiny_model
+
+EOS = 1  # tiny_model's <|im_end|>
+PROMPTS = [
+    [5, 6, 7],
+    list(range(10, 31)),
+    [100, 200, 300, 50, 60, 7, 8],
+    [42],
+    [9, 6, 7, 300, 301, 302, 303, 304, 305, 306, 2],
+]
+
+
+def redraw(model, seed: int):
+    """Every matrix ~ N(0, 0.2^2), seeded; norms stay at 1."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: tiny_model(root / arch, arch=arch, tie_word_embeddings=False) for arch in ("llama", "qwen2")}
+
+
+def load(folder, seed=0, dtype=torch.float32, attn="sdpa"):
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn)
+    return redraw(model, seed)
+
+
+@pytest.fixture(scope="module")
+def llama(folders):
+    return load(folders["llama"])
+
+
+@pytest.fixture(scope="module")
+def tokenizer(folders):
+    return AutoTokenizer.from_pretrained(folders["llama"])
+
+
+def greedy(n, **kw):
+    return SamplingParams(max_new_tokens=n, temperature=0.0, **kw)
+
+
+def hf_greedy(model, prompt, n, eos=EOS):
+    """HF generate alone on one prompt; tokens after EOS dropped."""
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=n, eos_token_id=eos, pad_token_id=eos
+        )[0, len(prompt) :].tolist()
+    return out[: out.index(eos) + 1] if eos in out else out
+
+
+def drain(gen, schedule=None, max_steps=500):
+    """Step until idle; ``schedule[s]`` is a list of (rid, prompt, sampling) added before step s."""
+    schedule = schedule or {}
+    results, busiest = {}, 0
+    for s in range(max_steps):
+        for rid, prompt, sampling in schedule.get(s, []):
+            gen.add(rid, prompt, sampling)
+        if not (gen.num_running or gen.num_waiting) and s > max(schedule, default=-1):
+            return results, busiest
+        for f in gen.step():
+            assert f.rid not in results
+            results[f.rid] = f
+        busiest = max(busiest, gen.num_running)
+    raise AssertionError("generator did not drain")
+
+
+def teacher_forced_logprobs(model, prompt, output, sampling):
+    """log p(output[t]) under the warped distribution, from one forward over prompt + output."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1].float()
+    if sampling.temperature > 0:
+        logits = TemperatureLogitsWarper(sampling.temperature)(None, logits)
+        if sampling.top_k > 0:
+            logits = TopKLogitsWarper(sampling.top_k)(None, logits)
+        if sampling.top_p < 1:
+            logits = TopPLogitsWarper(sampling.top_p)(None, logits)
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
+
+
+# ---------------------------------------------------------------------------
+# Greedy equals HF generate under continuous batching
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch,attn", [("llama", "sdpa"), ("qwen2", "sdpa"), ("llama", "eager")])
+def test_greedy_matches_hf_generate_with_requests_joining_and_leaving(folders, arch, attn):
+    model = load(folders[arch], attn=attn)
+    lengths = [14, 5, 12, 9, 16]  # "b" leaves early: its row is refilled while others run
+    refs = [hf_greedy(model, p, n) for p, n in zip(PROMPTS, lengths)]
+    assert len({tuple(r) for r in refs}) == len(refs)
+    gen = Generator(model, eos_token_ids=[EOS], max_batch=3)
+    reqs = [(rid, p, greedy(n)) for rid, p, n in zip("abcde", PROMPTS, lengths)]
+    # a, b start together; c joins mid-generation; d and e queue behind max_batch=3.
+    results, busiest = drain(gen, {0: reqs[:2], 3: [reqs[2]], 4: reqs[3:]})
+    assert busiest == 3
+    for rid, ref in zip("abcde", refs):
+        assert results[rid].output_ids == ref, rid
+        assert results[rid].stop_reason == ("stop" if ref[-1] == EOS else "length")
+        assert len(results[rid].logprobs) == len(ref)
+
+
+def test_sliding_window_layers_match_hf_generate():
+    config = Qwen2Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, use_sliding_window=True, sliding_window=6,
+        max_window_layers=1, tie_word_embeddings=False, attn_implementation="sdpa",
+    )
+    assert config.layer_types == ["full_attention", "sliding_attention"]
+    torch.manual_seed(0)
+    model = redraw(Qwen2ForCausalLM(config), 3)
+    refs = [hf_greedy(model, p, 10, eos=None) for p in PROMPTS[:3]]
+    gen = Generator(model, eos_token_ids=[])
+    schedule = {0: [("a", PROMPTS[0], greedy(10)), ("b", PROMPTS[1], greedy(10))], 2: [("c", PROMPTS[2], greedy(10))]}
+    results, _ = drain(gen, schedule)
+    assert [results[r].output_ids for r in "abc"] == refs
+
+
+# ---------------------------------------------------------------------------
+# Logprobs and seeds
+# ---------------------------------------------------------------------------
+
+
+def test_logprobs_equal_a_teacher_forced_pass_under_the_same_warping(llama):
+    settings = {
+        "greedy": greedy(12),
+        "temp": SamplingParams(max_new_tokens=12, temperature=0.7, seed=1),
+        "topk": SamplingParams(max_new_tokens=12, temperature=1.3, top_k=5, seed=2),
+        "topp": SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.6, seed=3),
+        "both": SamplingParams(max_new_tokens=12, temperature=1.0, top_k=40, top_p=0.8, seed=4),
+        # flat: the 256 most likely of 512 tokens hold less than top_p, so the whole row is sorted
+        "flat": SamplingParams(max_new_tokens=12, temperature=20.0, top_p=0.95, seed=5),
+    }
+    gen = Generator(llama, eos_token_ids=[])
+    prompts = dict(zip(settings, PROMPTS + PROMPTS))
+    results, _ = drain(gen, {0: [(rid, prompts[rid], s) for rid, s in settings.items()]})
+    for rid, sampling in settings.items():
+        out = results[rid]
+        ref = teacher_forced_logprobs(llama, prompts[rid], out.output_ids, sampling)
+        assert torch.isfinite(ref).all(), f"{rid}: sampled a token the warpers remove"
+        assert torch.allclose(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0), rid
+    assert results["greedy"].output_ids == hf_greedy(llama, PROMPTS[0], 12, eos=None)
+
+
+def test_same_seed_same_tokens_alone_or_in_any_batch(llama):
+    sampling = SamplingParams(max_new_tokens=20, temperature=1.0, seed=1234)
+    alone, _ = drain(Generator(llama, eos_token_ids=[]), {0: [("x", PROMPTS[1], sampling)]})
+    others = [(f"o{i}", p, SamplingParams(max_new_tokens=7 + i, seed=i)) for i, p in enumerate(PROMPTS)]
+    crowded, busiest = drain(
+        Generator(llama, eos_token_ids=[], max_batch=4),
+        {0: others[:3], 2: [("x", PROMPTS[1], sampling)], 5: others[3:]},
+    )
+    assert busiest == 4
+    assert crowded["x"].output_ids == alone["x"].output_ids
+    assert crowded["x"].logprobs == pytest.approx(alone["x"].logprobs, abs=1e-5)
+    other_seed, _ = drain(
+        Generator(llama, eos_token_ids=[]), {0: [("x", PROMPTS[1], SamplingParams(max_new_tokens=20, seed=99))]}
+    )
+    assert other_seed["x"].output_ids != alone["x"].output_ids
+
+
+# ---------------------------------------------------------------------------
+# Stops
+# ---------------------------------------------------------------------------
+
+
+def test_max_new_tokens_stops_with_length(llama):
+    schedule = {0: [("a", PROMPTS[0], greedy(1)), ("b", PROMPTS[1], greedy(7))]}
+    results, _ = drain(Generator(llama, eos_token_ids=[]), schedule)
+    assert [len(results[r].output_ids) for r in "ab"] == [1, 7]
+    assert {results[r].stop_reason for r in "ab"} == {"length"}
+
+
+def test_stop_token_ids_and_eos_stop_with_the_token_kept(llama):
+    ref = hf_greedy(llama, PROMPTS[2], 16, eos=None)
+    stop_at = next(i for i in range(3, 16) if ref[i] not in ref[:i])
+    token = ref[stop_at]
+    schedule = {0: [("a", PROMPTS[2], greedy(16, stop_token_ids=(token,)))]}
+    results, _ = drain(Generator(llama, eos_token_ids=[]), schedule)
+    assert results["a"] == Finished("a", ref[: stop_at + 1], results["a"].logprobs, "stop")
+    results, _ = drain(Generator(llama, eos_token_ids=[token]), {0: [("a", PROMPTS[2], greedy(16))]})
+    assert (results["a"].output_ids, results["a"].stop_reason) == (ref[: stop_at + 1], "stop")
+
+
+def test_stop_string_ends_at_the_token_that_completes_it(llama, tokenizer):
+    prompt = PROMPTS[4]
+    ref = hf_greedy(llama, prompt, 24, eos=None)
+    # A stop string spanning the end of token k-1 and the start of token k's text, not seen before token k.
+    for k in range(4, 24):
+        text, before = tokenizer.decode(ref[: k + 1]), tokenizer.decode(ref[:k])
+        stop = text[len(before) - 2 : len(before) + 2] if text.startswith(before) else ""
+        if len(stop) == 4 and "\ufffd" not in stop and stop not in before:
+            break
+    else:
+        pytest.skip("no clean stop string in this output")
+    gen = Generator(llama, eos_token_ids=[], decode_fn=tokenizer.decode)
+    results, _ = drain(gen, {0: [("a", prompt, greedy(24, stop=("never-there", stop))), ("b", prompt, greedy(24))]})
+    assert results["a"].output_ids == ref[: k + 1] and results["a"].stop_reason == "stop"
+    assert results["b"].output_ids == ref  # the same prompt without stop strings runs on
+
+
+# ---------------------------------------------------------------------------
+# Bad requests
+# ---------------------------------------------------------------------------
+
+
+def test_bad_requests_raise_exact_errors_and_leave_a_running_request_alone(llama):
+    ref = hf_greedy(llama, PROMPTS[1], 12, eos=None)
+    gen = Generator(llama, eos_token_ids=[], max_seq_len=64)
+    gen.add("good", PROMPTS[1], greedy(12))
+    gen.step()
+    gen.step()
+    bad = {
+        "request 'e': input_ids is empty; a prompt needs at least 1 token": ("e", [], greedy(4)),
+        "request 'n': sampling.max_new_tokens is 0; it must be at least 1": ("n", [3], greedy(0)),
+        "request 'l': the prompt has 64 tokens; max_seq_len is 64, so a prompt may have at most 63 tokens": (
+            "l", [3] * 64, greedy(1)),
+        "request 's': the prompt (60 tokens) + sampling.max_new_tokens (5) = 65 exceeds max_seq_len 64; "
+        "max_new_tokens may be at most 4 for this prompt": ("s", [3] * 60, greedy(5)),
+        "request 'v': input_ids[2] = 512 is outside the vocabulary [0, 512)": ("v", [3, 4, 512], greedy(4)),
+        "request 'm': input_ids[0] = -1 is outside the vocabulary [0, 512)": ("m", [-1], greedy(4)),
+        "request 'good' is already running or waiting; request ids must be unique among live requests": (
+            "good", [3], greedy(4)),
+        "request 't': sampling.temperature is -0.5; it must be a finite number >= 0 (0 = greedy)": (
+            "t", [3], SamplingParams(4, temperature=-0.5)),
+        "request 'p': sampling.top_p is 0.0; it must be in (0, 1]": ("p", [3], SamplingParams(4, top_p=0.0)),
+        "request 'k': sampling.top_k is 0; it must be -1 (off) or at least 1": ("k", [3], SamplingParams(4, top_k=0)),
+        "request 'x': sampling.stop is ('###',) but this Generator has no decode_fn to turn tokens into text; "
+        "build it with decode_fn=tokenizer.decode": ("x", [3], SamplingParams(4, stop=("###",))),
+    }
+    for message, (rid, prompt, sampling) in bad.items():
+        with pytest.raises(RequestError) as info:
+            gen.add(rid, prompt, sampling)
+        assert str(info.value) == message
+    assert (gen.num_running, gen.num_waiting) == (1, 0)
+    results, _ = drain(gen)
+    assert results["good"].output_ids == ref
+    gen.add("good", PROMPTS[0], greedy(2))  # a finished id may be reused
+    assert gen.num_waiting == 1
+
+
+# ---------------------------------------------------------------------------
+# Aborts
+# ---------------------------------------------------------------------------
+
+
+def test_abort_all_returns_partial_outputs_that_continue_to_the_uninterrupted_result(llama):
+    n = 15
+    refs = {rid: hf_greedy(llama, p, n, eos=None) for rid, p in zip("abc", PROMPTS)}
+    gen = Generator(llama, eos_token_ids=[], max_batch=2)
+    for rid, p in zip("abc", PROMPTS):
+        gen.add(rid, p, greedy(n))
+    for _ in range(4):
+        assert gen.step() == []
+    aborted = {f.rid: f for f in gen.abort_all()}
+    assert (gen.num_running, gen.num_waiting) == (0, 0)
+    assert {f.stop_reason for f in aborted.values()} == {"abort"}
+    assert aborted["c"].output_ids == []  # still waiting behind max_batch=2
+    for rid in "ab":
+        partial = aborted[rid].output_ids
+        assert 0 < len(partial) < n and partial == refs[rid][: len(partial)]
+    for rid, p in zip("abc", PROMPTS):  # continue from prompt + partial
+        gen.add(rid, p + aborted[rid].output_ids, greedy(n - len(aborted[rid].output_ids)))
+    results, _ = drain(gen)
+    for rid in "abc":
+        assert aborted[rid].output_ids + results[rid].output_ids == refs[rid]
+
+
+def test_abort_one_request_leaves_the_others_running(llama):
+    refs = [hf_greedy(llama, p, 10, eos=None) for p in PROMPTS[:3]]
+    gen = Generator(llama, eos_token_ids=[])
+    for rid, p in zip("abc", PROMPTS):
+        gen.add(rid, p, greedy(10))
+    gen.step()
+    out = gen.abort("a")  # row 0: the last row moves into its place
+    assert out.stop_reason == "abort" and out.output_ids == refs[0][:2]
+    assert gen.abort("a") is None and gen.abort("nope") is None
+    results, _ = drain(gen)
+    assert [results["b"].output_ids, results["c"].output_ids] == refs[1:]
+
+
+def test_a_failing_prefill_forward_puts_the_joiners_back_in_the_queue(llama, monkeypatch):
+    refs = [hf_greedy(llama, p, 6, eos=None) for p in PROMPTS[:3]]
+    gen = Generator(llama, eos_token_ids=[])
+    gen.add("a", PROMPTS[0], greedy(6))
+    gen.step()
+    gen.add("b", PROMPTS[1], greedy(6))
+    gen.add("c", PROMPTS[2], greedy(6))
+    with monkeypatch.context() as patch:
+        patch.setattr(gen, "_forward", lambda *a: (_ for _ in ()).throw(MemoryError("no room")))
+        with pytest.raises(MemoryError):
+            gen.step()
+    assert (gen.num_running, gen.num_waiting) == (1, 2)
+    results, _ = drain(gen)
+    assert [results[r].output_ids for r in "abc"] == refs
+
+
+# ---------------------------------------------------------------------------
+# Weight swaps
+# ---------------------------------------------------------------------------
+
+
+def test_load_state_dict_generates_with_the_new_weights_only(folders):
+    old, new = load(folders["llama"], seed=0), load(folders["llama"], seed=1)
+    prompt, n = PROMPTS[2], 12
+    ref_old, ref_new = hf_greedy(old, prompt, n, eos=None), hf_greedy(new, prompt, n, eos=None)
+    assert ref_old != ref_new
+    gen = Generator(load(folders["llama"], seed=0), eos_token_ids=[])
+    assert drain(gen, {0: [("a", prompt, greedy(n))]})[0]["a"].output_ids == ref_old
+
+    # In flight: the request keeps its tokens so far and continues under the new weights.
+    gen.add("b", prompt, greedy(n))
+    gen.step()
+    gen.step()
+    gen.load_state_dict(new.state_dict())
+    assert (gen.num_running, gen.num_waiting) == (0, 1)
+    partial = ref_old[:3]
+    results, _ = drain(gen)
+    assert results["b"].output_ids[:3] == partial
+    assert results["b"].output_ids == partial + hf_greedy(new, prompt + partial, n - 3, eos=None)
+    assert drain(gen, {0: [("c", prompt, greedy(n))]})[0]["c"].output_ids == ref_new
+
+
+def test_load_safetensors_dir_and_refusals_leave_the_weights_alone(folders, tmp_path):
+    new = load(folders["llama"], seed=1)
+    new.save_pretrained(tmp_path / "new")
+    gen = Generator(load(folders["llama"], seed=0), eos_token_ids=[])
+    before = {k: v.clone() for k, v in gen.model.state_dict().items()}
+    state = new.state_dict()
+    wrong = dict(state, **{"model.norm.weight": torch.ones(3)})
+    refused = r"refused, nothing was loaded: 'model.norm.weight' has shape \(3,\), the model's is \(64,\)"
+    with pytest.raises(ValueError, match=refused):
+        gen.load_state_dict(wrong)
+    with pytest.raises(ValueError, match=r"missing 1 weight\(s\): 'lm_head.weight'"):
+        gen.load_state_dict({k: v for k, v in state.items() if k != "lm_head.weight"})
+    with pytest.raises(ValueError, match=r"'model.extra' is not a weight of LlamaForCausalLM"):
+        gen.load_state_dict(dict(state, **{"model.extra": torch.zeros(1)}))
+    assert all(torch.equal(before[k], v) for k, v in gen.model.state_dict().items())
+    with pytest.raises(ValueError, match="no \\*.safetensors file in"):
+        gen.load_safetensors_dir(tmp_path)
+    gen.load_safetensors_dir(tmp_path / "new")
+    assert all(torch.equal(state[k], v) for k, v in gen.model.state_dict().items())
+    assert drain(gen, {0: [("a", PROMPTS[0], greedy(8))]})[0]["a"].output_ids == hf_greedy(new, PROMPTS[0], 8, eos=None)
+
+
+# ---------------------------------------------------------------------------
+# bfloat16
+# ---------------------------------------------------------------------------
+
+
+def test_bfloat16_smoke(folders):
+    model = load(folders["qwen2"], dtype=torch.bfloat16)
+    gen = Generator(model, eos_token_ids=[])
+    results, busiest = drain(
+        gen,
+        {0: [("g", PROMPTS[0], greedy(8)), ("s", PROMPTS[1], SamplingParams(max_new_tokens=8, seed=0, top_p=0.9))],
+         1: [("t", PROMPTS[2], SamplingParams(max_new_tokens=8, temperature=0.5, top_k=3, seed=1))]},
+    )
+    assert busiest == 3
+    for f in results.values():
+        assert len(f.output_ids) == 8 and all(0 <= t < 512 for t in f.output_ids)
+        assert all(math.isfinite(x) and x <= 1e-6 for x in f.logprobs)
+    ref = teacher_forced_logprobs(model, PROMPTS[0], results["g"].output_ids, greedy(8))
+    assert torch.allclose(torch.tensor(results["g"].logprobs), ref, atol=0.1)
