@@ -22,7 +22,9 @@ def texts(problems):
 def test_defaults_have_no_type_or_range_problems():
     config, problems = load_config(None, [])
     assert problems == []
-    assert config == RunConfig()
+    expected = RunConfig()
+    expected.model.dtype = config.model.dtype  # "auto" is resolved for this machine
+    assert config == expected and config.model.dtype in ("float32", "bfloat16")
 
 
 def test_yaml_then_overrides_in_order(tmp_path):
@@ -53,8 +55,8 @@ def test_wrong_type_and_out_of_range_and_bad_choice_word_for_word():
         "    fix: write rollout.sampling as a section of keys",
         "[core.range] actor.optimizer.lr: -1.0 is out of range; it must be > 0.0\n"
         "    fix: set actor.optimizer.lr to a value > 0.0",
-        "[core.choice] model.dtype: 'fp16' is not allowed; choose one of: float32, bfloat16\n"
-        "    fix: set model.dtype=float32",
+        "[core.choice] model.dtype: 'fp16' is not allowed; choose one of: auto, float32, bfloat16\n"
+        "    fix: set model.dtype=auto",
     ]
 
 
@@ -168,3 +170,16 @@ def test_docs_config_page_lists_every_key_as_the_schema_says():
 
     page = (Path(__file__).parents[1] / "docs" / "config.md").read_text()
     assert key_table() in page, "docs/config.md is stale: paste the output of areal_core.config.describe.key_table()"
+
+
+def test_auto_dtype_is_resolved_for_this_machine(monkeypatch):
+    from areal_core.config import dtype
+
+    monkeypatch.setattr(dtype, "has_gpu", lambda: False)
+    assert dtype.cpu_has_bf16("flags : fpu avx512f avx512_bf16 amx_tile") is True
+    assert dtype.cpu_has_bf16("flags : fpu avx512f") is False
+    monkeypatch.setattr(dtype, "cpu_has_bf16", lambda cpuinfo=None: False)
+    assert load_config(None, [])[0].model.dtype == "float32"
+    assert load_config(None, ["model.dtype=bfloat16"])[0].model.dtype == "bfloat16"
+    monkeypatch.setattr(dtype, "has_gpu", lambda: True)
+    assert load_config(None, [])[0].model.dtype == "bfloat16"

@@ -188,8 +188,11 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     :func:`areal_core.config.validate.validate_run`, which resolves the
     selected components).
     """
+    from areal_core.config.dtype import resolve_dtype
+
     raw, problems = read_raw(path, list(overrides or []))
     config = build(RunConfig, raw, "", problems)
+    config.model.dtype = resolve_dtype(config.model.dtype)  # engines only ever see a concrete dtype
     return config, problems
 
 

@@ -26,7 +26,8 @@ def spec(default: Any = None, *, factory: Any = None, help: str = "", **rules: A
 @dataclass
 class ModelConfig:
     path: str = spec("", help="HF model folder (safetensors + config.json); '' = the built-in demo model")
-    dtype: str = spec("bfloat16", choices=["float32", "bfloat16"], help="parameter / compute dtype")
+    dtype: str = spec("auto", choices=["auto", "float32", "bfloat16"],
+                      help="parameter / compute dtype; auto = bfloat16 on a GPU or a CPU with bf16 units, else float32")
 
 
 @dataclass

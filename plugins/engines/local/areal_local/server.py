@@ -267,12 +267,15 @@ def load_engine(model_path: str, dtype: str, max_batch: int) -> EngineLoop:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m areal_local.server", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="HF model folder, or 'demo' for SmolLM2-135M-Instruct")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--max-batch", type=int, default=64)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from areal_core.config.dtype import resolve_dtype
+
+    args.dtype = resolve_dtype(args.dtype)
     model = args.model
     if model == "demo":
         from areal_local.models import demo_model_path
