@@ -199,20 +199,22 @@ class Trainer:
         version = self.actor.version
         packed = self._broadcast(pack_groups(groups) if groups is not None else None)
         needs = self.algorithm.needs
+        # Logprobs under the distribution the engines sampled from (greedy: the raw one).
+        temperature = self.cfg.rollout.sampling.temperature or 1.0
         if needs.proximal_logprobs:
-            packed["prox_logprobs"] = self.actor.forward_logprobs(packed)["logprobs"]
+            packed["prox_logprobs"] = self.actor.forward_logprobs(packed, temperature)["logprobs"]
         if needs.reference_logprobs:
-            packed["ref_logprobs"] = self.reference.forward_logprobs(packed)["logprobs"]
+            packed["ref_logprobs"] = self.reference.forward_logprobs(packed, temperature)["logprobs"]
         packed = self.algorithm.compute_advantages(packed)
         train_began = time.monotonic()
-        stats = self.actor.train_batch(packed, self.algorithm.loss)
+        stats = self.actor.train_batch(packed, self.algorithm.loss, temperature=temperature)
         train_s = time.monotonic() - train_began
         new_version = self.actor.version
         metrics: dict[str, float] = {f"train/{k}": float(v) for k, v in stats.items() if _is_number(v)}
+        sync_began = time.monotonic()
+        weights = self.run_dir / "weights" / f"v{new_version:06d}"
+        self.actor.export_to_disk(str(weights))  # collective: every rank takes part in the gather
         if self.rank == 0:
-            sync_began = time.monotonic()
-            weights = self.run_dir / "weights" / f"v{new_version:06d}"
-            self.actor.export_to_disk(str(weights))
             paused_s = self.controller.update_weights_from_disk(str(weights), new_version)
             metrics["time/weight_sync_s"] = time.monotonic() - sync_began
             metrics["time/generation_paused_s"] = paused_s
@@ -317,7 +319,10 @@ def main(argv: list[str] | None = None) -> int:
 
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S))
+        import torch
+
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S))
     trainer = Trainer(run, args.run_dir, rank, world)
     trainer.fit(resume=args.resume)
     return 0

@@ -133,11 +133,12 @@ VALUES = st.one_of(st.integers(-5, 10**6), st.floats(allow_nan=True), st.boolean
 @settings(max_examples=150, deadline=None)
 @given(st.dictionaries(st.sampled_from(KEYS), VALUES, max_size=6))
 def test_loader_never_crashes_on_any_values(values):
-    from omegaconf import OmegaConf
+    import yaml
 
     overrides = []
-    for key, value in values.items():
-        overrides.append(f"{key}={OmegaConf.to_yaml({'v': value})[3:].strip()}" if value is not None else f"{key}=")
+    for key, value in values.items():  # each value written as YAML flow text, as a user would type it
+        overrides.append(f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
+                         if value is not None else f"{key}=")
     try:
         config, problems = load_config(None, overrides)
     except ProblemsError:

@@ -9,6 +9,15 @@ through entry points of fake installed distributions, like real plugins.
 
 from __future__ import annotations
 
+# pytester's in-process runs unload every module first imported during them, and
+# torch's operator libraries cannot be registered twice in one process: import
+# torch and the model code other test files use before any pytester run.
+try:
+    import torch  # noqa: F401
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM  # noqa: F401
+except ImportError:  # a core-only environment: nothing to protect
+    pass
+
 import asyncio
 import subprocess
 import sys

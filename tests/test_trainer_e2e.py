@@ -157,6 +157,6 @@ def test_a_run_with_the_real_embedded_engine(rl_run, tmp_path):
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert all(m["staleness/token_lag_max"] <= 1 for m in metrics)
-    assert metrics[-1]["throughput/gen_tokens_per_s"] > 0
+    assert max(m["throughput/gen_tokens_per_s"] for m in metrics) > 0
     server_log = (run_dir / "logs" / "rollout-0.log").read_text()
     assert "areal_local.server" in server_log and "weights v4" in server_log

@@ -34,8 +34,15 @@ class TrainEngine(Component):
         """Per-token ``logprobs`` [T] (and ``entropy`` [T]) of ``batch`` under the current weights."""
 
     @abstractmethod
-    def train_batch(self, batch: Batch, loss_fn: LossFn) -> dict:
-        """One optimizer step on ``batch``; returns stats (loss, grad_norm, lr, ...)."""
+    def train_batch(self, batch: Batch, loss_fn: LossFn, temperature: float = 1.0) -> dict:
+        """One optimizer step on ``batch``; returns stats (loss, grad_norm, lr, ...).
+
+        ``loss_fn(logprobs, entropy, mb)`` gets one micro-batch's per-token
+        logprobs (under ``temperature``) and entropy, and returns its
+        token-mean loss and stats; the engine weights micro-batches by their
+        loss tokens so the step does not depend on how the batch was split.
+        With world size > 1 every rank calls it with the same batch.
+        """
 
     @property
     @abstractmethod
@@ -49,7 +56,9 @@ class TrainEngine(Component):
         raise NotImplementedError(f"{type(self).__name__} does not declare 'save_load'")
 
     def export_to_disk(self, path: str) -> None:
-        """Write HF safetensors for inference engines, atomically (a folder per version)."""
+        """Write HF safetensors for inference engines, atomically (a folder per version).
+
+        Collective: every rank calls it with the same ``path``."""
         raise NotImplementedError(f"{type(self).__name__} does not declare 'export_disk'")
 
     def export_tensors(self, bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:

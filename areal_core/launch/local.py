@@ -14,7 +14,6 @@ own last log lines.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any

@@ -42,7 +42,7 @@ class CounterTrainEngineDouble(TrainEngine):
     def forward_logprobs(self, batch, temperature=1.0):
         return {"logprobs": [-1.0] * len(batch["input_ids"])}
 
-    def train_batch(self, batch, loss_fn):
+    def train_batch(self, batch, loss_fn, temperature=1.0):
         loss, stats = loss_fn(None, None, batch)
         time.sleep(self.context.options.step_s)
         self.state["version"] += 1
@@ -59,6 +59,8 @@ class CounterTrainEngineDouble(TrainEngine):
     def export_to_disk(self, path):
         """Writes the version; with a real model configured, also its unchanged safetensors (a real
         inference engine then reloads real weights at every step)."""
+        if os.environ.get("RANK", "0") != "0":  # every rank is called; rank 0 writes, as real engines do
+            return
         Path(path).mkdir(parents=True, exist_ok=True)
         Path(path, "weights.json").write_text(json.dumps({"version": self.state["version"]}))
         model = self.context.config.model.path

@@ -19,7 +19,7 @@ class TrainEngineDouble(TrainEngine):
     def forward_logprobs(self, batch, temperature=1.0):
         return {"logprobs": [0.0 for _ in batch["input_ids"]]}
 
-    def train_batch(self, batch, loss_fn):
+    def train_batch(self, batch, loss_fn, temperature=1.0):
         return {"loss": 0.0}
 
     @property

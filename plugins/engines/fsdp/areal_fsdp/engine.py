@@ -1,0 +1,651 @@
+"""The ``fsdp`` train engine: any HF causal LM, sharded with FSDP2 over the data-parallel ranks.
+
+One engine per rank. With ``torch.distributed`` initialized (gloo on CPU,
+nccl on GPU) the world is the data-parallel group: every decoder layer and
+then the root are ``fully_shard``-ed; otherwise the world is this process.
+
+Precision: parameters (the optimizer's master copy) are float32 for the
+actor. ``model.dtype: bfloat16`` computes in bfloat16: through FSDP2's
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` when sharded,
+through ``torch.autocast`` when not. Logprobs and entropy are always float32.
+A reference engine (frozen, no optimizer) keeps its parameters in
+``model.dtype``.
+
+Batches are the trainer's packed lists (see ``areal_core.rollout.pack_groups``).
+Sequences are shared among ranks with balanced token counts, then packed into
+as many micro-batches as the fullest rank needs under ``actor.mb_max_tokens``
+(agreed with an all-reduce); each micro-batch is one row with a
+block-diagonal causal mask (:mod:`areal_fsdp.logprobs`). A rank with fewer
+sequences than micro-batches runs its spare ones on the batch's shortest
+sequence with weight 0, so every rank joins every collective.
+
+Loss normalisation: ``loss_fn`` returns the token mean over a micro-batch's
+``loss_mask`` tokens; the engine weights it by (those tokens / the batch's
+loss tokens), so the summed gradient is the gradient of the batch's token
+mean, whatever the split into ranks and micro-batches.
+
+Checkpoints (:meth:`save`): ``model.safetensors`` + ``config.json`` (the
+float32 master weights, loadable by transformers), ``optimizer/`` (a
+``torch.distributed.checkpoint`` folder of the sharded AdamW state, written by
+every rank, reloadable at another world size), ``engine_state.json``
+(version, scheduler) written last.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import warnings
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from areal_core.api import TrainEngine
+from areal_fsdp.hf_folder import write_hf_files, write_hf_folder, write_json_atomic
+from areal_fsdp.logprobs import packed_attention_mask, token_logprobs
+from areal_fsdp.packing import first_fit_decreasing, karmarkar_karp, micro_batches
+from areal_fsdp.schedule import lr_factor
+
+ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+STATE_FILE = "engine_state.json"
+STATE_FORMAT = 1
+OPTIMIZER_DIR = "optimizer"
+
+
+@dataclass
+class FSDPEngineConfig:
+    """Keys of ``actor`` when ``actor.backend: fsdp`` (beside the core's optimizer, mb_max_tokens, ...)."""
+
+    attn_implementation: str = field(default="sdpa", metadata={
+        "choices": list(ATTENTION),
+        "help": "sdpa / eager: packed sequences get a block-diagonal mask; flash_attention_*: (GPU) "
+                "sequences are separated by their restarting position ids"})
+    logits_chunk_tokens: int = field(default=1024, metadata={
+        "ge": 1, "help": "positions whose full-vocabulary float32 logits are computed at once"})
+    reshard_after_forward: bool = field(default=True, metadata={
+        "help": "free each layer's gathered weights after its forward (less memory, one more all-gather)"})
+
+
+class _LogprobModel(nn.Module):
+    """The FSDP root: a HF causal LM whose forward returns per-token (logprobs, entropy) of a packed row.
+
+    Wrapping keeps the output projection inside the root's forward, so FSDP
+    gathers it and the logits are computed a chunk at a time from the hidden
+    states (:func:`areal_fsdp.logprobs.token_logprobs`).
+    """
+
+    def __init__(self, lm: nn.Module, chunk: int) -> None:
+        super().__init__()
+        self.lm = lm
+        self.chunk = chunk
+        self.softcap = getattr(lm.config, "final_logit_softcapping", None)
+
+    def forward(self, input_ids, position_ids, attention_mask, is_start, temperature: float = 1.0):
+        out = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids,
+                                    attention_mask=attention_mask, use_cache=False)
+        head = self.lm.get_output_embeddings()
+        return token_logprobs(out.last_hidden_state[0], head.weight, getattr(head, "bias", None), input_ids[0],
+                              is_start, temperature=temperature, chunk=self.chunk, softcap=self.softcap)
+
+
+class FSDPEngine(TrainEngine):
+    """Train engine on PyTorch FSDP2 (``actor.backend: fsdp``). See the module docstring."""
+
+    config_class = FSDPEngineConfig
+    capabilities = frozenset({"save_load", "export_disk", "reference"})
+
+    def __init__(self, context: Any = None) -> None:
+        super().__init__(context)
+        self.options: FSDPEngineConfig = self.context.options or FSDPEngineConfig()
+        self.role: str = self.context.extras.get("role", "actor")
+        if self.role not in ("actor", "reference"):
+            raise ValueError(f"FSDPEngine: role {self.role!r} is not 'actor' or 'reference'")
+        self._version = 0
+        self.model: _LogprobModel | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+
+    # ------------------------------------------------------------------ setup
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def lm(self) -> nn.Module:
+        """The HF causal LM (its parameters are DTensor shards when the world is larger than 1)."""
+        self._require_model("lm")
+        return self.model.lm
+
+    def _run_config(self) -> Any:
+        if self.context.config is not None:
+            return self.context.config
+        from areal_core.config.schema import RunConfig
+
+        return RunConfig()
+
+    def initialize(self) -> None:
+        if self.model is not None:
+            return
+        cfg = self._run_config()
+        self._refuse_unbuilt_parallelism()
+        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.rank = dist.get_rank() if self.world > 1 else 0
+        self.device = self._pick_device()
+        self.dtype = getattr(torch, cfg.model.dtype)
+        self.source = self._model_path(cfg.model.path, cfg.model.dtype)
+        self.mb_max_tokens = int(cfg.actor.mb_max_tokens)
+        master = torch.float32 if self.role == "actor" else self.dtype
+        lm = self._load_lm(self.source, master)
+        self._aliases = _tied_aliases(lm)
+        if self.role == "actor" and cfg.actor.gradient_checkpointing:
+            if not getattr(lm, "supports_gradient_checkpointing", False):
+                raise ValueError(f"FSDPEngine: {type(lm).__name__} does not support gradient checkpointing; "
+                                 f"set actor.gradient_checkpointing: false")
+            if hasattr(lm, "activation_checkpointing_enable"):  # transformers >= 5.x names it so
+                lm.activation_checkpointing_enable({"use_reentrant": False})
+            else:
+                lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.role == "reference":
+            lm.requires_grad_(False)
+        model = _LogprobModel(lm, self.options.logits_chunk_tokens)
+        if self.world > 1:
+            self._shard(model)
+        else:
+            model.to(self.device)
+        self.model = model.eval()
+        # Autocast when nothing else casts: unsharded bf16 compute over float32 parameters.
+        self._autocast = self.world == 1 and master != self.dtype
+        if self.role == "actor":
+            self._build_optimizer(cfg)
+
+    def _refuse_unbuilt_parallelism(self) -> None:
+        parallel = getattr(self.context.placement, "parallel", None)
+        unbuilt = {dim: getattr(parallel, dim, 1) for dim in ("t", "c")}
+        unbuilt = {dim: n for dim, n in unbuilt.items() if n > 1}
+        if unbuilt:
+            dims = ", ".join(f"{dim}{n}" for dim, n in unbuilt.items())
+            raise NotImplementedError(
+                f"FSDPEngine: the allocation asks for {dims} ('{self.context.placement}'); this version of "
+                f"areal-plugin-fsdp implements data parallel only (tensor and context parallel are not built yet). "
+                f"Use d instead, e.g. d{getattr(parallel, 'd', 1) * math.prod(unbuilt.values())}")
+
+    def _pick_device(self) -> torch.device:
+        wanted = getattr(self.context.placement, "device", None)
+        if wanted != "cpu" and torch.cuda.is_available():
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+            return device
+        if wanted == "gpu":
+            raise RuntimeError("FSDPEngine: the allocation places the actor on gpu but torch sees no CUDA device "
+                               f"(torch {torch.__version__}); place it with '@cpu' or install a CUDA build of torch")
+        return torch.device("cpu")
+
+    @staticmethod
+    def _model_path(path: str, dtype: str) -> str:
+        if path:
+            return str(Path(path).expanduser())
+        try:
+            from areal_local.models import demo_model_path
+        except ImportError as exc:
+            raise RuntimeError(
+                "FSDPEngine: model.path is empty and the built-in demo model is unavailable (it comes with "
+                "areal-plugin-local); set model.path to a Hugging Face model folder (safetensors + config.json)"
+            ) from exc
+        return str(demo_model_path(dtype))
+
+    def _load_lm(self, path: str, dtype: torch.dtype) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"FSDPEngine: model.path {path!r} is not a folder; it must be a Hugging Face "
+                                    f"model folder (safetensors + config.json)")
+        try:
+            lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                      attn_implementation=self.options.attn_implementation)
+        except (OSError, ValueError, ImportError) as exc:
+            raise RuntimeError(f"FSDPEngine: cannot load a causal LM from {path} with attention "
+                               f"{self.options.attn_implementation!r}: {exc}") from exc
+        lm.config.use_cache = False
+        _no_dropout(lm)
+        return lm
+
+    def _shard(self, model: _LogprobModel) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        self.mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("dp",))
+        params_dtype = next(model.parameters()).dtype
+        mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32) \
+            if params_dtype != self.dtype else MixedPrecisionPolicy()
+        layer_classes = set(getattr(model.lm, "_no_split_modules", None) or [])
+        layers = [m for m in model.lm.modules() if type(m).__name__ in layer_classes]
+        if not layers:
+            raise RuntimeError(f"FSDPEngine: {type(model.lm).__name__} names no decoder layer class "
+                               f"(_no_split_modules); cannot shard it layer by layer")
+        for layer in layers:
+            fully_shard(layer, mesh=self.mesh, mp_policy=mp, reshard_after_forward=self.options.reshard_after_forward)
+        fully_shard(model, mesh=self.mesh, mp_policy=mp, reshard_after_forward=self.options.reshard_after_forward)
+
+    def _build_optimizer(self, cfg: Any) -> None:
+        o = cfg.actor.optimizer
+        decay, no_decay = [], []
+        for p in self.model.parameters():
+            if p.requires_grad:
+                (decay if p.ndim >= 2 else no_decay).append(p)  # no decay on norms and biases
+        groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr, betas=(o.beta1, o.beta2),
+                                           eps=o.eps)
+        self.grad_clip = float(o.grad_clip)
+        factor = partial(lr_factor, warmup_steps=o.warmup_steps, total_steps=cfg.trainer.total_steps,
+                         schedule=o.lr_schedule)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+
+    def _require_model(self, what: str) -> None:
+        if self.model is None:
+            raise RuntimeError(f"FSDPEngine.{what}: the engine is not initialized (call initialize() first) "
+                               f"or was closed")
+
+    # ------------------------------------------------------------------ batches
+    def _plan(self, batch: dict) -> list[list[int]]:
+        """This rank's micro-batches (lists of sequence indices; [] = a weight-0 filler) and their count."""
+        lengths = [int(n) for n in _as_list(batch["seq_lens"])] if "seq_lens" in batch else \
+            [b - a for a, b in zip(_as_list(batch["cu_seqlens"])[:-1], _as_list(batch["cu_seqlens"])[1:])]
+        if not lengths:
+            raise ValueError("FSDPEngine: the batch holds no sequences")
+        mine = karmarkar_karp(lengths, self.world)[self.rank] if self.world > 1 else list(range(len(lengths)))
+        own = [lengths[i] for i in mine]
+        count = len(first_fit_decreasing(own, self.mb_max_tokens))
+        if self.world > 1:
+            box = torch.tensor([count], dtype=torch.long, device=self._comm_device())
+            dist.all_reduce(box, op=dist.ReduceOp.MAX)
+            count = int(box.item())
+        count = max(count, 1)
+        bins = micro_batches(own, self.mb_max_tokens, count) if own else [[] for _ in range(count)]
+        return [[mine[j] for j in b] for b in bins]
+
+    def _comm_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def _tensors(self, batch: dict) -> tuple[dict, list[int], int]:
+        """The batch as tensors (CPU), sequence offsets and the token count T."""
+        cu = [int(c) for c in _as_list(batch["cu_seqlens"])]
+        T = cu[-1]
+        n_ids = len(_as_list(batch["input_ids"]))
+        if n_ids != T:
+            raise ValueError(f"FSDPEngine: the batch has {n_ids} input_ids but cu_seqlens ends at {T}")
+        return {k: _to_tensor(k, v) for k, v in batch.items() if k != "cu_seqlens"}, cu, T
+
+    def _micro_batch(self, tensors: dict, cu: list[int], T: int, seqs: list[int]) -> dict:
+        """The per-token and per-sequence tensors of sequences ``seqs``, packed in that order."""
+        n_seq = len(cu) - 1
+        token_idx = torch.cat([torch.arange(cu[s], cu[s + 1]) for s in seqs])
+        seq_idx = torch.tensor(seqs, dtype=torch.long)
+        mb: dict = {}
+        for key, value in tensors.items():
+            if isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == T:
+                mb[key] = value[token_idx]
+            elif isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == n_seq:
+                mb[key] = value[seq_idx]
+            else:
+                mb[key] = value
+        lens = [cu[s + 1] - cu[s] for s in seqs]
+        mb["seq_lens"] = torch.tensor(lens, dtype=torch.long)
+        mb["cu_seqlens"] = torch.tensor([0] + list(_cumsum(lens)), dtype=torch.long)
+        mb["token_index"] = token_idx
+        if "position_ids" not in mb:
+            mb["position_ids"] = torch.cat([torch.arange(n) for n in lens])
+        return mb
+
+    def _forward(self, mb: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs [T_mb], entropy [T_mb]) float32 of one packed micro-batch."""
+        lens = mb["seq_lens"].tolist()
+        dev = self.device
+        starts = torch.zeros(sum(lens), dtype=torch.bool)
+        starts[mb["cu_seqlens"][:-1]] = True
+        impl = self.lm.config._attn_implementation
+        if impl.startswith("flash_attention"):
+            mask = None  # transformers separates packed sequences by their restarting position ids
+        else:
+            mask = self._mask(lens, impl)
+        ids = mb["input_ids"].to(dev, torch.long)[None]
+        pos = mb["position_ids"].to(dev, torch.long)[None]
+        cast = torch.autocast(dev.type, dtype=self.dtype) if self._autocast else nullcontext()
+        with cast:
+            return self.model(ids, pos, mask, starts.to(dev), temperature)
+
+    def _mask(self, lens: list[int], impl: str) -> Any:
+        additive = None if impl == "sdpa" else self.dtype  # eager adds the mask to scores in the compute dtype
+        mask = packed_attention_mask(lens, additive_dtype=additive, device=self.device)
+        config = self.lm.config
+        layer_types = list(getattr(config, "layer_types", None) or [])
+        window = getattr(config, "sliding_window", None)
+        if "sliding_attention" in layer_types and window is not None:
+            sliding = packed_attention_mask(lens, additive_dtype=additive, device=self.device, sliding_window=window)
+            return {"full_attention": mask, "sliding_attention": sliding}
+        return mask
+
+    # ------------------------------------------------------------------ the contract
+    def forward_logprobs(self, batch: dict, temperature: float = 1.0) -> dict:
+        """Per-token ``logprobs`` and ``entropy`` (lists of T floats, 0.0 at each sequence's first token).
+
+        Collective when the world is larger than 1: every rank computes its
+        share and every rank returns the whole batch's values.
+        """
+        self._require_model("forward_logprobs")
+        tensors, cu, T = self._tensors(batch)
+        plan = self._plan(batch)
+        filler = _shortest(cu)
+        logprobs = torch.zeros(T, dtype=torch.float32)
+        entropy = torch.zeros(T, dtype=torch.float32)
+        with torch.no_grad():
+            for seqs in plan:
+                mb = self._micro_batch(tensors, cu, T, seqs or [filler])
+                lp, ent = self._forward(mb, temperature)
+                if seqs:
+                    logprobs[mb["token_index"]] = lp.float().cpu()
+                    entropy[mb["token_index"]] = ent.float().cpu()
+        if self.world > 1:
+            both = torch.stack([logprobs, entropy]).to(self._comm_device())
+            dist.all_reduce(both)  # each token is computed by exactly one rank; the others add 0
+            logprobs, entropy = both.cpu()
+        return {"logprobs": logprobs.tolist(), "entropy": entropy.tolist()}
+
+    def train_batch(self, batch: dict, loss_fn: Any, temperature: float = 1.0) -> dict:
+        """One optimizer step on ``batch``; ``loss_fn(logprobs, entropy, mb) -> (loss, stats)``.
+
+        ``logprobs`` / ``entropy``: float32 [T_mb] with grad, over the micro-batch's
+        tokens; ``mb``: the batch's per-token keys as tensors over the same
+        tokens (``loss_mask`` bool, float lists float32, int lists int64),
+        per-sequence keys over its sequences, ``seq_lens`` / ``cu_seqlens`` of the
+        micro-batch and ``token_index`` (its tokens' positions in the batch).
+        ``loss`` must be the token mean over ``mb["loss_mask"]``.
+
+        Returns floats: ``loss`` (the batch's token mean), ``grad_norm``
+        (before clipping), ``lr``, ``n_tokens``, ``n_loss_tokens``,
+        ``n_micro_batches``, ``update_skipped`` (1 when the gradient was not
+        finite and no step was taken), and the loss-token-weighted mean of
+        every stat ``loss_fn`` returned.
+        """
+        self._require_model("train_batch")
+        if self.optimizer is None:
+            raise RuntimeError(f"FSDPEngine.train_batch: this engine has role {self.role!r} (a frozen copy with no "
+                               f"optimizer); only an engine built with role 'actor' trains")
+        tensors, cu, T = self._tensors(batch)
+        plan = self._plan(batch)
+        mask = tensors.get("loss_mask")
+        total_loss_tokens = int(mask.sum()) if mask is not None else T
+        filler = _shortest(cu)
+        records: list[tuple[int, float, dict]] = []
+        self.optimizer.zero_grad(set_to_none=True)  # nothing left over from a step that raised
+        self.model.train()
+        try:
+            for seqs in plan:
+                mb = self._micro_batch(tensors, cu, T, seqs or [filler])
+                logprobs, entropy = self._forward(mb, temperature)
+                n_loss = (int(mb["loss_mask"].sum()) if "loss_mask" in mb else len(mb["token_index"])) if seqs else 0
+                if n_loss == 0 or total_loss_tokens == 0:
+                    # No loss tokens: a zero gradient, but every FSDP collective still runs.
+                    (logprobs.sum() * 0.0).backward()
+                    continue
+                loss, stats = loss_fn(logprobs, entropy, mb)
+                weight = n_loss / total_loss_tokens
+                # FSDP averages gradients over ranks; scaling by the world size makes that a sum.
+                scaled = loss * (weight * self.world)
+                if not scaled.requires_grad:
+                    scaled = scaled + logprobs.sum() * 0.0
+                scaled.backward()
+                records.append((n_loss, float(loss.detach()), _scalars(stats)))
+        finally:
+            self.model.eval()
+        grad_norm = self._clip()
+        lr = self.optimizer.param_groups[0]["lr"]
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self._version += 1
+        if self.world > 1:
+            gathered: list[Any] = [None] * self.world
+            dist.all_gather_object(gathered, records)
+            records = [r for rank_records in gathered for r in rank_records]
+        out = _combine(records, total_loss_tokens)
+        out.update(grad_norm=grad_norm, lr=lr, n_tokens=float(T), n_loss_tokens=float(total_loss_tokens),
+                   n_micro_batches=float(len(plan)), update_skipped=float(skipped))
+        return out
+
+    def _clip(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    # ------------------------------------------------------------------ weights
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full tensors of every parameter and persistent buffer, module names, tied aliases left out.
+
+        Collective when sharded; only rank 0 gets the tensors (on CPU), the others an empty dict.
+        """
+        out: dict[str, torch.Tensor] = {}
+        for name, value in self.lm.state_dict().items():
+            if name in self._aliases:
+                continue
+            if hasattr(value, "full_tensor"):
+                value = value.full_tensor()
+            if self.rank == 0:
+                out[name] = value.detach().to("cpu", copy=True)
+        return out
+
+    def _load_full_state_dict(self, state: dict[str, torch.Tensor], where: str) -> None:
+        """Copy full tensors (module names) into the (sharded) parameters and buffers."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        own = self.lm.state_dict(keep_vars=True)
+        missing = [n for n in own if n not in state and self._aliases.get(n) not in state]
+        unexpected = [n for n in state if n not in own]
+        if missing or unexpected:
+            raise ValueError(f"FSDPEngine: the weights in {where} do not fit {type(self.lm).__name__}: "
+                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        with torch.no_grad():
+            for name, target in own.items():
+                if name in self._aliases:
+                    continue  # the same tensor as its primary
+                src = state[name]
+                if isinstance(target, DTensor):
+                    src = src.to(device=target.device, dtype=target.dtype)
+                    target.copy_(distribute_tensor(src, target.device_mesh, target.placements, src_data_rank=None))
+                else:
+                    target.copy_(src.to(device=target.device, dtype=target.dtype))
+
+    def export_to_disk(self, path: str) -> None:
+        """Write the weights in ``model.dtype`` as a HF folder at ``path``, atomically.
+
+        Collective when the world is larger than 1 (every rank gathers, rank 0 writes).
+        """
+        self._require_model("export_to_disk")
+        state = self._full_state_dict()
+        if self.rank == 0:
+            write_hf_folder(path, self.lm, state, self.dtype, source=self.source)
+        self._barrier()
+
+    def save(self, path: str, *, with_optimizer: bool = True) -> None:
+        """Model (master dtype, HF safetensors), optimizer (DCP, sharded), scheduler and version into ``path``.
+
+        Every rank calls it with the same folder.
+        """
+        self._require_model("save")
+        folder = Path(path)
+        state = self._full_state_dict()
+        if self.rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / STATE_FILE).unlink(missing_ok=True)  # written last: its presence marks a complete save
+            shutil.rmtree(folder / OPTIMIZER_DIR, ignore_errors=True)  # no shard files of an older save remain
+            write_hf_files(folder, self.lm, state, next(self.lm.parameters()).dtype, source=self.source)
+        self._barrier()
+        saved_optimizer = with_optimizer and self.optimizer is not None
+        if saved_optimizer:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            optim = get_optimizer_state_dict(self.model, self.optimizer)
+            with _quiet_single_process_dcp():
+                dcp.save({"optimizer": optim}, storage_writer=dcp.FileSystemWriter(str(folder / OPTIMIZER_DIR),
+                                                                                   overwrite=True),
+                         no_dist=self.world == 1)
+        if self.rank == 0:
+            write_json_atomic(folder / STATE_FILE, {
+                "format": STATE_FORMAT, "version": self._version, "role": self.role, "world_size": self.world,
+                "optimizer": saved_optimizer,
+                "scheduler": self.scheduler.state_dict() if saved_optimizer else None,
+            })
+        self._barrier()
+
+    def load(self, path: str, *, with_optimizer: bool = True) -> None:
+        """Restore what :meth:`save` wrote; every rank calls it with the same folder.
+
+        With ``with_optimizer=False`` any HF model folder of the same
+        architecture loads (weights only; the version is the folder's, else 0).
+        """
+        import json
+
+        from transformers import AutoModelForCausalLM
+
+        self._require_model("load")
+        folder = Path(path)
+        state_file = folder / STATE_FILE
+        meta = json.loads(state_file.read_text()) if state_file.is_file() else None
+        master = next(self.lm.parameters()).dtype
+        fresh = AutoModelForCausalLM.from_pretrained(str(folder), dtype=master)
+        self._load_full_state_dict(dict(fresh.state_dict()), str(folder))
+        del fresh
+        if with_optimizer and self.optimizer is not None:
+            if not meta or not meta.get("optimizer"):
+                raise FileNotFoundError(f"FSDPEngine.load: {folder} holds no optimizer state (saved with "
+                                        f"with_optimizer=False, or not by this engine); load it with "
+                                        f"with_optimizer=False to take the weights only")
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+            box = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+            with _quiet_single_process_dcp():
+                dcp.load(box, checkpoint_id=str(folder / OPTIMIZER_DIR), no_dist=self.world == 1)
+            set_optimizer_state_dict(self.model, self.optimizer, box["optimizer"])
+            self.scheduler.load_state_dict(meta["scheduler"])
+        self._version = int(meta["version"]) if meta else 0
+        self._barrier()
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def close(self) -> None:
+        self.model = None
+        self.optimizer = None
+        self.scheduler = None
+
+
+# ---------------------------------------------------------------------- helpers
+@contextmanager
+def _quiet_single_process_dcp() -> Iterator[None]:
+    """DCP warns that it runs in one process when no process group exists: that is what is meant here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _tied_aliases(lm: nn.Module) -> dict[str, str]:
+    """{alias: primary} for parameters reachable under several names (tied embeddings).
+
+    The primary is the input embedding's name when it is one of them (what
+    ``save_pretrained`` keeps), else the first name.
+    """
+    by_id: dict[int, list[str]] = {}
+    for name, p in lm.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    embed = lm.get_input_embeddings()
+    embed_names = {n for n, p in lm.named_parameters(remove_duplicate=False) if p is embed.weight}
+    aliases: dict[str, str] = {}
+    for names in by_id.values():
+        if len(names) > 1:
+            primary = next((n for n in names if n in embed_names), names[0])
+            aliases.update({n: primary for n in names if n != primary})
+    return aliases
+
+
+def _no_dropout(lm: nn.Module) -> None:
+    """Dropout off everywhere: forward_logprobs and train_batch must see the same function."""
+    for module in lm.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+def _as_list(value: Any) -> list:
+    return value.tolist() if hasattr(value, "tolist") else list(value)
+
+
+def _to_tensor(key: str, value: Any) -> Any:
+    """Lists of numbers as CPU tensors: ``loss_mask`` bool, floats float32, ints int64; anything else as is."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu()
+    elif isinstance(value, (list, tuple)) and all(isinstance(v, (int, float, bool)) for v in value):
+        t = torch.tensor(value)
+    else:
+        return value
+    if key == "loss_mask":
+        return t.bool()
+    if t.is_floating_point():
+        return t.float()
+    return t.long() if t.dtype != torch.bool else t
+
+
+def _cumsum(values: list[int]):
+    total = 0
+    for v in values:
+        total += v
+        yield total
+
+
+def _shortest(cu: list[int]) -> int:
+    lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    return min(range(len(lens)), key=lambda i: (lens[i], i))
+
+
+def _scalars(stats: Any) -> dict[str, float]:
+    """The loss_fn's stats that are single numbers (tensors of one element included), as floats."""
+    out: dict[str, float] = {}
+    for key, value in (stats or {}).items():
+        try:
+            out[key] = float(value.detach()) if hasattr(value, "detach") else float(value)
+        except (TypeError, ValueError, RuntimeError):
+            continue
+    return out
+
+
+def _combine(records: list[tuple[int, float, dict]], total_loss_tokens: int) -> dict:
+    """The batch's token-mean loss and loss-token-weighted means of the loss_fn's stats."""
+    out: dict[str, float] = {"loss": sum(n * loss for n, loss, _ in records) / max(1, total_loss_tokens)}
+    sums: dict[str, float] = {}
+    weights: dict[str, int] = {}
+    for n, _, stats in records:
+        for key, value in stats.items():
+            sums[key] = sums.get(key, 0.0) + n * value
+            weights[key] = weights.get(key, 0) + n
+    for key in sums:
+        if key not in out:
+            out[key] = sums[key] / max(1, weights[key])
+    return out

@@ -1,0 +1,95 @@
+"""Per-token logprobs and entropy of packed sequences, from hidden states, a chunk at a time.
+
+A micro-batch is ONE row of ``T`` tokens holding several sequences back to
+back. Two pieces make that row behave like separate sequences:
+
+- :func:`packed_attention_mask`: a block-diagonal causal mask ``[1, 1, T, T]``
+  (token ``q`` sees token ``k`` iff both lie in the same sequence and
+  ``k <= q``); boolean for ``sdpa`` (True = attend), additive float for
+  ``eager`` (0 or the dtype's minimum). transformers hands a 4D mask to the
+  attention as it is.
+- position ids that restart at 0 per sequence (the batch carries them).
+
+:func:`token_logprobs` turns the last hidden states ``h`` [T, H] into
+
+    logp_t = log softmax(W h_{t-1} / tau)[x_t]      (tau = temperature)
+    H_t    = -sum_v p_v log p_v  of that same distribution
+
+for every token ``t`` but the first of each sequence, which gets 0.0. The
+logits are computed in float32 ``chunk`` positions at a time; with grad each
+chunk runs under activation checkpointing, so only ``h`` is kept and the
+[chunk, V] float32 logits are recomputed in backward: the full-vocabulary
+logits of the whole micro-batch never exist at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def sequence_ids(seq_lens: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """[T] index of the sequence each token belongs to."""
+    lens = torch.tensor(seq_lens, dtype=torch.long, device=device)
+    return torch.repeat_interleave(torch.arange(len(seq_lens), device=device), lens)
+
+
+def packed_attention_mask(seq_lens: list[int], *, additive_dtype: torch.dtype | None = None,
+                          device: torch.device | str = "cpu", sliding_window: int | None = None) -> torch.Tensor:
+    """Block-diagonal causal mask ``[1, 1, T, T]`` of sequences of ``seq_lens`` packed in one row.
+
+    Boolean (True = attend) unless ``additive_dtype`` is given: then 0 where
+    attended and ``finfo(additive_dtype).min`` elsewhere. ``sliding_window``
+    also hides keys ``sliding_window`` or more positions back.
+    """
+    seq = sequence_ids(seq_lens, device)
+    pos = torch.arange(seq.numel(), device=device)
+    mask = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
+    if sliding_window is not None:
+        mask &= pos[:, None] - pos[None, :] < sliding_window
+    mask = mask[None, None]
+    if additive_dtype is None:
+        return mask
+    return torch.zeros(mask.shape, dtype=additive_dtype, device=device).masked_fill_(
+        ~mask, torch.finfo(additive_dtype).min)
+
+
+def _chunk_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                    temperature: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logp [n] and entropy [n] of ``labels`` [n] under ``softmax(linear(h) / temperature)`` in float32."""
+    logits = F.linear(h, weight, bias).float()  # [n, V]
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)  # [n]
+    logp = logits.gather(-1, labels[:, None]).squeeze(-1) - lse
+    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, entropy
+
+
+def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, input_ids: torch.Tensor,
+                   is_start: torch.Tensor, *, temperature: float = 1.0, chunk: int = 1024,
+                   softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 ``(logprobs [T], entropy [T])`` of ``input_ids`` [T] from ``hidden`` [T, H].
+
+    ``is_start`` [T] marks the first token of each sequence (value 0.0 there).
+    ``weight`` [V, H] / ``bias`` [V]: the output projection. Under grad each
+    chunk is checkpointed (recomputed in backward).
+    """
+    if temperature <= 0:
+        raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
+    T = hidden.shape[0]
+    pred, labels = hidden[:-1], input_ids[1:]  # h_{t-1} predicts x_t
+    pieces_lp, pieces_ent = [], []
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    for s in range(0, T - 1, chunk):
+        args = (pred[s:s + chunk], weight, bias, labels[s:s + chunk], temperature, softcap)
+        lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if grad else _chunk_logprobs(*args)
+        pieces_lp.append(lp)
+        pieces_ent.append(ent)
+    zero = hidden.new_zeros(1, dtype=torch.float32)
+    logp = torch.cat([zero, *pieces_lp])
+    entropy = torch.cat([zero, *pieces_ent])
+    keep = ~is_start
+    return torch.where(keep, logp, 0.0), torch.where(keep, entropy, 0.0)

@@ -1,0 +1,95 @@
+"""One rank of a multi-process FSDPEngine scenario, started by test_fsdp_engine.py.
+
+    python dist_worker.py SPEC.json       (RANK / WORLD_SIZE / MASTER_* in the environment)
+
+SPEC names the model folder, dtype, mb_max_tokens, the batch and an output
+folder; the rank runs the scenario of :func:`scenario` and rank 0 writes what
+it saw to ``<out>/result.pt``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from areal_core.api import Context
+from areal_core.config.schema import RunConfig
+from areal_fsdp.engine import FSDPEngine, FSDPEngineConfig
+
+
+def nll(logprobs, entropy, mb):
+    """Token mean of -logprob over the loss mask."""
+    mask = mb["loss_mask"]
+    return -(logprobs * mask).sum() / mask.sum(), {"entropy": (entropy * mask).sum() / mask.sum()}
+
+
+def make_engine(spec: dict) -> FSDPEngine:
+    cfg = RunConfig()
+    cfg.model.path, cfg.model.dtype = spec["model"], spec.get("dtype", "float32")
+    cfg.actor.mb_max_tokens = spec.get("mb_max_tokens", 8192)
+    cfg.actor.gradient_checkpointing = spec.get("gradient_checkpointing", False)
+    cfg.actor.optimizer.lr = spec.get("lr", 1e-2)
+    cfg.actor.optimizer.weight_decay = spec.get("weight_decay", 0.0)
+    cfg.actor.optimizer.eps = spec.get("eps", 1e-8)
+    cfg.actor.optimizer.grad_clip = spec.get("grad_clip", 1.0)
+    cfg.trainer.total_steps = 10
+    engine = FSDPEngine(Context(config=cfg, options=FSDPEngineConfig(), extras={"role": spec.get("role", "actor")}))
+    engine.initialize()
+    return engine
+
+
+def scenario(engine: FSDPEngine, batch: dict, out: str, resume_from: str | None = None) -> dict:
+    """forward, train, forward, export, save, train, load, train: what each step gave."""
+    seen: dict = {}
+    if resume_from:
+        engine.load(resume_from)
+        seen["resumed_version"] = engine.version
+        engine.train_batch(batch, nll)
+        seen["after_resume"] = engine.forward_logprobs(batch)["logprobs"]
+        return seen
+    seen["lp0"] = engine.forward_logprobs(batch)
+    seen["stats1"] = engine.train_batch(batch, nll)
+    seen["lp1"] = engine.forward_logprobs(batch)["logprobs"]
+    engine.export_to_disk(os.path.join(out, "export"))
+    engine.save(os.path.join(out, "ckpt"))
+    engine.train_batch(batch, nll)
+    seen["lp2"] = engine.forward_logprobs(batch)["logprobs"]
+    engine.load(os.path.join(out, "ckpt"))
+    seen["loaded_version"] = engine.version
+    seen["lp_loaded"] = engine.forward_logprobs(batch)["logprobs"]
+    engine.train_batch(batch, nll)
+    seen["lp2_after_load"] = engine.forward_logprobs(batch)["logprobs"]
+    return seen
+
+
+def short_scenario(engine: FSDPEngine, batch: dict) -> dict:
+    """forward, train, forward on a batch that may leave ranks without a sequence of their own."""
+    seen = {"lp0": engine.forward_logprobs(batch)["logprobs"], "stats": engine.train_batch(batch, nll)}
+    seen["lp1"] = engine.forward_logprobs(batch)["logprobs"]
+    return seen
+
+
+def main(spec_path: str) -> int:
+    spec = json.loads(open(spec_path).read())
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    try:
+        engine = make_engine(spec)
+        if spec.get("scenario") == "short":
+            seen = short_scenario(engine, spec["batch"])
+        else:
+            seen = scenario(engine, spec["batch"], spec["out"], spec.get("resume_from"))
+        if dist.get_rank() == 0:
+            torch.save(seen, os.path.join(spec["out"], "result.pt"))
+        engine.close()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

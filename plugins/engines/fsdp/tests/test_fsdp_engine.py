@@ -1,0 +1,469 @@
+"""The fsdp train engine on tiny random Llama / Qwen2 models, on CPU: one process, and two over gloo."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import importlib.util
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+# Loaded at collection (see plugins/engines/local/tests/test_models.py for why).
+from safetensors.torch import load_file  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM  # noqa: E402, F401
+
+from areal_core.api import Context  # noqa: E402
+from areal_core.config.schema import RunConfig  # noqa: E402
+from areal_core.launch import free_port, rendezvous_env  # noqa: E402
+from areal_core.testing import TrainEngineConformance  # noqa: E402
+from areal_fsdp.engine import FSDPEngine, FSDPEngineConfig  # noqa: E402
+from areal_fsdp.logprobs import packed_attention_mask  # noqa: E402
+from areal_fsdp.packing import first_fit_decreasing, karmarkar_karp, micro_batches  # noqa: E402
+from areal_fsdp.schedule import lr_factor  # noqa: E402
+from areal_local.models import tiny_model  # noqa: E402
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+_spec = importlib.util.spec_from_file_location("areal_fsdp_dist_worker", WORKER)
+worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(worker)
+
+LENGTHS = [5, 9, 3, 12, 7, 6]
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp-models")
+    return {
+        "llama": tiny_model(root / "llama", arch="llama", seed=0),
+        "qwen2": tiny_model(root / "qwen2", arch="qwen2", seed=1),
+        "untied": tiny_model(root / "untied", arch="llama", seed=2, tie_word_embeddings=False),
+    }
+
+
+def make_batch(lengths=LENGTHS, seed: int = 0, prompt: int = 2) -> dict:
+    """A packed batch as ``pack_groups`` makes it, plus per-token advantages."""
+    rng = random.Random(seed)
+    out: dict = {k: [] for k in ("input_ids", "position_ids", "loss_mask", "logprobs", "versions", "advantages",
+                                 "rewards", "group_index", "seq_lens")}
+    cu = [0]
+    for j, n in enumerate(lengths):
+        out["input_ids"] += [rng.randrange(3, VOCAB) for _ in range(n)]
+        out["position_ids"] += list(range(n))
+        out["loss_mask"] += [int(i >= prompt) for i in range(n)]
+        out["logprobs"] += [-rng.random() for _ in range(n)]
+        out["versions"] += [0] * n
+        out["advantages"] += [rng.uniform(-1, 1) for _ in range(n)]
+        out["rewards"].append(float(j % 2))
+        out["group_index"].append(j // 2)
+        out["seq_lens"].append(n)
+        cu.append(cu[-1] + n)
+    out["cu_seqlens"] = cu
+    return out
+
+
+def config(path, *, dtype="float32", mb_max_tokens=8192, lr=1e-2, eps=1e-8, grad_clip=1.0,
+           gradient_checkpointing=False) -> RunConfig:
+    cfg = RunConfig()
+    cfg.model.path, cfg.model.dtype = str(path), dtype
+    cfg.actor.mb_max_tokens = mb_max_tokens
+    cfg.actor.gradient_checkpointing = gradient_checkpointing
+    cfg.actor.optimizer.lr, cfg.actor.optimizer.eps, cfg.actor.optimizer.grad_clip = lr, eps, grad_clip
+    cfg.trainer.total_steps = 10
+    return cfg
+
+
+def engine(cfg: RunConfig, role: str = "actor", **options) -> FSDPEngine:
+    e = FSDPEngine.create(Context(config=cfg, options=FSDPEngineConfig(**options), extras={"role": role}))
+    e.initialize()
+    return e
+
+
+def hf_logprobs(lm, batch: dict, temperature: float = 1.0) -> list[float]:
+    """Each sequence alone through a plain HF forward: log_softmax(logits / T) gathered at the next token."""
+    out: list[float] = []
+    cu = batch["cu_seqlens"]
+    with torch.no_grad():
+        for a, b in zip(cu[:-1], cu[1:]):
+            ids = torch.tensor(batch["input_ids"][a:b])[None]
+            logp = (lm(ids).logits[0].float() / temperature).log_softmax(-1)
+            out += [0.0] + logp[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+    return out
+
+
+def worst(a, b) -> float:
+    a = torch.as_tensor(a, dtype=torch.float64)
+    b = torch.as_tensor(b, dtype=torch.float64)
+    assert a.shape == b.shape, f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}"
+    return (a - b).abs().max().item() if a.numel() else 0.0
+
+
+def weights(e: FSDPEngine) -> dict:
+    return {k: v.detach().clone() for k, v in e.lm.state_dict().items()}
+
+
+def nll(logprobs, entropy, mb):
+    return worker.nll(logprobs, entropy, mb)
+
+
+# ---------------------------------------------------------------------- pure parts
+def test_first_fit_decreasing_respects_the_budget_and_isolates_long_sequences():
+    lengths = [7, 3, 9, 2, 8, 20, 1]
+    bins = first_fit_decreasing(lengths, 10)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 10 or len(b) == 1 for b in bins)
+    assert [5] in bins  # 20 > 10 alone
+    assert sorted(bins) == [[0, 1], [2, 6], [3, 4], [5]]  # 7+3 | 9+1 | 2+8 | 20: the optimum, 4 bins
+
+
+def test_karmarkar_karp_balances_better_than_a_round_robin():
+    rng = random.Random(3)
+    lengths = [rng.randrange(1, 400) for _ in range(40)]
+    parts = karmarkar_karp(lengths, 4)
+    assert sorted(i for p in parts for i in p) == list(range(40))
+    sums = [sum(lengths[i] for i in p) for p in parts]
+    assert max(sums) - min(sums) <= max(lengths) // 4, sums
+    assert karmarkar_karp([5], 3) == [[0], [], []]
+
+
+@pytest.mark.parametrize("k", [3, 4, 6, 9])
+def test_micro_batches_gives_exactly_k_under_the_budget(k):
+    lengths = [10, 10, 10, 4, 4, 3, 2, 1]
+    bins = micro_batches(lengths, 16, k)
+    assert len(bins) == k
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 16 for b in bins)
+    assert sum(1 for b in bins if not b) == max(0, k - len(lengths))
+
+
+def test_lr_schedule_warms_up_then_decays():
+    f = [lr_factor(s, warmup_steps=2, total_steps=6, schedule="linear") for s in range(6)]
+    assert f == pytest.approx([0.5, 1.0, 1.0, 0.75, 0.5, 0.25])
+    c = [lr_factor(s, warmup_steps=0, total_steps=4, schedule="cosine") for s in range(4)]
+    assert c == pytest.approx([1.0, 0.8535534, 0.5, 0.1464466])
+    assert lr_factor(99, warmup_steps=0, total_steps=4, schedule="constant") == 1.0
+
+
+# ---------------------------------------------------------------------- packing numerics
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_packed_row_with_block_mask_equals_each_sequence_alone(models, arch, attention):
+    lm = AutoModelForCausalLM.from_pretrained(models[arch], dtype=torch.float32, attn_implementation=attention)
+    batch = make_batch()
+    ids = torch.tensor(batch["input_ids"])[None]
+    pos = torch.tensor(batch["position_ids"])[None]
+    additive = None if attention == "sdpa" else torch.float32
+    mask = packed_attention_mask(batch["seq_lens"], additive_dtype=additive)
+    with torch.no_grad():
+        packed = lm(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False).logits[0]
+        alone = torch.cat([lm(ids[:, a:b]).logits[0] for a, b in zip(batch["cu_seqlens"][:-1],
+                                                                       batch["cu_seqlens"][1:])])
+        unmasked = lm(input_ids=ids, use_cache=False).logits[0]
+    assert worst(packed, alone) < 1e-5
+    # Without the mask the later sequences see the earlier ones: the test can tell.
+    assert worst(unmasked, alone) > 1e-3
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_forward_logprobs_equals_a_plain_hf_forward(models, arch, temperature):
+    e = engine(config(models[arch], mb_max_tokens=16), logits_chunk_tokens=5)
+    batch = make_batch()
+    out = e.forward_logprobs(batch, temperature=temperature)
+    lm = AutoModelForCausalLM.from_pretrained(models[arch], dtype=torch.float32)
+    assert len(out["logprobs"]) == len(out["entropy"]) == len(batch["input_ids"])
+    assert worst(out["logprobs"], hf_logprobs(lm, batch, temperature)) < 1e-5
+    starts = batch["cu_seqlens"][:-1]
+    assert all(out["logprobs"][s] == 0.0 and out["entropy"][s] == 0.0 for s in starts)
+    assert all(0 < h <= torch.log(torch.tensor(float(VOCAB))).item() + 1e-4
+               for i, h in enumerate(out["entropy"]) if i not in starts)
+    e.close()
+
+
+def test_sliding_window_layers_get_their_own_packed_mask(models, tmp_path):
+    from transformers import Qwen2Config
+
+    base = AutoModelForCausalLM.from_pretrained(models["qwen2"], dtype=torch.float32)
+    settings = {k: v for k, v in base.config.to_dict().items() if k != "layer_types"}
+    settings.update(use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    config_ = Qwen2Config(**settings)
+    assert config_.layer_types == ["full_attention", "sliding_attention"]
+    windowed = type(base)(config_)
+    windowed.load_state_dict(base.state_dict())
+    windowed.save_pretrained(tmp_path / "windowed")
+    batch = make_batch()
+    e = engine(config(tmp_path / "windowed"))
+    out = e.forward_logprobs(batch)["logprobs"]
+    reference = hf_logprobs(windowed.eval(), batch)
+    assert worst(out, reference) < 1e-5
+    assert worst(reference, hf_logprobs(base, batch)) > 1e-3  # the window matters for these lengths
+    e.close()
+
+
+def test_loss_fn_sees_each_micro_batch_as_tensors(models):
+    e = engine(config(models["llama"], mb_max_tokens=16))
+    batch = make_batch()
+    seen = []
+
+    def record(logprobs, entropy, mb):
+        seen.append({k: v for k, v in mb.items()})
+        assert logprobs.dtype == entropy.dtype == torch.float32 and logprobs.requires_grad
+        assert logprobs.shape == mb["input_ids"].shape == mb["advantages"].shape
+        return nll(logprobs, entropy, mb)
+
+    stats = e.train_batch(batch, record)
+    assert stats["n_micro_batches"] == len(seen) > 1
+    assert all(int(mb["seq_lens"].sum()) <= 16 for mb in seen)
+    mb = seen[0]
+    assert mb["loss_mask"].dtype == torch.bool and mb["advantages"].dtype == torch.float32
+    assert mb["input_ids"].dtype == torch.long and mb["cu_seqlens"].tolist()[0] == 0
+    # Per-sequence keys follow their sequences; per-token keys their tokens.
+    tokens = torch.cat([m["token_index"] for m in seen])
+    assert sorted(tokens.tolist()) == list(range(len(batch["input_ids"])))
+    for m in seen:
+        firsts = m["token_index"][m["cu_seqlens"][:-1]].tolist()
+        seqs = [batch["cu_seqlens"].index(f) for f in firsts]
+        assert m["rewards"].tolist() == [batch["rewards"][s] for s in seqs]
+        assert m["input_ids"].tolist() == [batch["input_ids"][t] for t in m["token_index"].tolist()]
+    e.close()
+
+
+# ---------------------------------------------------------------------- training
+def sgd_like(path, **kw) -> RunConfig:
+    """lr 1, eps 1: AdamW's first step moves each weight by about its gradient, so weights compare gradients."""
+    return config(path, lr=1.0, eps=1.0, grad_clip=0.0, **kw)
+
+
+def test_gradient_does_not_depend_on_the_micro_batch_split(models):
+    batch = make_batch()
+    results = {}
+    for name, kw in {"one": dict(mb_max_tokens=8192), "many": dict(mb_max_tokens=12),
+                     "checkpointed": dict(mb_max_tokens=12, gradient_checkpointing=True)}.items():
+        e = engine(sgd_like(models["llama"], **kw))
+        before = weights(e)
+        stats = e.train_batch(batch, nll)
+        results[name] = (stats, weights(e))
+        e.close()
+    assert results["one"][0]["n_micro_batches"] == 1 and results["many"][0]["n_micro_batches"] >= 3
+    moved = max(worst(before[k], results["one"][1][k]) for k in before)
+    assert moved > 1e-3, "the step barely moved the weights: the comparison below would prove nothing"
+    for other in ("many", "checkpointed"):
+        assert results[other][0]["loss"] == pytest.approx(results["one"][0]["loss"], rel=1e-6)
+        assert results[other][0]["grad_norm"] == pytest.approx(results["one"][0]["grad_norm"], rel=1e-5)
+        assert max(worst(results["one"][1][k], results[other][1][k]) for k in before) < 1e-5, other
+
+
+def test_training_statistics_and_schedule(models):
+    cfg = config(models["llama"], lr=1e-2)
+    cfg.actor.optimizer.warmup_steps = 2
+    e = engine(cfg)
+    batch = make_batch()
+    lp = e.forward_logprobs(batch)["logprobs"]
+    mask = batch["loss_mask"]
+    expected_loss = -sum(v for v, m in zip(lp, mask) if m) / sum(mask)
+    first = e.train_batch(batch, nll)
+    second = e.train_batch(batch, nll)
+    assert first["loss"] == pytest.approx(expected_loss, abs=1e-5)
+    assert (first["lr"], second["lr"]) == pytest.approx((0.5e-2, 1e-2))
+    assert first["n_tokens"] == len(batch["input_ids"]) and first["n_loss_tokens"] == sum(mask)
+    assert first["grad_norm"] > 0 and first["update_skipped"] == 0 and "entropy" in first
+    assert second["loss"] < first["loss"] and e.version == 2
+    e.close()
+
+
+def test_save_train_load_restores_weights_version_and_optimizer(models, tmp_path):
+    e = engine(config(models["llama"], mb_max_tokens=16))
+    seen = worker.scenario(e, make_batch(), str(tmp_path))
+    assert seen["loaded_version"] == 1
+    assert worst(seen["lp_loaded"], seen["lp1"]) == 0.0
+    assert worst(seen["lp2"], seen["lp1"]) > 1e-3  # the step after the save changed something
+    assert worst(seen["lp2_after_load"], seen["lp2"]) < 1e-6  # same step again: optimizer state restored
+    # The checkpoint's model is a HF folder: the master weights, loadable by transformers.
+    lm = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32)
+    assert worst(hf_logprobs(lm, make_batch()), seen["lp1"]) < 1e-5
+    e.close()
+
+
+def test_export_loads_in_transformers_and_in_the_embedded_generator(models, tmp_path):
+    from areal_local.generator import Generator
+
+    e = engine(config(models["llama"]))
+    e.train_batch(make_batch(), nll)
+    e.export_to_disk(str(tmp_path / "v1"))
+    e.export_to_disk(str(tmp_path / "v1"))  # replacing a version folder is atomic too
+    files = sorted(p.name for p in (tmp_path / "v1").iterdir())
+    assert "model.safetensors" in files and "config.json" in files and "tokenizer.json" in files
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "staging folders left behind"
+    # What save_pretrained writes: the tied lm_head is left out.
+    assert sorted(load_file(tmp_path / "v1" / "model.safetensors")) == \
+        sorted(load_file(Path(models["llama"]) / "model.safetensors"))
+    lm = AutoModelForCausalLM.from_pretrained(tmp_path / "v1", dtype=torch.float32)
+    assert worst(hf_logprobs(lm, make_batch()), e.forward_logprobs(make_batch())["logprobs"]) < 1e-5
+    untrained = AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float32)
+    generator = Generator(untrained, eos_token_ids=[2])
+    generator.load_safetensors_dir(tmp_path / "v1")
+    assert max(worst(v, lm.state_dict()[k]) for k, v in generator.model.state_dict().items()) == 0.0
+    e.close()
+
+
+def test_a_large_model_is_written_in_shards_with_an_index(models, tmp_path):
+    from areal_fsdp.hf_folder import write_hf_folder
+
+    lm = AutoModelForCausalLM.from_pretrained(models["untied"], dtype=torch.float32)
+    state = {k: v for k, v in lm.state_dict().items()}
+    write_hf_folder(tmp_path / "sharded", lm, state, torch.float32, source=models["untied"], max_shard_bytes=100_000)
+    shards = sorted(p.name for p in (tmp_path / "sharded").glob("model-*.safetensors"))
+    assert len(shards) > 2 and (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "sharded", dtype=torch.float32)
+    assert max(worst(v, again.state_dict()[k]) for k, v in state.items()) == 0.0
+
+
+def test_export_of_untied_and_bfloat16_models(models, tmp_path):
+    e = engine(config(models["untied"]))
+    e.export_to_disk(str(tmp_path / "untied"))
+    assert "lm_head.weight" in load_file(tmp_path / "untied" / "model.safetensors")
+    e.close()
+    e = engine(config(models["llama"], dtype="bfloat16"))
+    assert next(e.lm.parameters()).dtype == torch.float32  # master weights
+    stats = e.train_batch(make_batch(), nll)
+    assert stats["update_skipped"] == 0
+    e.export_to_disk(str(tmp_path / "bf16"))
+    tensors = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    lm = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")
+    assert next(lm.parameters()).dtype == torch.bfloat16
+    e.close()
+
+
+def test_reference_role_is_frozen_and_refuses_to_train(models):
+    ref = engine(config(models["llama"], dtype="bfloat16"), role="reference")
+    assert ref.optimizer is None
+    assert all(not p.requires_grad and p.dtype == torch.bfloat16 for p in ref.lm.parameters())
+    out = ref.forward_logprobs(make_batch())
+    lm = AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float32)
+    assert worst(out["logprobs"], hf_logprobs(lm, make_batch())) < 0.1  # bf16 weights and compute
+    with pytest.raises(RuntimeError, match="role 'reference'.*no optimizer"):
+        ref.train_batch(make_batch(), nll)
+    assert ref.version == 0
+    ref.close()
+
+
+def test_a_missing_model_folder_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model.path .*nowhere.* is not a folder"):
+        engine(config(tmp_path / "nowhere"))
+
+
+def test_tensor_and_context_parallel_placements_are_refused_not_ignored(models):
+    from areal_core.config.allocation import parse_allocation
+
+    (placement,) = parse_allocation("fsdp:d2t2c2").components
+    e = FSDPEngine.create(Context(config=config(models["llama"]), placement=placement))
+    with pytest.raises(NotImplementedError, match="t2, c2 .*data parallel only.*d8"):
+        e.initialize()
+
+
+# ---------------------------------------------------------------------- two ranks over gloo
+def run_ranks(spec: dict, folder: Path, world: int = 2, timeout: float = 240) -> dict:
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = {**spec, "out": str(folder)}
+    (folder / "spec.json").write_text(json.dumps(spec))
+    port = free_port()
+    procs, logs = [], []
+    for rank in range(world):
+        log = open(folder / f"rank{rank}.log", "w")
+        logs.append(log)
+        env = {**os.environ, **rendezvous_env(rank, world, port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(folder / "spec.json")], env=env,
+                                      stdout=log, stderr=subprocess.STDOUT))
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        codes = [p.wait() for p in procs]
+    for log in logs:
+        log.close()
+    if any(codes):
+        tails = "\n".join(f"--- rank {r} (exit {c}):\n" + "\n".join(
+            (folder / f"rank{r}.log").read_text().splitlines()[-25:]) for r, c in enumerate(codes))
+        pytest.fail(f"{world} ranks exited with {codes}:\n{tails}")
+    return torch.load(folder / "result.pt")
+
+
+def test_two_ranks_train_save_and_export_like_one(models, tmp_path):
+    # 7 sequences over 2 ranks, 16-token micro-batches: uneven shares and micro-batch counts.
+    batch = make_batch(LENGTHS + [4])
+    spec = {"model": str(models["llama"]), "batch": batch, "mb_max_tokens": 16, "lr": 1.0, "eps": 1.0,
+            "grad_clip": 0.0}
+    two = run_ranks(spec, tmp_path / "world2")
+    one = worker.scenario(worker.make_engine(spec), batch, str(tmp_path / "world1"))
+    assert worst(two["lp0"]["logprobs"], one["lp0"]["logprobs"]) < 1e-5
+    assert worst(two["lp0"]["entropy"], one["lp0"]["entropy"]) < 1e-5
+    assert two["stats1"]["loss"] == pytest.approx(one["stats1"]["loss"], rel=1e-6)
+    assert two["stats1"]["grad_norm"] == pytest.approx(one["stats1"]["grad_norm"], rel=1e-5)
+    for key in ("lp1", "lp2"):
+        assert worst(two[key], one[key]) < 1e-5, key
+    exported = [load_file(tmp_path / w / "export" / "model.safetensors") for w in ("world2", "world1")]
+    assert sorted(exported[0]) == sorted(exported[1])
+    initial = load_file(Path(models["llama"]) / "model.safetensors")
+    assert max(worst(exported[1][k], initial[k]) for k in initial) > 1e-3
+    assert max(worst(exported[0][k], exported[1][k]) for k in exported[1]) < 1e-5
+    # Save / load at world size 2: exact weights, version, and optimizer state.
+    assert two["loaded_version"] == 1
+    assert worst(two["lp_loaded"], two["lp1"]) == 0.0
+    assert worst(two["lp2_after_load"], two["lp2"]) < 1e-6
+    # A world-size-2 checkpoint resumes at world size 1 (the optimizer state is resharded).
+    resumed = worker.scenario(worker.make_engine(spec), batch, str(tmp_path / "resume"),
+                              resume_from=str(tmp_path / "world2" / "ckpt"))
+    assert resumed["resumed_version"] == 1
+    assert worst(resumed["after_resume"], two["lp2"]) < 1e-4
+
+
+def test_two_ranks_with_fewer_sequences_than_ranks(models, tmp_path):
+    batch = make_batch([9])
+    spec = {"model": str(models["qwen2"]), "batch": batch, "mb_max_tokens": 16, "lr": 1.0, "eps": 1.0,
+            "grad_clip": 0.0, "scenario": "short"}
+    two = run_ranks(spec, tmp_path / "world2")
+    one = worker.short_scenario(worker.make_engine(spec), batch)
+    assert worst(two["lp0"], one["lp0"]) < 1e-5
+    assert worst(two["lp1"], one["lp1"]) < 1e-4
+    assert two["stats"]["loss"] == pytest.approx(one["stats"]["loss"], rel=1e-6)
+
+
+def test_two_ranks_in_bfloat16_with_activation_checkpointing(models, tmp_path):
+    """FSDP2 mixed precision (bf16 compute, fp32 reduce) against autocast at world size 1: bf16-close."""
+    batch = make_batch(LENGTHS + [4])
+    spec = {"model": str(models["llama"]), "batch": batch, "mb_max_tokens": 16, "dtype": "bfloat16",
+            "gradient_checkpointing": True, "scenario": "short"}
+    two = run_ranks(spec, tmp_path / "world2")
+    one = worker.short_scenario(worker.make_engine(spec), batch)
+    assert worst(two["lp0"], one["lp0"]) < 0.05
+    assert two["stats"]["loss"] == pytest.approx(one["stats"]["loss"], abs=0.01)
+    assert worst(two["lp1"], one["lp1"]) < 0.05
+    assert worst(two["lp1"], two["lp0"]) > 1e-2  # it trained
+
+
+# ---------------------------------------------------------------------- the conformance kit
+class TestFSDPConformance(TrainEngineConformance):
+    component_name = "fsdp"
+
+    @pytest.fixture(autouse=True)
+    def _model(self, models):
+        self.model_path = models["llama"]
+
+    def make(self, cls):
+        return cls.create(Context(config=config(self.model_path, mb_max_tokens=16, lr=1e-2),
+                                  options=cls.config_class(), extras={"role": "actor"}))
+
+    def make_batch(self) -> dict:
+        return make_batch()
