@@ -160,3 +160,22 @@ def test_a_run_with_the_real_embedded_engine(rl_run, tmp_path):
     assert max(m["throughput/gen_tokens_per_s"] for m in metrics) > 0
     server_log = (run_dir / "logs" / "rollout-0.log").read_text()
     assert "areal_local.server" in server_log and "weights v4" in server_log
+
+
+def test_fsdp_trains_against_the_embedded_engine(rl_run, tmp_path):
+    pytest.importorskip("areal_fsdp")
+    from areal_local.models import tiny_model
+
+    model = tiny_model(tmp_path / "tiny", seed=0)
+    start, runs = rl_run
+    finish(start("trial=fsdp", "allocation=local:cpu+fsdp:cpu", "rollout.backend=local", "actor.backend=fsdp",
+                 "algorithm.name=rl_pg_double", f"model.path={model}", "model.dtype=float32",
+                 "actor.optimizer.lr=1e-3", "rollout.max_head_offpolicyness=1", "trainer.total_steps=3",
+                 "trainer.save_every=1"), timeout=600)
+    run_dir = runs / "fsdp"
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(m["train/grad_norm"] > 0 for m in metrics)
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert (latest / "actor" / "model.safetensors").exists()
+    assert "weights v3" in (run_dir / "logs" / "rollout-0.log").read_text()

@@ -123,6 +123,15 @@ class MeanRewardAlgorithmDouble(Algorithm):
         return 0.0, {"advantage_abs_mean": sum(map(abs, batch["advantages"])) / len(batch["advantages"])}
 
 
+class PolicyGradientAlgorithmDouble(MeanRewardAlgorithmDouble):
+    """REINFORCE with a batch-mean baseline on tensors, for runs with a real train engine."""
+
+    def loss(self, logprobs, entropy, batch):
+        mask = batch["loss_mask"].bool()
+        loss = -(batch["advantages"][mask] * logprobs[mask]).mean()
+        return loss, {"entropy": float(entropy[mask].mean())}
+
+
 @hookimpl
 def areal_declare_backends():
     return [
@@ -135,7 +144,8 @@ ENTRY_POINTS = {
     "areal": {"rl-doubles": "rl_doubles"},
     "areal.engines.train": {"rl_train_double": "rl_doubles:CounterTrainEngineDouble"},
     "areal.engines.inference": {"rl_infer_double": "rl_doubles:DiskLatencyEngineDouble"},
-    "areal.algorithms": {"rl_algo_double": "rl_doubles:MeanRewardAlgorithmDouble"},
+    "areal.algorithms": {"rl_algo_double": "rl_doubles:MeanRewardAlgorithmDouble",
+                         "rl_pg_double": "rl_doubles:PolicyGradientAlgorithmDouble"},
     "areal.workflows": {"rl_workflow_double": "rl_doubles:RewardingWorkflowDouble"},
     "areal.rewards": {"mod3_double": "rl_doubles:mod3_reward_double"},
     "areal.datasets": {"items_double": "rl_doubles:ItemsDatasetDouble"},
