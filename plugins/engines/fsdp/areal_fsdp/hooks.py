@@ -63,5 +63,28 @@ def _component_problems(comp: Component, model: ModelInfo | None) -> list[Proble
             )
             for dim in refused
         ]
+    problems = _not_built_problems(comp)
     problem = heads_problem(f"{BACKEND}.tensor-heads", comp, par.t, model)
-    return [problem] if problem else []
+    return problems + ([problem] if problem else [])
+
+
+# What the engine of this version trains with; the declaration above is what
+# the backend will support. Reported at check time rather than at start-up.
+BUILT_DIMS = "d"
+
+
+def _not_built_problems(comp: Component) -> list[Problem]:
+    par = comp.parallel
+    missing = [dim for dim in ("t", "c") if getattr(par, dim) > 1 and dim not in BUILT_DIMS]
+    if not missing:
+        return []
+    folded = replace(comp, parallel=replace(par, d=par.d * par.c * par.t, c=1, t=1))
+    what = " and ".join(f"{'tensor' if dim == 't' else 'context'} parallel ({dim}{getattr(par, dim)})"
+                        for dim in missing)
+    return [Problem(
+        f"{BACKEND}.not-built",
+        f"'{comp}': {what} is not built in this version of areal-plugin-fsdp, which trains with data "
+        "parallelism only.",
+        f"use data parallel instead, e.g. '{folded}'",
+        key="allocation",
+    )]

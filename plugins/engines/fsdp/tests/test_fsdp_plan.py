@@ -18,8 +18,11 @@ MODEL = ModelInfo(path="m", num_attention_heads=32, num_key_value_heads=8, num_h
 INFERENCE = BackendSupport("gen", "inference", dims="d", devices=("gpu", "cpu"))
 
 
-def validate(text: str, model: ModelInfo | None = MODEL):
-    return areal_validate_parallelism(config=RunConfig(), allocation=parse_allocation(text), model=model)
+def validate(text: str, model: ModelInfo | None = MODEL, *, with_not_built: bool = False):
+    """The plan problems; by default without `fsdp.not-built` (t / c are declared but not built yet),
+    so the rules for when they are stay tested."""
+    problems = areal_validate_parallelism(config=RunConfig(), allocation=parse_allocation(text), model=model)
+    return problems if with_not_built else [p for p in problems if p.code != "fsdp.not-built"]
 
 
 def codes(problems):
@@ -104,3 +107,11 @@ def test_core_rejects_undeclared_dimensions():
     problems = core_plan_problems(parse_allocation("gen:d1+fsdp:d2p2e4"), backends)
     assert codes(problems) == ["core.unsupported-dimension", "core.unsupported-dimension"]
     assert "p2" in problems[0].message and "e4" in problems[1].message
+
+
+@pytest.mark.parametrize(("text", "fix"), [("fsdp:d2t4", "'fsdp:d8'"), ("fsdp:d2t2c2", "'fsdp:d8'")])
+def test_tensor_and_context_parallel_are_refused_until_built(text, fix):
+    (problem,) = validate(text, with_not_built=True)
+    assert problem.code == "fsdp.not-built"
+    assert "trains with data parallelism only" in problem.message and fix in problem.hint
+    assert validate("fsdp:d8", with_not_built=True) == []
