@@ -107,7 +107,7 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(rl_run):
     done_before = len(read_jsonl(samples))
     assert 3 <= done_before < 6
 
-    out = finish(start("trial=killed", "actor.step_s=0.3", "trainer.save_every=1", "--resume"))
+    finish(start("trial=killed", "actor.step_s=0.3", "trainer.save_every=1", "--resume"))
     assert "resume: continuing after step" in (runs / "killed" / "logs" / "actor-rank0.log").read_text()
     resumed = read_jsonl(samples)
     assert [s["step"] for s in resumed] == [1, 2, 3, 4, 5, 6]  # the final step, each step once
