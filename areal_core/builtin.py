@@ -7,7 +7,7 @@ from typing import Any
 
 from areal_core.config.allocation import Allocation
 from areal_core.hookspecs import hookimpl
-from areal_core.parallelism import BackendSupport, core_plan_problems, default_role
+from areal_core.parallelism import BackendSupport, core_plan_problems, role_of
 from areal_core.problems import Problem
 
 
@@ -21,7 +21,7 @@ def areal_validate_parallelism(
         support = backends.get(comp.backend)
         if support is None:
             continue
-        role = comp.name or default_role(support.kind)
+        role = role_of(comp, support.kind)
         section = {"actor": "actor", "rollout": "rollout"}.get(role)
         if section is None:
             continue

@@ -11,10 +11,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 
-class CommandClashError(Exception):
-    """A command name claimed twice; the message names both owners and the fix."""
-
-
 @dataclass(frozen=True)
 class RegisteredCommand:
     name: str

@@ -71,7 +71,7 @@ class JsonlSink:
         self.path = Path(run_dir) / JSONL_NAME
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
-            _truncate_jsonl(self.path, resume_step)
+            truncate_jsonl(self.path, resume_step)
         self._file = open(self.path, "a", encoding="utf-8")
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
@@ -92,8 +92,10 @@ class JsonlSink:
         return f"JsonlSink({str(self.path)!r})"
 
 
-def _truncate_jsonl(path: Path, resume_step: int | None) -> None:
+def truncate_jsonl(path: Path, resume_step: int | None) -> None:
     """Keep only complete JSON lines with step < resume_step; rewrite atomically if anything goes."""
+    if not path.exists():
+        return
     data = path.read_bytes()
     lines = data.split(b"\n")
     complete = lines[:-1]  # the last piece is b"" when the file ends in a newline, else a partial line

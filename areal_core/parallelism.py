@@ -45,6 +45,11 @@ def default_role(kind: str) -> str:
     return "actor" if kind == "train" else "rollout"
 
 
+def role_of(component: Component, kind: str) -> str:
+    """The role a component of ``kind`` serves: its name in the allocation, else the default."""
+    return component.name or default_role(kind)
+
+
 def core_plan_problems(allocation: Allocation, backends: dict[str, BackendSupport]) -> list[Problem]:
     """Rules every allocation obeys, whichever plugins are installed."""
     problems: list[Problem] = []
@@ -118,7 +123,7 @@ def _role_problems(allocation: Allocation, backends: dict[str, BackendSupport]) 
         if support is None:
             continue
         kinds[support.kind] += 1
-        roles.setdefault(comp.name or default_role(support.kind), []).append(comp)
+        roles.setdefault(role_of(comp, support.kind), []).append(comp)
     out = []
     for role, comps in roles.items():
         if len(comps) > 1:

@@ -30,8 +30,7 @@ from typing import Any, Iterator
 from areal_core.api import Context
 from areal_core.checkpoint import CheckpointStore, load_pickle, rng_state, save_pickle_atomic, set_rng_state
 from areal_core.config.validate import ValidatedRun, validate_run
-from areal_core.metrics import JsonlSink, MetricsLogger, TensorboardSink, summarize
-from areal_core.parallelism import default_role
+from areal_core.metrics import MetricsLogger, histogram, summarize, truncate_jsonl
 from areal_core.problems import ProblemsError, format_problems
 from areal_core.rollout import RolloutController, has_reward_variance, pack_groups
 
@@ -59,7 +58,7 @@ class Trainer:
         self.rank, self.world_size = rank, world_size
         self.actor = build(run, "actor", role="actor")
         # A frozen copy of the initial policy, only when the algorithm asks for reference logprobs.
-        self.reference = build(run, "actor", role="reference") if self.algorithm_needs().reference_logprobs else None
+        self.reference = build(run, "actor", role="reference") if self.algorithm.needs.reference_logprobs else None
         self.controller: RolloutController | None = None
         self.store = CheckpointStore(self.run_dir / "checkpoints")
         self.step = 0
@@ -69,15 +68,11 @@ class Trainer:
             return False
         return self.algorithm.should_accept(group)
 
-    def algorithm_needs(self):
-        return self.algorithm.needs
-
     # -------------------------------------------------------------- setup (rank 0)
     def _rollout_side(self) -> None:
         reward = build(self.run, "reward")
         workflow = build(self.run, "workflow", reward=reward)
-        placement = next(c for c in self.run.allocation.components
-                         if (c.name or default_role(self.run.backends[c.backend].kind)) == "rollout")
+        placement = self.run.placement("rollout")
         engines = [
             self.run.components["rollout"].create(Context(
                 config=self.cfg, options=self.run.options.get("rollout"), placement=placement,
@@ -143,11 +138,11 @@ class Trainer:
         else:
             seed_everything(self.cfg.trainer.seed + self.rank)
         if self.rank == 0:
-            _truncate_steps(self.run_dir / "samples.jsonl", self.step)
+            truncate_jsonl(self.run_dir / "samples.jsonl", self.step + 1)
         total = self.cfg.trainer.total_steps
         # Steps are logged 1-based; everything after the resumed step is dropped and redone.
-        logger = MetricsLogger([JsonlSink(self.run_dir, self.step + 1), TensorboardSink(self.run_dir, self.step + 1)]) \
-            if self.rank == 0 else None
+        logger = MetricsLogger.for_run(self.run_dir, resume_step=self.step + 1, progress=False) \
+            if self.rank == 0 else None  # the launcher draws the progress bar from metrics.jsonl
         try:
             if self.controller is not None:
                 self.controller.start()
@@ -233,6 +228,7 @@ class Trainer:
         if lags:
             m["staleness/token_lag_max"] = float(max(lags))
             m["staleness/token_lag_mean"] = sum(lags) / len(lags)
+            m.update({f"staleness/tokens_at_lag_{lag}": float(n) for lag, n in histogram(lags).items()})
         stats = self.controller.stats()
         m.update({f"rollout/{k}": float(v) for k, v in stats.items()})
         m["time/wait_batch_s"] = waited
@@ -270,19 +266,6 @@ def seed_everything(seed: int) -> None:
         torch.manual_seed(seed)
     except ImportError:
         pass
-
-
-def _truncate_steps(path: Path, last_step: int) -> None:
-    """Drop records of steps after ``last_step`` (trained after the checkpoint a run resumes from)."""
-    if not path.exists():
-        return
-    import json
-
-    kept = [line for line in path.read_text().splitlines(keepends=True)
-            if line.endswith("\n") and json.loads(line)["step"] <= last_step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)
 
 
 def _prune_weights(folder: Path, keep: int) -> None:

@@ -195,6 +195,3 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     config.model.dtype = resolve_dtype(config.model.dtype)  # engines only ever see a concrete dtype
     return config, problems
 
-
-def to_dict(config: Any) -> dict:
-    return dataclasses.asdict(config)

@@ -17,7 +17,7 @@ from areal_core.config.load import build, load_config
 from areal_core.config.model_info import ModelInfo, read_model_info
 from areal_core.discovery import closest
 from areal_core.config.schema import COMPONENT_SECTIONS, RunConfig
-from areal_core.parallelism import BackendSupport
+from areal_core.parallelism import BackendSupport, role_of
 from areal_core.plugins import PluginManager, get_plugin_manager
 from areal_core.problems import Problem
 from areal_core.registry import KINDS, ComponentError, contract_for, names, resolve
@@ -39,6 +39,12 @@ class ValidatedRun:
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    def placement(self, role: str) -> Any:
+        """The allocation component serving ``role`` (``actor``, ``rollout``, ``ref``): named so,
+        or unnamed and of the role's default kind."""
+        return next(c for c in self.allocation.components
+                    if role_of(c, self.backends[c.backend].kind) == role)
 
     def resolved_dict(self) -> dict:
         """The config as written to the run folder, component options filled in."""

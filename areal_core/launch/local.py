@@ -24,13 +24,8 @@ from areal_core.api import Context, Launcher
 from areal_core.launch.supervisor import (
     ProcessFailed, ProcessSpec, Shutdown, Supervisor, free_port, rendezvous_env, split_threads,
 )
-from areal_core.parallelism import default_role
 
 console = Console(stderr=True, highlight=False, markup=False, soft_wrap=True)
-
-
-def role_of(run: Any, component: Any) -> str:
-    return component.name or default_role(run.backends[component.backend].kind)
 
 
 class MetricsTail:
@@ -80,8 +75,7 @@ class LocalLauncher(Launcher):
     def launch(self, run: Any, run_dir: Path, *, resume: bool = False) -> int:
         run_dir = Path(run_dir)
         cfg = run.config
-        actor = next(c for c in run.allocation.components if role_of(run, c) == "actor")
-        rollout = next(c for c in run.allocation.components if role_of(run, c) == "rollout")
+        actor, rollout = run.placement("actor"), run.placement("rollout")
         engine_cls = run.components["rollout"]
         ports = [free_port() for _ in range(rollout.parallel.d)]
         servers = [engine_cls.server_process(Context(config=cfg, options=run.options.get("rollout"), placement=rollout),

@@ -354,7 +354,7 @@ class RolloutController:
         if all("pause" in e.capabilities for e in self.engines):
             await asyncio.gather(*(e.pause() for e in self.engines))
         else:  # no interruption: let requests in flight finish under the old weights
-            while sum(self.engine._in_flight):
+            while self.engine.in_flight:
                 await asyncio.sleep(0.001)
 
     async def _resume(self) -> None:

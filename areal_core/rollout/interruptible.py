@@ -38,6 +38,11 @@ class InterruptibleEngine(InferenceEngine):
     def version(self) -> int:
         return min(e.version for e in self.engines)
 
+    @property
+    def in_flight(self) -> int:
+        """Requests now inside an engine call."""
+        return sum(self._in_flight)
+
     def close_gate(self) -> None:
         self._open.clear()
 

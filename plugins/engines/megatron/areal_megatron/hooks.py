@@ -11,7 +11,7 @@ from typing import Any
 from areal_core import Problem, hookimpl
 from areal_core.config.allocation import Allocation, Component
 from areal_core.config.model_info import ModelInfo
-from areal_core.parallelism import BackendSupport, default_role
+from areal_core.parallelism import BackendSupport, role_of
 from areal_core.parallelism_rules import divisors, experts_problem, heads_problem, layers_problem
 
 BACKEND = "megatron"
@@ -42,7 +42,7 @@ def areal_validate_parallelism(
     for comp in allocation.find(backend=BACKEND):
         # actor.virtual_pipeline_size configures the actor; other megatron
         # components (a ref model) keep the default of no virtual pipeline.
-        if (comp.name or default_role("train")) == "actor":
+        if role_of(comp, "train") == "actor":
             problems.extend(vpp_problems)
             problems.extend(_component_problems(comp, model, vpp))
         else:
