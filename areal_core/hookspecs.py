@@ -85,6 +85,21 @@ def areal_validate_config(config: Any) -> list[Problem]:
     """
 
 
+@hookspec(firstresult=True)
+def areal_resolve_model(path: str, dtype: str) -> str | None:
+    """Turn ``model.path`` into a local HF folder, or return None to pass.
+
+    Called (in any process, possibly often) by
+    :func:`areal_core.models.resolve_model_path` for a path that is not an
+    existing folder, notably ``""`` (the built-in demo model), with ``dtype``
+    already resolved to ``"float32"`` or ``"bfloat16"``. A plugin that knows
+    the name returns a folder holding ``config.json``, the safetensors weights
+    and the tokenizer, materialising it first if needed (a one-time
+    conversion into a user cache is fine; a network download is not). The
+    first non-None answer wins.
+    """
+
+
 @hookspec
 def areal_register_commands(registrar: CommandRegistrar) -> None:
     """Add subcommands to the ``areal`` CLI.

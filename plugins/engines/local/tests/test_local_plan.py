@@ -29,10 +29,10 @@ def test_declaration():
     assert support.description == "embedded CPU generator, one process per d"
 
 
-def test_hook_module_declares_only():
+def test_hook_module_declares_the_backend_and_provides_the_demo_model():
     manager = manager_from_modules(hooks, names=["local"])
     assert manager.warnings() == []
-    assert manager.plugins["local"].hooks == ["areal_declare_backends"]
+    assert sorted(manager.plugins["local"].hooks) == ["areal_declare_backends", "areal_resolve_model"]
 
 
 @pytest.mark.parametrize("text", ["local:cpu+trainer:d1@cpu", "local:d4@cpu+trainer:d2@cpu", "local:d2@cpu|trainer:d2@cpu"])
