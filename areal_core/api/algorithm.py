@@ -40,3 +40,7 @@ class Algorithm(Component):
     @abstractmethod
     def loss(self, logprobs: Any, entropy: Any, batch: dict) -> tuple[Any, dict]:
         """The scalar loss for one micro-batch and stats to log."""
+
+    def value_loss(self, values: Any, batch: dict) -> tuple[Any, dict]:
+        """The critic's loss for one micro-batch (only when ``needs.values``)."""
+        raise NotImplementedError(f"{type(self).__name__} asks for values but defines no value_loss")

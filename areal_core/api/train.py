@@ -20,8 +20,11 @@ class TrainEngine(Component):
     Capabilities: ``"save_load"``, ``"export_disk"``, ``"export_tensors"``,
     ``"reference"`` (frozen copy for KL), ``"critic"`` (value head).
 
-    ``context.extras["role"]`` is ``"actor"`` (trained) or ``"reference"``
-    (the initial weights, frozen: no optimizer, only ``forward_logprobs``).
+    ``context.extras["role"]`` is ``"actor"`` (trained), ``"reference"``
+    (the initial weights, frozen: no optimizer, only ``forward_logprobs``) or
+    ``"critic"`` (the initial weights with a scalar value head instead of the
+    LM head, trained with its own optimizer: ``forward_values`` and
+    ``train_values``; engines declaring the ``"critic"`` capability build it).
     With world size > 1 every rank calls ``save`` / ``load`` with the same
     folder; the engine decides how ranks share the writing.
     """
@@ -43,6 +46,23 @@ class TrainEngine(Component):
         loss tokens so the step does not depend on how the batch was split.
         With world size > 1 every rank calls it with the same batch.
         """
+
+    def forward_values(self, batch: Batch) -> dict:
+        """Critic only: per-token ``values`` [T] (list of floats).
+
+        Aligned like logprobs: ``values[t]`` is the value of the state in which
+        token ``t`` was chosen, read from the hidden state of token ``t - 1``;
+        0.0 at each sequence's first token. Collective like ``forward_logprobs``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not declare 'critic'")
+
+    def train_values(self, batch: Batch, loss_fn: LossFn) -> dict:
+        """Critic only: one optimizer step; ``loss_fn(values, mb) -> (token-mean loss, stats)``.
+
+        ``values`` float32 [T_mb] with grad, aligned as in ``forward_values``;
+        micro-batches are weighted by loss tokens exactly as in ``train_batch``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not declare 'critic'")
 
     @property
     @abstractmethod
