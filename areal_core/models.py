@@ -15,7 +15,7 @@ from typing import Any
 from areal_core.config.dtype import resolve_dtype
 
 
-class ModelNotFoundError(RuntimeError):
+class ModelNotFoundError(FileNotFoundError):
     """``model.path`` names no local folder and no plugin provides it."""
 
 
