@@ -33,3 +33,11 @@ def areal_validate_parallelism(
                 f"set {section}.backend={comp.backend}, or change the allocation",
                 key=f"{section}.backend"))
     return problems
+
+
+@hookimpl
+def areal_validate_config(config: Any) -> list[Problem]:
+    """The built-in ``function`` and ``weighted`` rewards: a target that imports, parts that resolve."""
+    from areal_core.rewards import reward_problems
+
+    return reward_problems(config.reward.name, dict(config.reward.extra), "reward")

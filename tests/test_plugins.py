@@ -141,19 +141,22 @@ def test_listing_components_imports_nothing_and_resolve_imports_only_the_selecte
     sys.modules.pop("lazy_a_was_imported", None)
 
 
-def test_unknown_component_lists_what_exists_and_suggests_the_closest(tmp_path):
+def test_unknown_component_lists_what_exists_and_suggests_the_closest(tmp_path, monkeypatch):
+    monkeypatch.setenv("AREAL_LOAD_PLUGINS", "areal-plugin-r")  # not the real math / code plugins
     eps = {"areal.rewards": {"math": "m:f", "code": "m:f"}}
     with fake(tmp_path, "areal-plugin-r", eps=eps, files={"m.py": "def f(*a):\n    return 0.0\n"}):
         with pytest.raises(ComponentError) as err:
             resolve("reward", "mth")
     assert str(err.value) == (
         "no reward named 'mth' is installed. Did you mean 'math'? Available: "
-        "code (areal-plugin-r 1.0.0), math (areal-plugin-r 1.0.0). "
+        "code (areal-plugin-r 1.0.0), function (areal-core 0.1.0), math (areal-plugin-r 1.0.0), "
+        "weighted (areal-core 0.1.0). "
         "Fix: correct reward.name, or install the plugin that provides 'mth'."
     )
 
 
-def test_two_distributions_claiming_one_component_name(tmp_path):
+def test_two_distributions_claiming_one_component_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("AREAL_LOAD_PLUGINS", "areal-plugin-a,acme-rewards")  # not the real math plugin
     src = {"m.py": "def f(*a):\n    return 0.0\n"}
     with fake(tmp_path, "areal-plugin-a", eps={"areal.rewards": {"math": "m:f"}}, files=src), \
          fake(tmp_path, "acme-rewards", "2.0", eps={"areal.rewards": {"math": "m:f"}}, files=src):

@@ -1,0 +1,230 @@
+"""Run untrusted Python under limits; the host side of the sandbox.
+
+Layers, each used where this machine allows it (:func:`isolation` says which):
+
+- namespaces (``unshare``: user, mount, network, pid): no network device but
+  a down loopback; every mount read-only except the sandbox folder; killing
+  the namespace's first process kills every process in it, even ones that
+  left the process group.
+- a pids cgroup (v1 ``pids`` hierarchy or a writable v2 cgroup with the
+  ``pids`` controller): a hard cap on processes that, unlike
+  ``RLIMIT_NPROC``, counts only this run's processes and binds root too.
+- rlimits in the child: CPU seconds, address space, file size, open files,
+  no core dumps; ``RLIMIT_NPROC`` only when there is no cgroup (it counts
+  every process of the user, so it is set to the user's current count plus
+  the allowance, and root ignores it).
+- always: its own session (``start_new_session``), a wall-clock bound, a
+  fresh folder removed afterwards, a scrubbed environment, an audit hook
+  refusing sockets and writes outside the folder.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+RUNNER = str(Path(__file__).with_name("_runner.py"))
+MARK = "areal-sandbox: blocked"
+
+
+@dataclass(frozen=True)
+class Limits:
+    cpu_s: int = 5
+    wall_s: float = 10.0
+    memory_mb: int = 512
+    max_processes: int = 32
+    file_size_mb: int = 16
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: str  # ok | error | timeout | cpu_time | memory | process_limit | file_size | network | write_blocked | sandbox_error
+    returncode: int | None
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+@functools.lru_cache(maxsize=1)
+def isolation() -> str:
+    """``namespaces`` where unprivileged user + mount + network + pid namespaces work, else ``rlimits``."""
+    unshare = shutil.which("unshare")
+    if unshare and sys.platform.startswith("linux"):
+        try:
+            done = subprocess.run([unshare, "--user", "--map-root-user", "--mount", "--net", "--pid", "--fork",
+                                   "--kill-child", "--", "true"], capture_output=True, timeout=10)
+            if done.returncode == 0:
+                return "namespaces"
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return "rlimits"
+
+
+@functools.lru_cache(maxsize=1)
+def pids_cgroup_root() -> str | None:
+    """A folder where a child pids cgroup can be made, or None."""
+    candidates = ["/sys/fs/cgroup/pids"]
+    try:  # cgroup v2: our own cgroup, if it is writable and delegates pids
+        own = Path("/proc/self/cgroup").read_text().splitlines()
+        v2 = [line.split(":", 2)[2] for line in own if line.startswith("0::")]
+        if v2:
+            candidates.append("/sys/fs/cgroup" + v2[0].rstrip("/"))
+    except OSError:
+        pass
+    for root in candidates:
+        probe = Path(root) / f"areal-probe-{uuid.uuid4().hex[:8]}"
+        try:
+            probe.mkdir()
+            try:
+                if (probe / "pids.max").exists():
+                    return root
+            finally:
+                probe.rmdir()
+        except OSError:
+            continue
+    return None
+
+
+def _user_process_count() -> int:
+    uid = os.getuid()
+    count = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                count += entry.stat().st_uid == uid
+            except OSError:
+                pass
+    return count
+
+
+def _kill_cgroup(path: Path) -> None:
+    for _ in range(100):
+        try:
+            pids = [int(p) for p in (path / "cgroup.procs").read_text().split()]
+        except OSError:
+            return
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.01)
+    try:
+        path.rmdir()
+    except OSError:
+        pass
+
+
+def _pids_max_hit(path: Path | None) -> bool:
+    if path is None:
+        return False
+    try:
+        for line in (path / "pids.events").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "max" and int(value) > 0:
+                return True
+    except OSError:
+        pass
+    return False
+
+
+def _status(returncode: int | None, stderr: str, timed_out: bool, forks_refused: bool) -> str:
+    if f"{MARK} network" in stderr:
+        return "network"
+    if f"{MARK} write" in stderr:
+        return "write_blocked"
+    if "areal-sandbox: setup failed" in stderr:
+        return "sandbox_error"
+    if forks_refused or "BlockingIOError" in stderr and "fork" in stderr:
+        return "process_limit"
+    if "MemoryError" in stderr:
+        return "memory"
+    if timed_out:
+        return "timeout"
+    if "areal-sandbox: cpu time limit" in stderr or returncode in (-signal.SIGXCPU, 152):
+        return "cpu_time"
+    if returncode == -signal.SIGXFSZ or "File too large" in stderr:
+        return "file_size"
+    if "Read-only file system" in stderr:
+        return "write_blocked"
+    return "ok" if returncode == 0 else "error"
+
+
+def run_python(source: str, stdin: str = "", limits: Limits = Limits(), max_output: int = 1 << 20) -> Outcome:
+    """Run ``source`` as ``main.py`` with ``stdin`` under ``limits``; never raises for what the code does."""
+    work = Path(tempfile.mkdtemp(prefix="areal-sandbox-"))
+    box = work / "box"
+    box.mkdir()
+    (box / "main.py").write_text(source)
+    cgroup: Path | None = None
+    root = pids_cgroup_root()
+    if root is not None:
+        cgroup = Path(root) / f"areal-sandbox-{uuid.uuid4().hex}"
+        try:
+            cgroup.mkdir()
+            (cgroup / "pids.max").write_text(str(limits.max_processes))
+        except OSError:
+            cgroup = None
+    mode = isolation()
+    cfg = {"box": str(box), "cpu_s": limits.cpu_s, "memory_bytes": limits.memory_mb << 20,
+           "file_bytes": limits.file_size_mb << 20, "cgroup": str(cgroup) if cgroup else "",
+           "unshare": shutil.which("unshare") or ""}
+    if cgroup is None:
+        cfg["nproc"] = _user_process_count() + limits.max_processes
+    if mode == "namespaces":
+        cmd = [cfg["unshare"], "--user", "--map-root-user", "--mount", "--net", "--pid", "--fork",
+               "--kill-child", "--", sys.executable, "-I", RUNNER, "setup", json.dumps(cfg)]
+    else:
+        if cgroup is not None:  # no setup stage to join it: the child joins before running the code
+            cmd = [sys.executable, "-I", "-c",
+                   "import sys,runpy;open(sys.argv[2]+'/cgroup.procs','w').write('0');"
+                   "sys.argv=[sys.argv[1],'run',sys.argv[3]];runpy.run_path(sys.argv[0],run_name='__main__')",
+                   RUNNER, str(cgroup), json.dumps(cfg)]
+        else:
+            cmd = [sys.executable, "-I", RUNNER, "run", json.dumps(cfg)]
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(box), "TMPDIR": str(box)}
+    start = time.monotonic()
+    timed_out = False
+    # Output goes to files, not pipes: RLIMIT_FSIZE then bounds it, and a flood cannot fill our memory.
+    with open(work / "stdout", "w+b") as out, open(work / "stderr", "w+b") as err:
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=box, env=env,
+                                    start_new_session=True)
+        except OSError as exc:
+            shutil.rmtree(work, ignore_errors=True)
+            return Outcome("sandbox_error", None, "", f"could not start the sandbox: {exc}", 0.0)
+        try:
+            proc.communicate(stdin.encode(), timeout=limits.wall_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        except (BrokenPipeError, OSError):
+            pass
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the session: everything that stayed in its group
+            except OSError:
+                pass
+            proc.wait()
+            forks_refused = _pids_max_hit(cgroup)
+            if cgroup is not None:
+                _kill_cgroup(cgroup)  # the rest, wherever it went
+        seconds = time.monotonic() - start
+        out.seek(0)
+        err.seek(0)
+        stdout = out.read(max_output).decode("utf-8", "replace")
+        stderr = err.read(max_output).decode("utf-8", "replace")
+    shutil.rmtree(work, ignore_errors=True)
+    status = _status(proc.returncode, stderr, timed_out, forks_refused)
+    return Outcome(status, proc.returncode, stdout, stderr, seconds)

@@ -1,0 +1,193 @@
+"""The code reward: passing and failing solutions, and one test per sandbox attack.
+
+Each attack test also checks the host afterwards: no sandbox process left,
+no sandbox folder or cgroup left, nothing written where it was aimed.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from areal_core.api import Context
+from areal_core.testing import RewardConformance
+
+from areal_code.reward import CodeConfig, CodeReward, extract_code
+from areal_code.sandbox import RUNNER, isolation, pids_cgroup_root
+
+REVERSE = {"tests": [{"input": "abc\n", "output": "cba\n"}, {"input": "hello\n", "output": "olleh"}]}
+
+
+def fenced(code: str) -> str:
+    return f"Here is my solution:\n```python\n{code}\n```\nDone."
+
+
+class TestCodeReward(RewardConformance):
+    component_name = "code"
+    examples = [
+        ("Reverse a line.", fenced("print(input()[::-1])"), REVERSE, 1.0),
+        ("Reverse a line.", fenced("print(input())"), REVERSE, 0.0),
+        ("Reverse a line.", "print(input()[::-1])", REVERSE, 0.0),  # no code block
+        ("add", fenced("def add(a, b):\n    return a + b"), {"test_code": "assert add(2, 3) == 5"}, 1.0),
+        ("add", fenced("def add(a, b):\n    return a - b"), {"test_code": "assert add(2, 3) == 5"}, 0.0),
+    ]
+
+
+def reward(**options) -> CodeReward:
+    base = {"cpu_s": 2, "wall_s": 4.0, "memory_mb": 256, "max_processes": 16}
+    return CodeReward.create(Context(options=CodeConfig(**{**base, **options})))
+
+
+def sandbox_processes() -> list[int]:
+    """Host processes still running the sandbox runner (there must be none after a run)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if RUNNER.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def leftovers() -> list[str]:
+    folders = [str(p) for p in Path(tempfile.gettempdir()).glob("areal-sandbox-*")]
+    root = pids_cgroup_root()
+    groups = [str(p) for p in Path(root).glob("areal-sandbox-*")] if root else []
+    return folders + groups
+
+
+@pytest.fixture
+def host_check():
+    before = set(leftovers())
+    yield
+    deadline = time.monotonic() + 5
+    while sandbox_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sandbox_processes() == [], "sandbox processes outlived the run"
+    assert set(leftovers()) - before == set(), "a sandbox folder or cgroup was left behind"
+    assert subprocess.run(["true"]).returncode == 0  # the host can still start processes
+
+
+def attack(code: str, item: dict | None = None, **options) -> dict:
+    return reward(**options)("", fenced(code), item or {"tests": [{"input": "", "output": "done"}]})
+
+
+def test_extract_code_takes_the_last_python_block():
+    text = "```bash\nls\n```\n```python\nprint(1)\n```\n```py\nprint(2)\n```"
+    assert extract_code(text) == "print(2)\n"
+    assert extract_code("no fence") is None
+
+
+def test_partial_scores_the_fraction_passed(host_check):
+    item = {"tests": [{"input": "1\n", "output": "2"}, {"input": "5\n", "output": "6"}],
+            "test_code": "assert True"}
+    result = reward(partial=True)("", fenced("import sys\nn = int(sys.stdin.read() or 0)\nprint(2 if n == 1 else 0)"), item)
+    assert (result["passed"], result["total"], result["reason"]) == (2, 3, "wrong_answer")
+    assert result["reward"] == pytest.approx(2 / 3)
+
+
+def test_spawning_past_the_process_limit_fails_cleanly(host_check):
+    # the harmless check of the limit the fork bomb relies on: 50 sleeps, a limit of 16
+    code = ("import subprocess\nps = []\ntry:\n    for _ in range(50):\n"
+            "        ps.append(subprocess.Popen(['sleep', '30']))\nexcept OSError:\n    pass\n"
+            "print(len(ps))")
+    result = attack(code, {"tests": [{"input": "", "output": "50"}]})
+    assert result["reward"] == 0.0
+    if pids_cgroup_root() is not None:
+        assert result["reason"] == "process_limit", result
+
+
+def test_fork_bomb_is_contained(host_check):
+    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    start = time.monotonic()
+    result = attack(code, wall_s=2.0)
+    assert result["reward"] == 0.0
+    assert result["reason"] in ("process_limit", "timeout", "cpu_time"), result
+    if pids_cgroup_root() is not None:
+        assert result["reason"] == "process_limit", result
+    assert time.monotonic() - start < 10
+
+
+def test_memory_bomb_is_contained(host_check):
+    result = attack("chunks = []\nwhile True:\n    chunks.append(bytearray(50 << 20))")
+    assert (result["reward"], result["reason"]) == (0.0, "memory"), result
+
+
+def test_infinite_loop_is_stopped_by_the_cpu_limit(host_check):
+    start = time.monotonic()
+    result = attack("while True:\n    pass", cpu_s=1, wall_s=10.0)
+    assert (result["reward"], result["reason"]) == (0.0, "cpu_time"), result
+    assert time.monotonic() - start < 5
+
+
+def test_sleeping_forever_is_stopped_by_the_wall_clock(host_check):
+    start = time.monotonic()
+    result = attack("import time\nwhile True:\n    time.sleep(1)", wall_s=1.0)
+    assert (result["reward"], result["reason"]) == (0.0, "timeout"), result
+    assert time.monotonic() - start < 5
+
+
+def test_socket_cannot_reach_the_host(host_check):
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        server.settimeout(0.5)
+        port = server.getsockname()[1]
+        code = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+                f"s.sendall(b'stolen')\nprint('done')")
+        result = attack(code)
+        assert (result["reward"], result["reason"]) == (0.0, "network"), result
+        with pytest.raises(OSError):  # nobody connected
+            server.accept()
+
+
+@pytest.mark.skipif(isolation() != "namespaces", reason="needs user + network namespaces")
+def test_socket_around_the_audit_hook_finds_no_network(host_check):
+    # a child interpreter has no audit hook; the empty network namespace still refuses
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        server.settimeout(0.5)
+        port = server.getsockname()[1]
+        child = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2).sendall(b'x')"
+        code = (f"import subprocess, sys\nr = subprocess.run([sys.executable, '-c', {child!r}])\n"
+                f"print('done' if r.returncode == 0 else 'refused')")
+        result = attack(code)
+        assert result["reward"] == 0.0 and result["reason"] == "wrong_answer", result
+        with pytest.raises(OSError):  # nobody connected
+            server.accept()
+
+
+def test_writes_outside_the_folder_are_refused(host_check, tmp_path):
+    target = tmp_path / "escaped.txt"
+    result = attack(f"open({str(target)!r}, 'w').write('x')\nprint('done')")
+    assert (result["reward"], result["reason"]) == (0.0, "write_blocked"), result
+    assert not target.exists()
+
+
+@pytest.mark.skipif(isolation() != "namespaces", reason="needs user + mount namespaces")
+def test_writes_around_the_audit_hook_hit_a_read_only_filesystem(host_check, tmp_path):
+    target = tmp_path / "escaped.txt"
+    result = attack(f"import os\nos.system('echo x > {target}')\nprint('done')")
+    assert (result["reward"], result["reason"]) == (0.0, "write_blocked"), result
+    assert not target.exists()
+
+
+def test_writes_inside_the_folder_work_and_are_removed(host_check):
+    code = "open('scratch.txt', 'w').write('kept')\nprint(open('scratch.txt').read())"
+    result = attack(code, {"tests": [{"input": "", "output": "kept"}]})
+    assert result["reward"] == 1.0, result
+
+
+def test_environment_is_scrubbed(host_check, monkeypatch):
+    monkeypatch.setenv("AREAL_SECRET_TOKEN", "hunter2")
+    code = "import os\nprint('AREAL_SECRET_TOKEN' in os.environ)"
+    assert attack(code, {"tests": [{"input": "", "output": "False"}]})["reward"] == 1.0

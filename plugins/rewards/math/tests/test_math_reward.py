@@ -1,0 +1,125 @@
+"""The math reward: extraction, equivalence through math-verify, timeouts, threads."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from areal_core.api import Context, call_reward
+from areal_core.testing import RewardConformance
+
+from areal_math.extract import extract_answer
+from areal_math.reward import MathConfig, MathReward
+
+
+class TestMathReward(RewardConformance):
+    component_name = "math"
+    examples = [
+        ("2+2?", "Adding, we get \\boxed{4}.", {"answer": "4"}, 1.0),
+        ("Half?", "So it is \\boxed{\\dfrac{1}{2}}", {"answer": "0.5"}, 1.0),
+        ("Eggs?", "She sells 16 - 3 - 4 = 9 eggs.\n#### 9", {"answer": "9"}, 1.0),
+        ("Eggs?", "The answer is 10.", {"answer": "9"}, 0.0),
+        ("Eggs?", "I cannot tell.", {"answer": "9"}, 0.0),
+    ]
+
+
+def score(completion: str, answer: str, **options) -> dict:
+    reward = MathReward.create(Context(options=MathConfig(**options)))
+    return reward("", completion, {"answer": answer})
+
+
+# (reference, model's answer): equal by math-verify
+EQUIVALENT = [
+    ("0.5", "\\frac{1}{2}"),
+    ("1/2", "0.5"),
+    ("\\frac{1}{2}", "\\dfrac{1}{2}"),
+    ("0.5", "50\\%"),               # percent counts: 50% is 0.5
+    ("3", "x=3"),
+    ("1234", "1,234"),              # thousands separator
+    ("5", "5\\text{ cm}"),          # units dropped
+    ("-7", "-7.0"),
+    ("\\{1,2\\}", "\\{2,1\\}"),     # sets
+    ("[1,2)", "[1,2)"),             # intervals
+    ("\\frac{\\sqrt{2}}{2}", "\\frac{1}{\\sqrt{2}}"),
+    ("2x+2", "2(x+1)"),             # expressions
+    ("12.5", "12.50"),
+    ("12", "\\$12"),
+]
+
+NOT_EQUIVALENT = [
+    ("3", "-3"),                    # sign
+    ("0.333", "\\frac{1}{3}"),      # a rounded decimal is not the fraction
+    ("(1,2]", "[1,2]"),             # open vs closed interval
+    ("2x+2", "2x+1"),
+    ("1234", "1,235"),
+    ("\\{1,2\\}", "\\{1,3\\}"),
+]
+
+
+@pytest.mark.parametrize(("reference", "answer"), EQUIVALENT)
+def test_equivalent_answers_score_one(reference, answer):
+    result = score(f"Therefore the result is \\boxed{{{answer}}}.", reference)
+    assert result["reward"] == 1.0, result
+    assert result["reason"] == "correct" and result["extracted"] == answer
+
+
+@pytest.mark.parametrize(("reference", "answer"), NOT_EQUIVALENT)
+def test_different_answers_score_zero(reference, answer):
+    result = score(f"\\boxed{{{answer}}}", reference)
+    assert result["reward"] == 0.0, result
+    assert result["reason"] == "wrong"
+
+
+@pytest.mark.parametrize(("completion", "answer", "method"), [
+    ("first \\boxed{1} then \\boxed{\\frac{2}{3}} done", "\\frac{2}{3}", "boxed"),
+    ("nested \\boxed{\\{1, \\{2\\}\\}}", "\\{1, \\{2\\}\\}", "boxed"),
+    ("Janet has 16 - 3 = 13 eggs left.\n#### 1,300", "1,300", "gsm8k"),
+    ("Thinking... 7 then 8. The answer is $\\frac{3}{4}$.", "\\frac{3}{4}", "answer_is"),
+    ("Final answer: -12", "-12", "answer_is"),
+    ("It costs 3 dollars, so 4 items cost 12.", "12", "last_number"),
+    ("about -1,234.5 units", "-1,234.5", "last_number"),
+])
+def test_extraction_rules(completion, answer, method):
+    found = extract_answer(completion)
+    assert found is not None and (found.answer, found.method) == (answer, method)
+
+
+def test_nothing_to_extract():
+    assert extract_answer("no digits here, and \\boxed{ unclosed") is None
+    result = score("I do not know", "4")
+    assert result == {**result, "reward": 0.0, "reason": "no_answer", "extracted": None}
+
+
+def test_missing_or_renamed_reference():
+    reward = MathReward.create(Context(options=MathConfig()))
+    assert reward("", "\\boxed{4}", {"solution": "4"})["reason"] == "missing_reference"
+    renamed = MathReward.create(Context(options=MathConfig(answer_key="solution")))
+    assert renamed("", "\\boxed{4}", {"solution": "4"})["reward"] == 1.0
+
+
+def test_unparsable_answer_scores_zero_with_reason():
+    result = score("\\boxed{\\frac{}{}}", "4")
+    assert result["reward"] == 0.0 and result["reason"] == "unparsable_answer", result
+
+
+def test_pathological_expression_times_out_and_the_pool_recovers():
+    start = time.monotonic()
+    result = score("\\boxed{9^{9^{9^{9}}}}", "10", timeout_s=1.0)
+    elapsed = time.monotonic() - start
+    assert result["reward"] == 0.0 and result["reason"] == "timeout", result
+    assert elapsed < 1.0 + 3.0, f"took {elapsed:.1f} s for a 1 s bound"
+    assert score("\\boxed{0.25}", "\\frac{1}{4}", timeout_s=1.0)["reward"] == 1.0  # a fresh worker answers
+
+
+def test_works_from_a_non_main_thread_and_from_the_event_loop():
+    got: list[dict] = []
+    thread = threading.Thread(target=lambda: got.append(score("\\boxed{\\frac{6}{8}}", "0.75")))
+    thread.start()
+    thread.join(60)
+    assert got and got[0]["reward"] == 1.0, got
+    reward = MathReward.create(Context(options=MathConfig()))
+    result = asyncio.run(call_reward(reward, "", "so \\boxed{2^{10}}", {"answer": "1024"}))
+    assert result.reward == 1.0 and result.info["reason"] == "correct"
