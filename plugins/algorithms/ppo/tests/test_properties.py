@@ -53,7 +53,7 @@ def loss_and_grad(algo, logp: torch.Tensor, mb: dict) -> tuple[float, torch.Tens
     leaf = logp.clone().requires_grad_(True)
     loss, _ = algo.loss(leaf, None, mb)
     loss.backward()
-    return float(loss), leaf.grad
+    return float(loss.detach()), leaf.grad
 
 
 def micro_batch(batch: dict, seqs: list[int]) -> dict:
