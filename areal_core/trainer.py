@@ -3,8 +3,9 @@
 One step::
 
     batch <- controller.prepare_batch(data)       rank 0; generation never stops for it
-    proximal / reference logprobs                 only when the algorithm asks
+    proximal / reference logprobs, values         only when the algorithm asks
     advantages <- algorithm; stats <- actor.train_batch(batch, algorithm.loss)
+    critic.train_values(batch, algorithm.value_loss)  only with a critic (needs.values)
     version + 1; export weights; controller.update_weights_from_disk(...)
                                                   the only pause: interrupt, swap, resume
     checkpoint, metrics                           while generation goes on
@@ -12,8 +13,9 @@ One step::
 Rank 0 owns the rollout controller, the metrics and the checkpoints; the
 batch reaches the other ranks by broadcast, and each train engine takes its
 share. A checkpoint holds the model and optimizer (written by the train
-engine), the controller's counters and done items, the RNG states and the
-step, so ``--resume`` continues with no sample trained twice or skipped.
+engine; a critic's in ``critic`` beside the actor's), the controller's
+counters and done items, the RNG states and the step, so ``--resume``
+continues with no sample trained twice or skipped.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class Trainer:
         self.actor = build(run, "actor", role="actor")
         # A frozen copy of the initial policy, only when the algorithm asks for reference logprobs.
         self.reference = build(run, "actor", role="reference") if self.algorithm.needs.reference_logprobs else None
+        # A value model (the initial weights with a value head), only when the algorithm asks for values.
+        self.critic = build(run, "actor", role="critic") if self.algorithm.needs.values else None
         self.controller: RolloutController | None = None
         self.store = CheckpointStore(self.run_dir / "checkpoints")
         self.step = 0
@@ -97,6 +101,8 @@ class Trainer:
             return
         meta = self.store.load_meta(latest)
         self.actor.load(str(latest / "actor"))
+        if self.critic is not None:
+            self.critic.load(str(latest / "critic"))
         self.step = meta["step"]
         if self.rank == 0:
             self.controller.load_state_dict(load_pickle(latest / "controller.pkl"))
@@ -105,6 +111,8 @@ class Trainer:
 
     def _write_rank_files(self, folder: Path, controller_state: dict | None) -> None:
         self.actor.save(str(folder / "actor"))  # collective for distributed engines
+        if self.critic is not None:
+            self.critic.save(str(folder / "critic"))
         save_pickle_atomic(rng_state(), folder / f"rng-rank{self.rank}.pkl")
         if controller_state is not None:
             save_pickle_atomic(controller_state, folder / "controller.pkl")
@@ -131,6 +139,8 @@ class Trainer:
         self.actor.initialize()
         if self.reference is not None:
             self.reference.initialize()
+        if self.critic is not None:
+            self.critic.initialize()
         if self.rank == 0:
             self._rollout_side()
         if resume:
@@ -170,6 +180,8 @@ class Trainer:
             self.actor.close()
             if self.reference is not None:
                 self.reference.close()
+            if self.critic is not None:
+                self.critic.close()
 
     def _barrier(self) -> None:
         if self.world_size > 1:
@@ -200,12 +212,16 @@ class Trainer:
             packed["prox_logprobs"] = self.actor.forward_logprobs(packed, temperature)["logprobs"]
         if needs.reference_logprobs:
             packed["ref_logprobs"] = self.reference.forward_logprobs(packed, temperature)["logprobs"]
+        if needs.values:
+            packed["values"] = self.critic.forward_values(packed)["values"]
         packed = self.algorithm.compute_advantages(packed)
         train_began = time.monotonic()
         stats = self.actor.train_batch(packed, self.algorithm.loss, temperature=temperature)
+        critic_stats = self.critic.train_values(packed, self.algorithm.value_loss) if needs.values else {}
         train_s = time.monotonic() - train_began
         new_version = self.actor.version
         metrics: dict[str, float] = {f"train/{k}": float(v) for k, v in stats.items() if _is_number(v)}
+        metrics.update({f"critic/{k}": float(v) for k, v in critic_stats.items() if _is_number(v)})
         sync_began = time.monotonic()
         weights = self.run_dir / "weights" / f"v{new_version:06d}"
         self.actor.export_to_disk(str(weights))  # collective: every rank takes part in the gather

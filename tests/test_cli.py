@@ -77,7 +77,8 @@ def test_run_without_config_says_what_the_demo_is_missing():
     result, _ = invoke("run")
     assert result.exit_code == 1
     assert result.output.splitlines()[0].endswith("problems in the built-in demo:")
-    assert "[core.component] algorithm.name: no algorithm named 'grpo' is installed." in result.output
+    assert "[core.component] workflow.name: no workflow named 'rlvr' is installed." in result.output
+    assert "algorithm.name" not in result.output  # grpo comes with areal-plugin-ppo
 
 
 def test_run_writes_the_resolved_config_then_launches(double_stack, tmp_path):

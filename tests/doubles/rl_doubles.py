@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from areal_core import hookimpl
-from areal_core.api import Algorithm, Dataset, TrainEngine, call_reward
+from areal_core.api import Algorithm, Dataset, Needs, TrainEngine, call_reward
 from areal_core.parallelism import BackendSupport
 from latency_engine_double import GroupWorkflowDouble, LatencyEngineDouble, items
 
@@ -29,11 +29,42 @@ class CounterEngineConfig:
 
 
 class CounterTrainEngineDouble(TrainEngine):
-    capabilities = frozenset({"save_load", "export_disk"})
+    """Built with role "critic", its values are a learnable line V(t) = a + b * x_t (SGD), x_t the token's
+    position over the batch's largest."""
+
+    capabilities = frozenset({"save_load", "export_disk", "critic"})
     config_class = CounterEngineConfig
 
     def initialize(self):
         self.state = {"version": 0, "tokens_seen": 0}
+        if self.context.extras.get("role") == "critic":
+            self.state.update(a=0.0, b=0.0, value_steps=0)
+
+    def _values(self, batch):
+        import torch
+
+        a = torch.tensor(self.state["a"], requires_grad=True)
+        b = torch.tensor(self.state["b"], requires_grad=True)
+        x = torch.as_tensor(batch["position_ids"], dtype=torch.float32)
+        values = a + b * x / x.max().clamp(min=1.0)
+        starts = torch.as_tensor(batch["cu_seqlens"][:-1])
+        return values.index_fill(0, starts, 0.0), (a, b)  # aligned like logprobs: 0 at each first token
+
+    def forward_values(self, batch):
+        return {"values": self._values(batch)[0].tolist()}
+
+    def train_values(self, batch, loss_fn):
+        import torch
+
+        values, params = self._values(batch)
+        mb = {k: torch.as_tensor(v) if isinstance(v, list) else v for k, v in batch.items()}
+        mb["loss_mask"] = mb["loss_mask"].bool()
+        loss, stats = loss_fn(values, mb)
+        loss.backward()
+        self.state["a"] -= 0.5 * float(params[0].grad)
+        self.state["b"] -= 0.5 * float(params[1].grad)
+        self.state["value_steps"] += 1
+        return {"loss": float(loss), **stats}
 
     @property
     def version(self):
@@ -55,6 +86,8 @@ class CounterTrainEngineDouble(TrainEngine):
 
     def load(self, path, *, with_optimizer=True):
         self.state = json.loads(Path(path, "state.json").read_text())
+        if "value_steps" in self.state:
+            print(f"critic double: loaded after {self.state['value_steps']} value steps", flush=True)
 
     def export_to_disk(self, path):
         """Writes the version; with a real model configured, also its unchanged safetensors (a real
@@ -132,6 +165,27 @@ class PolicyGradientAlgorithmDouble(MeanRewardAlgorithmDouble):
         return loss, {"entropy": float(entropy[mask].mean())}
 
 
+class ValueAlgorithmDouble(MeanRewardAlgorithmDouble):
+    """Asks for a critic: advantages = reward - V on loss tokens, value loss = mean squared error to the reward."""
+
+    @property
+    def needs(self):
+        return Needs(values=True)
+
+    def compute_advantages(self, batch):
+        if "values" not in batch:
+            raise KeyError("ValueAlgorithmDouble: the trainer did not add 'values'")
+        returns = [batch["rewards"][i] for i, n in enumerate(batch["seq_lens"]) for _ in range(n)]
+        batch["returns"] = returns
+        batch["advantages"] = [(r - v) * m for r, v, m in zip(returns, batch["values"], batch["loss_mask"])]
+        return batch
+
+    def value_loss(self, values, batch):
+        mask = batch["loss_mask"]
+        loss = (((values - batch["returns"]) ** 2) * mask).sum() / mask.sum()
+        return loss, {"value_mean": float(values[mask].mean())}
+
+
 @hookimpl
 def areal_declare_backends():
     return [
@@ -145,7 +199,8 @@ ENTRY_POINTS = {
     "areal.engines.train": {"rl_train_double": "rl_doubles:CounterTrainEngineDouble"},
     "areal.engines.inference": {"rl_infer_double": "rl_doubles:DiskLatencyEngineDouble"},
     "areal.algorithms": {"rl_algo_double": "rl_doubles:MeanRewardAlgorithmDouble",
-                         "rl_pg_double": "rl_doubles:PolicyGradientAlgorithmDouble"},
+                         "rl_pg_double": "rl_doubles:PolicyGradientAlgorithmDouble",
+                         "rl_value_double": "rl_doubles:ValueAlgorithmDouble"},
     "areal.workflows": {"rl_workflow_double": "rl_doubles:RewardingWorkflowDouble"},
     "areal.rewards": {"mod3_double": "rl_doubles:mod3_reward_double"},
     "areal.datasets": {"items_double": "rl_doubles:ItemsDatasetDouble"},
