@@ -78,6 +78,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from areal_core.api.inference import SamplingParams
+from areal_local.packed import PackedLinears, packing_available
 
 __all__ = ["Finished", "Generator", "RequestError", "SlotCache"]
 
@@ -184,6 +185,7 @@ class SlotCache(Cache):
     def plan_decode(self, n: int, columns: torch.Tensor, length: int) -> None:
         """Row ``i`` (of ``0 .. n-1``) writes at column ``columns[i]``; attention reads ``length`` columns."""
         self._plan = ("decode", torch.arange(n), columns, n, length)
+        self._flat = None
         self._length = length
 
     # -- the HF Cache interface -------------------------------------------------
@@ -217,9 +219,9 @@ class SlotCache(Cache):
     def _decode_index(self, heads: int, columns: int) -> torch.Tensor:
         """The flat rows the decode plan writes, computed once per step (every layer shares them)."""
         _, rows, cols, _, _ = self._plan
-        if self._flat is None or self._flat[0] != (heads, columns, id(self._plan)):
+        if self._flat is None or self._flat[0] != (heads, columns):  # plan_decode resets it
             flat = ((rows[:, None] * heads + torch.arange(heads)[None, :]) * columns + cols[:, None]).reshape(-1)
-            self._flat = ((heads, columns, id(self._plan)), flat)
+            self._flat = ((heads, columns), flat)
         return self._flat[1]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -247,6 +249,10 @@ class Generator:
     (``tokenizer.decode``). ``max_prefill_tokens``: padded prompt tokens per
     prefill forward (more joiners are prefilled in several forwards of the same
     step). ``seed``: the RNG of requests without their own seed.
+    ``packed_linears``: run the model's linear layers on oneDNN-prepacked
+    weights (:mod:`areal_local.packed`; default: whenever the model is on CPU
+    and torch has oneDNN). Logits then differ from a plain forward by float
+    rounding (~1e-4 on SmolLM2 in float32); ``False`` keeps torch's own kernels.
     """
 
     def __init__(
@@ -259,6 +265,7 @@ class Generator:
         decode_fn: Callable[[list[int]], str] | None = None,
         max_prefill_tokens: int = 4096,
         seed: int | None = None,
+        packed_linears: bool | None = None,
     ) -> None:
         config = model.config
         if max_batch < 1:
@@ -285,6 +292,9 @@ class Generator:
                 f"{', '.join(_SUPPORTED_LAYER_TYPES)} only"
             )
         self.model = model.eval()
+        if packed_linears is None:
+            packed_linears = packing_available(model)
+        self._packed = PackedLinears(model) if packed_linears else None
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_batch = max_batch
@@ -618,6 +628,8 @@ class Generator:
         with torch.no_grad():
             for name, tensor in state_dict.items():
                 own[name].copy_(tensor)
+        if self._packed is not None:
+            self._packed.refresh()
         self._requeue_running()
 
     def load_safetensors_dir(self, path: str | Path, *, strict: bool = True) -> None:

@@ -386,3 +386,29 @@ def test_bfloat16_smoke(folders):
         assert all(math.isfinite(x) and x <= 1e-6 for x in f.logprobs)
     ref = teacher_forced_logprobs(model, PROMPTS[0], results["g"].output_ids, greedy(8))
     assert torch.allclose(torch.tensor(results["g"].logprobs), ref, atol=0.1)
+
+
+# ---------------------------------------------------------------------------
+# oneDNN-prepacked linears (the default on CPU)
+# ---------------------------------------------------------------------------
+
+
+def test_packed_linears_are_the_default_and_agree_with_torchs_own_kernels(folders):
+    from areal_local.packed import packing_available
+
+    model = load(folders["qwen2"], seed=3)  # qwen2: the q/k/v biases go through the packed path too
+    with torch.no_grad():
+        biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+        assert biases
+        for b in biases:
+            b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(b.numel())) * 0.5)
+    assert packing_available(model)
+    schedule = {0: [(f"r{i}", p, SamplingParams(max_new_tokens=12, seed=i)) for i, p in enumerate(PROMPTS)]}
+    packed_gen = Generator(model, eos_token_ids=[])
+    assert packed_gen._packed is not None
+    packed, _ = drain(packed_gen, schedule)
+    packed_gen._packed.detach()
+    plain, _ = drain(Generator(model, eos_token_ids=[], packed_linears=False), schedule)
+    for rid in plain:
+        assert packed[rid].output_ids == plain[rid].output_ids
+        assert max(abs(a - b) for a, b in zip(packed[rid].logprobs, plain[rid].logprobs)) < 1e-4
