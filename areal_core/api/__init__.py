@@ -8,7 +8,7 @@ Nothing here imports torch: tensors appear only in type hints.
 
 from areal_core.api.algorithm import Algorithm, Needs
 from areal_core.api.component import Component, Context
-from areal_core.api.dataset import Dataset
+from areal_core.api.dataset import SPLITS, Dataset, stable_seed
 from areal_core.api.inference import (
     GenerationRequest,
     GenerationResponse,
@@ -23,6 +23,6 @@ from areal_core.api.workflow import Trajectory, Workflow
 
 __all__ = [
     "Algorithm", "Component", "Context", "Dataset", "GenerationRequest", "GenerationResponse",
-    "InferenceEngine", "Launcher", "Needs", "Reward", "RewardResult", "SamplingParams", "ServerProcess",
-    "TrainEngine", "Trajectory", "Workflow", "call_reward",
+    "InferenceEngine", "Launcher", "Needs", "Reward", "RewardResult", "SPLITS", "SamplingParams", "ServerProcess",
+    "TrainEngine", "Trajectory", "Workflow", "call_reward", "stable_seed",
 ]
