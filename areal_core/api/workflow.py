@@ -48,6 +48,18 @@ class Workflow(Component):
         returns; never re-tokenize a model's output.
         """
 
+    @property
+    def group_size(self) -> int:
+        """``rollout.group_size``: samples per item (1 without a config)."""
+        config = self.context.config
+        return int(config.rollout.group_size) if config is not None else 1
+
+    @property
+    def run_seed(self) -> int:
+        """``trainer.seed`` (0 without a config), for per-sample sampling seeds."""
+        config = self.context.config
+        return int(config.trainer.seed) if config is not None else 0
+
 
 # -- helpers every token-in / token-out workflow needs ----------------------
 

@@ -45,13 +45,10 @@ class RLVRWorkflow(Workflow):
             raise ValueError(f"the {type(self).__name__} needs the run's reward in context.extras['reward']; "
                              f"the trainer passes it (build(run, 'workflow', reward=...))")
         self.reward = self.context.extras["reward"]
-        config = self.context.config
-        self.group_size = config.rollout.group_size if config is not None else 1
-        self.run_seed = config.trainer.seed if config is not None else 0
         if tokenizer is None:
             from areal_core.models import load_tokenizer
 
-            tokenizer = load_tokenizer(config)
+            tokenizer = load_tokenizer(self.context.config)
         self.tokenizer = tokenizer
 
     def sample_seed(self, item: dict, *parts: int) -> int | None:
