@@ -45,6 +45,10 @@ def test_bad_options_are_reported_with_their_keys():
     assert [p.key for p in err.value.problems] == ["dataset.operators", "dataset.min_value"]
     run = validate_run(None, ["dataset.name=countdown", "dataset.min_target=50", "dataset.max_target=20"])
     assert [p.key for p in run.problems if p.code.startswith("tasks.")] == ["dataset.min_target"]
+    run = validate_run(None, ["dataset.name=files"])
+    assert [(p.code, p.key) for p in run.problems if p.code.startswith("tasks.")] == [("tasks.no-path", "dataset.path")]
+    run = validate_run(None, ["dataset.name=files", "dataset.path=/no/such.jsonl"])
+    assert [p.message for p in run.problems if p.code.startswith("tasks.")] == ["/no/such.jsonl does not exist"]
 
 
 def test_validation_set_larger_than_the_problem_space_is_refused():
