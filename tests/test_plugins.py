@@ -141,7 +141,8 @@ def test_listing_components_imports_nothing_and_resolve_imports_only_the_selecte
     sys.modules.pop("lazy_a_was_imported", None)
 
 
-def test_unknown_component_lists_what_exists_and_suggests_the_closest(tmp_path):
+def test_unknown_component_lists_what_exists_and_suggests_the_closest(tmp_path, monkeypatch):
+    monkeypatch.setenv("AREAL_LOAD_PLUGINS", "areal-plugin-r")  # the rewards of installed plugins stay out
     eps = {"areal.rewards": {"math": "m:f", "code": "m:f"}}
     with fake(tmp_path, "areal-plugin-r", eps=eps, files={"m.py": "def f(*a):\n    return 0.0\n"}):
         with pytest.raises(ComponentError) as err:
