@@ -19,11 +19,18 @@ from areal_core.api.inference import (
 from areal_core.api.launcher import Launcher
 from areal_core.api.reward import Reward, RewardResult, call_reward
 from areal_core.api.train import TrainEngine
-from areal_core.api.workflow import Trajectory, Workflow, encode_prompt, sampling_params
+from areal_core.api.workflow import (
+    Trajectory,
+    Workflow,
+    encode_prompt,
+    group_size_of,
+    run_seed_of,
+    sampling_params,
+)
 
 __all__ = [
     "Algorithm", "Component", "Context", "Dataset", "GenerationRequest", "GenerationResponse",
     "InferenceEngine", "Launcher", "Needs", "Reward", "RewardResult", "SPLITS", "SamplingParams", "ServerProcess",
     "TrainEngine", "Trajectory", "Workflow", "call_reward", "encode_prompt",
-    "sampling_params", "stable_seed",
+    "group_size_of", "run_seed_of", "sampling_params", "stable_seed",
 ]

@@ -48,18 +48,6 @@ class Workflow(Component):
         returns; never re-tokenize a model's output.
         """
 
-    @property
-    def group_size(self) -> int:
-        """``rollout.group_size``: samples per item (1 without a config)."""
-        config = self.context.config
-        return int(config.rollout.group_size) if config is not None else 1
-
-    @property
-    def run_seed(self) -> int:
-        """``trainer.seed`` (0 without a config), for per-sample sampling seeds."""
-        config = self.context.config
-        return int(config.trainer.seed) if config is not None else 0
-
 
 # -- helpers every token-in / token-out workflow needs ----------------------
 
@@ -78,6 +66,16 @@ def encode_prompt(tokenizer: Any, item: dict) -> tuple[list[int], str]:
         raise ValueError(f"item {item.get('id')!r} has neither 'prompt' nor 'messages' (keys: {sorted(item)}); "
                          f"a dataset item needs one of them (see docs/datasets.md)")
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]), text
+
+
+def group_size_of(config: Any) -> int:
+    """``rollout.group_size``: samples per item (1 without a config)."""
+    return int(config.rollout.group_size) if config is not None else 1
+
+
+def run_seed_of(config: Any) -> int:
+    """``trainer.seed`` (0 without a config), for per-sample sampling seeds."""
+    return int(config.trainer.seed) if config is not None else 0
 
 
 def sampling_params(config: Any, item: dict, seed: int | None = None) -> SamplingParams:

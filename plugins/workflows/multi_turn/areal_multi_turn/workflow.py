@@ -22,6 +22,8 @@ from areal_core.api import (
     Trajectory,
     Workflow,
     encode_prompt,
+    group_size_of,
+    run_seed_of,
     sampling_params,
     stable_seed,
 )
@@ -59,6 +61,7 @@ class MultiTurnWorkflow(Workflow):
         if self.factory is None and self.reward is None:
             raise ValueError("the default multi_turn environment scores answers with the run's reward, but "
                              "context.extras['reward'] is missing; the trainer passes it (build(..., reward=...))")
+        self.group_size, self.run_seed = group_size_of(self.context.config), run_seed_of(self.context.config)
         if tokenizer is None:
             from areal_core.models import load_tokenizer
 

@@ -19,6 +19,8 @@ from areal_core.api import (
     Workflow,
     call_reward,
     encode_prompt,
+    group_size_of,
+    run_seed_of,
     sampling_params,
     stable_seed,
 )
@@ -45,6 +47,7 @@ class RLVRWorkflow(Workflow):
             raise ValueError(f"the {type(self).__name__} needs the run's reward in context.extras['reward']; "
                              f"the trainer passes it (build(run, 'workflow', reward=...))")
         self.reward = self.context.extras["reward"]
+        self.group_size, self.run_seed = group_size_of(self.context.config), run_seed_of(self.context.config)
         if tokenizer is None:
             from areal_core.models import load_tokenizer
 
