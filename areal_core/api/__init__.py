@@ -19,14 +19,8 @@ from areal_core.api.inference import (
 from areal_core.api.launcher import Launcher
 from areal_core.api.reward import Reward, RewardResult, call_reward
 from areal_core.api.train import TrainEngine
-from areal_core.api.workflow import (
-    Trajectory,
-    Workflow,
-    encode_prompt,
-    group_size_of,
-    run_seed_of,
-    sampling_params,
-)
+from areal_core.api.workflow import (Trajectory, Workflow, encode_prompt, group_size_of, run_seed_of,
+                                     sampling_params)
 
 __all__ = [
     "Algorithm", "Component", "Context", "Dataset", "GenerationRequest", "GenerationResponse",
