@@ -8,7 +8,7 @@ Nothing here imports torch: tensors appear only in type hints.
 
 from areal_core.api.algorithm import Algorithm, Needs
 from areal_core.api.component import Component, Context
-from areal_core.api.dataset import Dataset
+from areal_core.api.dataset import SPLITS, Dataset, stable_seed
 from areal_core.api.inference import (
     GenerationRequest,
     GenerationResponse,
@@ -19,10 +19,12 @@ from areal_core.api.inference import (
 from areal_core.api.launcher import Launcher
 from areal_core.api.reward import Reward, RewardResult, call_reward
 from areal_core.api.train import TrainEngine
-from areal_core.api.workflow import Trajectory, Workflow
+from areal_core.api.workflow import (Trajectory, Workflow, encode_prompt, group_size_of, run_seed_of,
+                                     sampling_params)
 
 __all__ = [
     "Algorithm", "Component", "Context", "Dataset", "GenerationRequest", "GenerationResponse",
-    "InferenceEngine", "Launcher", "Needs", "Reward", "RewardResult", "SamplingParams", "ServerProcess",
-    "TrainEngine", "Trajectory", "Workflow", "call_reward",
+    "InferenceEngine", "Launcher", "Needs", "Reward", "RewardResult", "SPLITS", "SamplingParams", "ServerProcess",
+    "TrainEngine", "Trajectory", "Workflow", "call_reward", "encode_prompt",
+    "group_size_of", "run_seed_of", "sampling_params", "stable_seed",
 ]

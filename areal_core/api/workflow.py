@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from areal_core.api.component import Component
-from areal_core.api.inference import InferenceEngine
+from areal_core.api.inference import InferenceEngine, SamplingParams
 
 
 @dataclass
@@ -47,3 +47,46 @@ class Workflow(Component):
         Token-in / token-out: send token ids to the engine and keep the ids it
         returns; never re-tokenize a model's output.
         """
+
+
+# -- helpers every token-in / token-out workflow needs ----------------------
+
+
+def encode_prompt(tokenizer: Any, item: dict) -> tuple[list[int], str]:
+    """(token ids, text) of an item's prompt: ``messages`` through the chat template once, or ``prompt`` as is.
+
+    No special tokens are added to a raw ``prompt`` (it is sent as written);
+    a chat gets the template's generation prompt (the assistant turn opener).
+    """
+    if "messages" in item:
+        text = tokenizer.apply_chat_template(item["messages"], tokenize=False, add_generation_prompt=True)
+    elif "prompt" in item:
+        text = item["prompt"]
+    else:
+        raise ValueError(f"item {item.get('id')!r} has neither 'prompt' nor 'messages' (keys: {sorted(item)}); "
+                         f"a dataset item needs one of them (see docs/datasets.md)")
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]), text
+
+
+def group_size_of(config: Any) -> int:
+    """``rollout.group_size``: samples per item (1 without a config)."""
+    return int(config.rollout.group_size) if config is not None else 1
+
+
+def run_seed_of(config: Any) -> int:
+    """``trainer.seed`` (0 without a config), for per-sample sampling seeds."""
+    return int(config.trainer.seed) if config is not None else 0
+
+
+def sampling_params(config: Any, item: dict, seed: int | None = None) -> SamplingParams:
+    """``config.rollout.sampling`` plus the item's own ``stop`` strings, with ``seed``.
+
+    ``config`` None (unit tests) gives the :class:`SamplingParams` defaults.
+    """
+    stop = tuple(dict.fromkeys([*(config.rollout.sampling.stop if config is not None else []),
+                                *item.get("stop", [])]))
+    if config is None:
+        return SamplingParams(stop=stop, seed=seed)
+    s = config.rollout.sampling
+    return SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                          top_k=s.top_k, stop=stop, seed=seed)

@@ -20,6 +20,7 @@ importing :mod:`areal_core` does not.
 
 from areal_core.testing.algorithm import AlgorithmConformance
 from areal_core.testing.base import KNOWN_CAPABILITIES, ComponentConformance, requires
+from areal_core.testing.dataset import DatasetConformance
 from areal_core.testing.distributions import install_fake_distribution
 from areal_core.testing.inference import InferenceEngineConformance
 from areal_core.testing.reward import RewardConformance
@@ -28,7 +29,8 @@ from areal_core.testing.train import TrainEngineConformance, neg_logprob_loss
 from areal_core.testing.workflow import WorkflowConformance, engine_spans
 
 __all__ = [
-    "KNOWN_CAPABILITIES", "AlgorithmConformance", "ComponentConformance", "InferenceEngineConformance",
+    "KNOWN_CAPABILITIES", "AlgorithmConformance", "ComponentConformance", "DatasetConformance",
+    "InferenceEngineConformance",
     "RewardConformance", "ScriptedInferenceEngine", "TrainEngineConformance", "WorkflowConformance",
     "engine_spans", "install_fake_distribution", "neg_logprob_loss", "requires",
 ]

@@ -1,0 +1,1 @@
+"""areal over reasoning-gym: its offline task generators as a dataset, its verifiers as a reward."""

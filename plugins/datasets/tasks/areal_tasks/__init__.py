@@ -1,0 +1,1 @@
+"""areal datasets and their verifiers: local files, and synthetic arithmetic / countdown tasks."""

@@ -1,0 +1,239 @@
+"""The ``files`` dataset: rows of a local JSONL file, Parquet file or HF ``save_to_disk`` folder.
+
+Every row is read and turned into an item when the dataset is built, so a
+missing field or a bad line fails the run before the first rollout, with
+the file, the row and the field named; nothing is half-read. Rows are
+numbered from 1 (for JSONL the row number is the line number).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import string
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from areal_core.api import Dataset, stable_seed
+from areal_core.config.schema import spec
+from areal_tasks.synthetic import pass_order
+
+FORMATS = ("auto", "jsonl", "parquet", "hf_disk")
+SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
+RESERVED = ("id", "prompt", "messages", "answer", "stop")
+
+
+@dataclass
+class FilesConfig:
+    """Keys of ``dataset`` when ``dataset.name: files``."""
+
+    path: str = spec("", help="a .jsonl / .parquet file or a folder written by datasets' save_to_disk")
+    format: str = spec("auto", choices=list(FORMATS), help="auto: by the path's suffix; a folder is hf_disk")
+    hf_split: str = spec("train", help="the split to read when an hf_disk folder holds a DatasetDict")
+    question_field: str = spec("question", help="the column holding the question ({question} in template)")
+    answer_field: str = spec("answer", help="the column holding the reference answer")
+    id_field: str = spec("", help="the column holding a unique id; '' = '<file name>:<row>'")
+    messages_field: str = spec("", help="a column holding a whole chat (list of {role, content}); "
+                                        "when set, question_field and template are not used")
+    template: str = spec("{question}", help="the prompt, str.format over the row's columns and {question}")
+    chat: bool = spec(True, help="true: the prompt is a user message (chat template applied by the workflow); "
+                                 "false: raw text sent as it is")
+    system_prompt: str = spec("", help="a system message before the user message (chat only)")
+    answer_pattern: str = spec("", help="a regex whose first group is taken from the answer column "
+                                        "(GSM8K: '####\\s*(.+)$'); '' = the whole value")
+    stop: list = spec(factory=list, help="stop strings every item carries")
+    validation_path: str = spec("", help="a file or folder holding the validation split")
+    validation_fraction: float = spec(0.0, ge=0.0, lt=1.0,
+                                      help="without validation_path: the share of rows held out for validation, "
+                                           "picked by a hash of each row's id")
+    shuffle: bool = spec(True, help="train only: a new seeded order on every pass (the first pass too)")
+
+
+class DatasetFileError(ValueError):
+    """A data file cannot become items; the message names the file, the row, the field and the fix."""
+
+
+def detect_format(path: Path, declared: str) -> str:
+    if declared != "auto":
+        return declared
+    if path.is_dir():
+        return "hf_disk"
+    found = SUFFIXES.get(path.suffix.lower())
+    if found is None:
+        raise DatasetFileError(f"{path}: cannot tell the format from the suffix {path.suffix!r}. Fix: set "
+                               f"dataset.format to one of {', '.join(FORMATS[1:])}")
+    return found
+
+
+def read_rows(path: Path, fmt: str, hf_split: str) -> list[tuple[int, dict]]:
+    """(row number from 1, row) for every row of the file or folder."""
+    if not path.exists():
+        raise DatasetFileError(f"{path} does not exist. Fix: point dataset.path (or dataset.validation_path) "
+                               f"at a .jsonl / .parquet file or a save_to_disk folder")
+    if fmt == "jsonl":
+        return list(_jsonl_rows(path))
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        return list(enumerate(pq.read_table(path).to_pylist(), 1))
+    import datasets
+
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        if hf_split not in loaded:
+            raise DatasetFileError(f"{path} holds the splits {', '.join(loaded)}, not {hf_split!r}. Fix: set "
+                                   f"dataset.hf_split to one of them")
+        loaded = loaded[hf_split]
+    return list(enumerate(loaded.to_list(), 1))
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict]]:
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DatasetFileError(f"{path} row {line_no}: not valid JSON ({exc.msg} at column {exc.colno}). "
+                                       f"Fix: write one JSON object per line") from None
+            if not isinstance(row, dict):
+                raise DatasetFileError(f"{path} row {line_no}: a JSON {type(row).__name__}, not an object. "
+                                       f"Fix: write one JSON object per line")
+            yield line_no, row
+
+
+def missing_field(path: Path, row_no: int, row: dict, field: str, key: str, what: str) -> DatasetFileError:
+    return DatasetFileError(
+        f"{path} row {row_no}: no field '{field}' (dataset.{key}); the row has fields: "
+        f"{', '.join(map(str, row)) or '(none)'}. Fix: set dataset.{key} to the column holding {what}, "
+        f"or add '{field}' to every row")
+
+
+class FilesDataset(Dataset):
+    """Items from local files with a field mapping and a prompt template (see :class:`FilesConfig`).
+
+    Item keys: ``id``; ``messages`` (chat) or ``prompt`` (raw); ``answer``;
+    ``stop`` when set; and every other column of the row, as it is.
+    """
+
+    config_class = FilesConfig
+
+    def __init__(self, context: Any = None) -> None:
+        super().__init__(context)
+        o = self.options = self.context.options if self.context.options is not None else FilesConfig()
+        if not o.path:
+            raise DatasetFileError("dataset.path is empty. Fix: set dataset.path to a .jsonl / .parquet file or "
+                                   "a save_to_disk folder")
+        self._template_fields = [name for _, name, _, _ in string.Formatter().parse(o.template) if name]
+        self._answer_re = re.compile(o.answer_pattern, re.MULTILINE) if o.answer_pattern else None
+        split, self._passes = self.split, 0
+        main = self._load(Path(o.path).expanduser(), "")
+        if o.validation_path:
+            held = self._load(Path(o.validation_path).expanduser(), "validation/")
+            train = self._drop_overlap(main, held) if split == "train" else main
+        elif o.validation_fraction > 0:
+            held = [item for item in main if self._held_out(item["id"])]
+            train = [item for item in main if not self._held_out(item["id"])]
+        else:
+            held, train = [], main
+        self._check_unique_ids(train + held)
+        if split == "validation" and not held:
+            raise DatasetFileError(
+                f"{o.path}: the validation split is empty: dataset.validation_path is not set and "
+                f"dataset.validation_fraction is {o.validation_fraction}. Fix: set dataset.validation_path, or "
+                f"dataset.validation_fraction (e.g. 0.1)")
+        self.items = held if split == "validation" else train
+
+    # -- reading ----------------------------------------------------------
+    def _load(self, path: Path, id_prefix: str) -> list[dict]:
+        fmt = detect_format(path, self.options.format)
+        return [self._item(path, row_no, row, id_prefix)
+                for row_no, row in read_rows(path, fmt, self.options.hf_split)]
+
+    def _item(self, path: Path, row_no: int, row: dict, id_prefix: str) -> dict[str, Any]:
+        o = self.options
+
+        def field(name: str, key: str, what: str) -> Any:
+            if name not in row or row[name] is None:
+                raise missing_field(path, row_no, row, name, key, what)
+            return row[name]
+
+        item: dict[str, Any] = {k: v for k, v in row.items() if k not in RESERVED}
+        item["id"] = str(field(o.id_field, "id_field", "a unique id")) if o.id_field else f"{id_prefix}{path.name}:{row_no}"
+        answer = str(field(o.answer_field, "answer_field", "the reference answer"))
+        if self._answer_re is not None:
+            match = self._answer_re.search(answer)
+            if match is None:
+                raise DatasetFileError(
+                    f"{path} row {row_no}: dataset.answer_pattern {o.answer_pattern!r} does not match the "
+                    f"'{o.answer_field}' value {answer[:80]!r}. Fix: correct the pattern or the row")
+            answer = (match.group(1) if match.groups() else match.group(0)).strip()
+        item["answer"] = answer
+        if o.messages_field:
+            item["messages"] = self._messages(path, row_no, field(o.messages_field, "messages_field",
+                                                                   "the chat messages"))
+        else:
+            values = {**row, "question": field(o.question_field, "question_field", "the question")}
+            for name in self._template_fields:
+                if name.split(".")[0].split("[")[0] not in values:
+                    raise missing_field(path, row_no, row, name, "template", f"{{{name}}}")
+            text = o.template.format(**values)
+            if o.chat:
+                system = [{"role": "system", "content": o.system_prompt}] if o.system_prompt else []
+                item["messages"] = [*system, {"role": "user", "content": text}]
+            else:
+                item["prompt"] = text
+        if o.stop:
+            item["stop"] = [str(s) for s in o.stop]
+        return item
+
+    def _messages(self, path: Path, row_no: int, value: Any) -> list[dict]:
+        if not isinstance(value, list) or not value or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in value):
+            raise DatasetFileError(
+                f"{path} row {row_no}: field '{self.options.messages_field}' (dataset.messages_field) is "
+                f"{str(value)[:80]!r}, not a list of {{role, content}} messages. Fix: point dataset.messages_field "
+                f"at a chat column, or leave it empty to build the prompt from dataset.template")
+        return [{"role": m["role"], "content": m["content"]} for m in value]
+
+    # -- the split --------------------------------------------------------
+    def _held_out(self, item_id: str) -> bool:
+        """Hashed on the id only, so changing trainer.seed never moves a row between splits."""
+        return stable_seed("validation", item_id) / 2**31 < self.options.validation_fraction
+
+    @staticmethod
+    def _prompt_key(item: dict) -> str:
+        return json.dumps(item.get("messages") or item.get("prompt"), sort_keys=True)
+
+    def _drop_overlap(self, train: list[dict], held: list[dict]) -> list[dict]:
+        prompts = {self._prompt_key(item) for item in held}
+        kept = [item for item in train if self._prompt_key(item) not in prompts]
+        if len(kept) < len(train):
+            warnings.warn(f"{self.options.path}: {len(train) - len(kept)} rows have the same prompt as a row of "
+                          f"{self.options.validation_path}; they are left out of the train split", stacklevel=2)
+        return kept
+
+    def _check_unique_ids(self, items: list[dict]) -> None:
+        seen: set[str] = set()
+        for item in items:
+            if item["id"] in seen:
+                raise DatasetFileError(
+                    f"{self.options.path}: the id {item['id']!r} (dataset.id_field '{self.options.id_field}') is "
+                    f"on two rows{' (across the train and validation files)' if self.options.validation_path else ''}. "
+                    f"Fix: make the ids unique, or set dataset.id_field to '' to number rows")
+            seen.add(item["id"])
+
+    # -- iteration --------------------------------------------------------
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self.split == "validation":
+            return iter(self.items)
+        pass_index, self._passes = self._passes, self._passes + 1
+        order = pass_order(len(self.items), self.seed, pass_index, self.options.shuffle)
+        return iter([self.items[k] for k in order])
+
+    def __len__(self) -> int:
+        return len(self.items)

@@ -1,0 +1,135 @@
+"""The files dataset: each format, the field mapping, the errors, the split."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from areal_core.api import Context
+from areal_core.config.schema import RunConfig
+from areal_core.testing import DatasetConformance
+from areal_tasks.files import DatasetFileError, FilesConfig, FilesDataset
+
+ROWS = [{"q": f"What is {n} + {n}?", "a": f"Twice {n} is {2 * n}.\n#### {2 * n}", "uid": f"u{n}", "level": n % 3}
+        for n in range(30)]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def build(split: str = "train", seed: int = 3, **options) -> FilesDataset:
+    config = RunConfig()
+    config.trainer.seed = seed
+    return FilesDataset.create(Context(config=config, options=FilesConfig(**options), extras={"split": split}))
+
+
+MAPPING = dict(question_field="q", answer_field="a", id_field="uid", answer_pattern=r"####\s*(.+)$")
+
+
+def test_jsonl_field_mapping_template_and_answer_pattern(tmp_path):
+    path = write_jsonl(tmp_path / "gsm.jsonl", ROWS)
+    items = build(path=str(path), template="Q: {question} (level {level})", system_prompt="Be brief.",
+                  shuffle=False, stop=["\n\n"], **MAPPING).items
+    assert items[4] == {"id": "u4", "q": ROWS[4]["q"], "a": ROWS[4]["a"], "uid": "u4", "level": 1, "answer": "8",
+                        "messages": [{"role": "system", "content": "Be brief."},
+                                     {"role": "user", "content": "Q: What is 4 + 4? (level 1)"}],
+                        "stop": ["\n\n"]}
+
+
+def test_raw_prompt_and_default_ids(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS[:3])
+    items = build(path=str(path), question_field="q", answer_field="a", chat=False, template="{question}\nA:",
+                  shuffle=False).items
+    assert [i["id"] for i in items] == ["d.jsonl:1", "d.jsonl:2", "d.jsonl:3"]
+    assert items[1]["prompt"] == "What is 1 + 1?\nA:" and "messages" not in items[1]
+
+
+def test_parquet_and_hf_disk_give_the_same_items_as_jsonl(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "d.parquet")
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "hf"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:5])}).save_to_disk(str(tmp_path / "hfdict"))
+    expected = build(path=str(write_jsonl(tmp_path / "d.jsonl", ROWS)), **MAPPING).items
+    assert build(path=str(tmp_path / "d.parquet"), **MAPPING).items == expected
+    assert build(path=str(tmp_path / "hf"), **MAPPING).items == expected
+    assert [i["id"] for i in build(path=str(tmp_path / "hfdict"), shuffle=False, **MAPPING).items] == \
+        ["u0", "u1", "u2", "u3", "u4"]
+    with pytest.raises(DatasetFileError, match="holds the splits train, not 'test'. Fix: set dataset.hf_split"):
+        build(path=str(tmp_path / "hfdict"), hf_split="test", **MAPPING)
+
+
+def test_missing_field_names_file_row_field_and_fix(tmp_path):
+    rows = [dict(r) for r in ROWS[:5]]
+    del rows[3]["a"]
+    path = write_jsonl(tmp_path / "broken.jsonl", rows)
+    with pytest.raises(DatasetFileError) as err:
+        build(path=str(path), **MAPPING)
+    assert str(err.value) == (
+        f"{path} row 4: no field 'a' (dataset.answer_field); the row has fields: q, uid, level. Fix: set "
+        f"dataset.answer_field to the column holding the reference answer, or add 'a' to every row")
+
+
+def test_template_field_missing_and_bad_json_are_named(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS[:2])
+    with pytest.raises(DatasetFileError, match=r"row 1: no field 'topic' \(dataset.template\)"):
+        build(path=str(path), template="{topic}: {question}", **MAPPING)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(ROWS[0]) + "\n\n{not json\n")
+    with pytest.raises(DatasetFileError, match=r"bad.jsonl row 3: not valid JSON"):
+        build(path=str(bad), **MAPPING)
+    with pytest.raises(DatasetFileError, match="cannot tell the format from the suffix '.txt'"):
+        build(path=str(tmp_path / "x.txt"), **MAPPING)
+
+
+def test_duplicate_ids_are_refused(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [ROWS[0], ROWS[0]])
+    with pytest.raises(DatasetFileError, match="the id 'u0' .* is on two rows"):
+        build(path=str(path), **MAPPING)
+
+
+def test_held_out_fraction_is_disjoint_and_independent_of_the_seed(tmp_path):
+    path = str(write_jsonl(tmp_path / "d.jsonl", ROWS))
+    train = {i["id"] for i in build(path=path, validation_fraction=0.3, **MAPPING)}
+    validation = {i["id"] for i in build("validation", path=path, validation_fraction=0.3, **MAPPING)}
+    assert train and validation and not train & validation and len(train | validation) == len(ROWS)
+    assert validation == {i["id"] for i in build("validation", seed=99, path=path, validation_fraction=0.3,
+                                                 **MAPPING)}
+
+
+def test_validation_file_and_overlap_left_out_of_train(tmp_path):
+    train_path = write_jsonl(tmp_path / "train.jsonl", ROWS[:10])
+    val_rows = [dict(r, uid=f"v{k}") for k, r in enumerate(ROWS[8:12])]  # two prompts also in train
+    val_path = write_jsonl(tmp_path / "val.jsonl", val_rows)
+    with pytest.warns(UserWarning, match="2 rows have the same prompt"):
+        train = build(path=str(train_path), validation_path=str(val_path), **MAPPING)
+    assert sorted(i["id"] for i in train) == [f"u{n}" for n in range(8)]
+    assert [i["id"] for i in build("validation", path=str(train_path), validation_path=str(val_path),
+                                   **MAPPING)] == ["v0", "v1", "v2", "v3"]
+    with pytest.raises(DatasetFileError, match="the validation split is empty"):
+        build("validation", path=str(train_path), **MAPPING)
+
+
+def test_passes_reshuffle_reproducibly(tmp_path):
+    path = str(write_jsonl(tmp_path / "d.jsonl", ROWS))
+    a, b = build(path=path, **MAPPING), build(path=path, **MAPPING)
+    first, second = [i["id"] for i in a], [i["id"] for i in a]
+    assert first != second and sorted(first) == sorted(second)
+    assert [i["id"] for i in b] == first and [i["id"] for i in b] == second
+    assert [i["id"] for i in build(path=path, shuffle=False, **MAPPING)] == [r["uid"] for r in ROWS]
+
+
+_DATA = Path(tempfile.mkdtemp(prefix="areal-files-conformance-"))
+write_jsonl(_DATA / "train.jsonl", ROWS)
+
+
+class TestFilesConformance(DatasetConformance):
+    component_name = "files"
+    options = dict(path=str(_DATA / "train.jsonl"), validation_fraction=0.25, **MAPPING)

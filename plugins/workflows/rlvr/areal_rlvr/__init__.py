@@ -1,0 +1,1 @@
+"""areal single-turn RLVR workflow."""
