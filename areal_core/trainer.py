@@ -26,6 +26,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -91,6 +92,48 @@ class Trainer:
         self._last_generated = (0, time.monotonic())
         self.dataset = build(self.run, "dataset")
         self.data = data_stream(self.dataset, self.cfg.trainer.epochs)
+        self._eval_setup(reward)
+
+    # -------------------------------------------------------------- evaluation (rank 0)
+    def _eval_setup(self, reward: Any) -> None:
+        """The validation items and a workflow that samples ``eval.samples`` per item at ``eval.temperature``."""
+        ev = self.cfg.eval
+        self.eval_items: list[Any] = []
+        self._pending_eval: tuple[Any, int, float] | None = None
+        if ev.size == 0:
+            return
+        validation = build(self.run, "dataset", split="validation")
+        self.eval_items = list(itertools.islice(iter(validation), ev.size))
+        if not self.eval_items:
+            raise ValueError(f"eval.size is {ev.size} but dataset {self.cfg.dataset.name!r} has no validation "
+                             f"items; give the dataset a validation split (docs/datasets.md) or set eval.size=0")
+        r = self.cfg.rollout
+        eval_cfg = replace(self.cfg, rollout=replace(
+            r, group_size=ev.samples, sampling=replace(r.sampling, temperature=ev.temperature)))
+        workflow_cls = self.run.components["workflow"]
+        self.eval_workflow = workflow_cls.create(Context(
+            config=eval_cfg, options=self.run.options.get("workflow"), extras={"reward": reward}))
+
+    def _start_eval(self) -> None:
+        if self.eval_items and self._pending_eval is None:
+            future = self.controller.evaluate(self.eval_workflow, self.eval_items)
+            self._pending_eval = (future, self.step, time.monotonic())
+
+    def _collect_eval(self, wait: bool) -> dict[str, float]:
+        """The finished evaluation's metrics ({} while it runs, unless ``wait``)."""
+        if self._pending_eval is None:
+            return {}
+        future, step, began = self._pending_eval
+        if not wait and not future.done():
+            return {}
+        timeout = self.cfg.rollout.request_timeout_s
+        try:
+            results = future.result(timeout)
+        except TimeoutError:
+            raise TimeoutError(f"waited {timeout:.0f} s (rollout.request_timeout_s) for the evaluation of "
+                               f"{len(self.eval_items)} validation items started after step {step}") from None
+        self._pending_eval = None
+        return eval_metrics(results, self.eval_items, self.cfg.eval.success, step, time.monotonic() - began)
 
     # -------------------------------------------------------------- checkpoints
     def _restore(self) -> None:
@@ -157,11 +200,23 @@ class Trainer:
             if self.controller is not None:
                 self.controller.start()
                 self.controller.set_version(self.actor.version)
+                if self.step == 0 and self.cfg.eval.before and self.eval_items:
+                    self._start_eval()  # the initial policy, before any rollout is admitted
+                    logger.log(0, self._collect_eval(wait=True))
             last_save, checkpoint_s = time.monotonic(), 0.0
             while self.step < total:
                 metrics = self.train_step()
                 self.step += 1
                 metrics["time/checkpoint_s"] = checkpoint_s  # the previous step's save
+                if self.controller is not None and self.eval_items:
+                    metrics.update(self._collect_eval(wait=False))  # an evaluation that ran beside training
+                    if self.step == total:  # the final policy: nothing else needs the engines now
+                        self.controller.stop_rollouts()
+                        metrics.update(self._collect_eval(wait=True))
+                        self._start_eval()
+                        metrics.update(self._collect_eval(wait=True))
+                    elif self.cfg.eval.every and self.step % self.cfg.eval.every == 0:
+                        self._start_eval()
                 if logger is not None:  # before the save: a step in a checkpoint always has its metrics
                     logger.log(self.step, metrics)
                 every, every_s = self.cfg.trainer.save_every, self.cfg.trainer.save_every_s
@@ -263,6 +318,30 @@ class Trainer:
         with open(self.run_dir / "samples.jsonl", "a") as f:
             f.write(json.dumps({"step": self.step + 1, "version": version,
                                 "items": [g.seq for g in groups]}) + "\n")
+
+
+def eval_metrics(results: list[Any], items: list[Any], success: float, step: int, seconds: float) -> dict[str, float]:
+    """``eval/accuracy`` (pass@k: an item counts when one of its samples reaches ``success``) and friends.
+
+    ``results`` holds one entry per item: its trajectories, None (rejected by
+    the workflow: counted wrong) or an exception (raised here with the item).
+    """
+    correct, rewards, lengths = 0, [], []
+    for item, result in zip(items, results):
+        if isinstance(result, BaseException):
+            raise RuntimeError(f"evaluation failed on validation item {str(item)[:80]}: "
+                               f"{type(result).__name__}: {result}") from result
+        trajectories = result or []
+        item_rewards = [t.reward for t in trajectories]
+        rewards += item_rewards
+        lengths += [sum(t.loss_mask) for t in trajectories]
+        correct += any(r >= success for r in item_rewards)
+    out = {"eval/accuracy": correct / len(items), "eval/items": float(len(items)),
+           "eval/after_step": float(step), "eval/seconds": seconds}
+    if rewards:
+        out["eval/reward_mean"] = sum(rewards) / len(rewards)
+        out["eval/completion_tokens_mean"] = sum(lengths) / len(lengths)
+    return out
 
 
 def seed_everything(seed: int) -> None:

@@ -28,7 +28,7 @@ fi
 # and fast (one backend for every distribution in the repository).
 "${PIP[@]}" install "hatchling>=1.21" editables
 
-targets=(-e ".[dev]")
+targets=(-e ".[dev,plot]")
 for project in plugins/*/*/pyproject.toml; do
     targets+=(-e "$(dirname "$project")")
 done

@@ -70,15 +70,18 @@ def test_check_reports_three_independent_mistakes_and_exits_1(double_stack, tmp_
 def test_check_ok(double_stack):
     result, _ = invoke("check", *double_stack)
     assert result.exit_code == 0, result.output
-    assert result.output == "default config: OK. allocation infer_double:cpu+train_double:cpu (0 accelerator(s), 2 process(es))\n"
+    assert result.output == ("the built-in demo: OK. allocation infer_double:cpu+train_double:cpu "
+                             "(0 accelerator(s), 2 process(es))\n")
 
 
-def test_run_without_config_says_what_the_demo_is_missing():
-    result, _ = invoke("run")
-    assert result.exit_code == 1
-    assert result.output.splitlines()[0].endswith("problems in the built-in demo:")
-    assert "[core.component] workflow.name: no workflow named 'rlvr' is installed." in result.output
-    assert "algorithm.name" not in result.output  # grpo comes with areal-plugin-ppo
+def test_without_a_config_the_built_in_demo_is_checked_and_its_mistakes_named():
+    result, _ = invoke("check")
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("the built-in demo: OK. allocation local:cpu+fsdp:cpu")
+    bad, _ = invoke("run", "rollout.group_size=0")  # nothing is launched
+    assert bad.exit_code == 1
+    assert bad.output.splitlines()[0] == "1 problem in the built-in demo:"
+    assert "rollout.group_size: 0 is out of range" in bad.output
 
 
 def test_run_writes_the_resolved_config_then_launches(double_stack, tmp_path):

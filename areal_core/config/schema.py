@@ -96,7 +96,7 @@ class WorkflowConfig(NamedConfig):
 
 @dataclass
 class RewardConfig(NamedConfig):
-    name: str = spec("math", pattern=NAME_PATTERN, help="areal.rewards")
+    name: str = spec("arithmetic", pattern=NAME_PATTERN, help="areal.rewards")
 
 
 @dataclass
@@ -119,6 +119,19 @@ class TrainerConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Validation on held-out items (the dataset's ``validation`` split), through the run's workflow."""
+
+    size: int = spec(64, ge=0, help="validation items per evaluation; 0 = no evaluation")
+    every: int = spec(0, ge=0, help="steps between evaluations during training (run beside it); "
+                                    "0 = only before the first and after the last step")
+    before: bool = spec(True, help="evaluate the initial policy before the first step")
+    samples: int = spec(1, ge=1, help="samples per item: accuracy is pass@samples")
+    temperature: float = spec(0.0, ge=0.0, help="0 = greedy")
+    success: float = spec(1.0, help="a sample counts as correct when its reward is at least this")
+
+
+@dataclass
 class RunConfig:
     experiment: str = spec("areal", pattern=NAME_PATTERN)
     trial: str = spec("run0", pattern=NAME_PATTERN)
@@ -133,6 +146,7 @@ class RunConfig:
     dataset: DatasetConfig = spec(factory=DatasetConfig)
     launcher: LauncherConfig = spec(factory=LauncherConfig)
     trainer: TrainerConfig = spec(factory=TrainerConfig)
+    eval: EvalConfig = spec(factory=EvalConfig)
 
     def allocation_text(self) -> str:
         """The allocation as written, or the single-machine CPU default."""

@@ -42,8 +42,11 @@ class MetricsTail:
         self.path = run_dir / "metrics.jsonl"
         self.identity: tuple[int, int] | None = None
         self.offset = 0
-        self.display = ProgressDisplay(total, {"reward": "reward/mean", "staleness": "staleness/token_lag_mean",
+        self.display = ProgressDisplay(total, {"reward": "reward/mean", "accuracy": "eval/accuracy",
+                                               "staleness": "staleness/token_lag_mean",
+                                               "gen tok/s": "throughput/gen_tokens_per_s",
                                                "train tok/s": "throughput/train_tokens_per_s"})
+        self.last_eval: dict = {}
 
     def poll(self) -> bool:
         try:
@@ -65,7 +68,24 @@ class MetricsTail:
                     break
                 self.offset += len(line)
                 row = json.loads(line)
-                self.display.update(row["step"] - 1, row)
+                if "eval/accuracy" in row:
+                    self.last_eval = {k: v for k, v in row.items() if k.startswith("eval/")}
+                    self._say_eval(row)
+                self.display.update(row["step"] - 1, {**self.last_eval, **row})  # accuracy stays shown
+
+    def _say_eval(self, row: dict) -> None:
+        """One line per evaluation, above the bar (or alone when stderr is not a terminal)."""
+        after = int(row.get("eval/after_step", row["step"]))
+        when = "before training" if after == 0 else f"after step {after}"
+        line = (f"eval {when}: accuracy {row['eval/accuracy']:.3f} on {int(row.get('eval/items', 0))} "
+                f"validation items")
+        if row.get("eval/reward_mean") is not None:
+            line += f", mean reward {row['eval/reward_mean']:.3f}"
+        progress = getattr(self.display, "_progress", None)
+        if progress is not None:
+            progress.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         self.display.close()

@@ -23,6 +23,7 @@ With ``eta = 0`` the controller is an ordinary synchronous trainer: batch
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import heapq
 import threading
 import time
@@ -93,6 +94,7 @@ class RolloutController:
         self._resumed_extra: set[int] = set()
         self._error: BaseException | None = None
         self._paused = False
+        self._stopped = False  # stop_rollouts(): no more training episodes
         self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -208,7 +210,8 @@ class RolloutController:
     # ------------------------------------------------------------ the loop side
     def _admit(self) -> None:
         with self._cond:
-            while not self._paused and self._error is None and self.staleness.capacity(self._version) > 0:
+            while (not self._paused and not self._stopped and self._error is None
+                   and self.staleness.capacity(self._version) > 0):
                 nxt = self._next_item()
                 if nxt is None:
                     break
@@ -391,6 +394,47 @@ class RolloutController:
         return self.update_weights(apply, version)
 
     # ------------------------------------------------------------ state
+    def stop_rollouts(self) -> int:
+        """Admit no more training episodes and cancel the running ones (the run is over); returns how many.
+
+        Cancelled episodes count as not done, so a checkpoint taken afterwards
+        still has them redone on resume. Evaluation keeps working.
+        """
+        with self._cond:
+            self._stopped = True
+
+        async def cancel() -> int:
+            tasks = list(self._tasks)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return len(tasks)
+
+        return self._call(cancel(), "cancel the running training episodes")
+
+    def evaluate(self, workflow: Workflow, items: list[Any], concurrency: int = 32) -> concurrent.futures.Future:
+        """Run ``workflow`` on ``items`` beside the training rollouts; a future of each item's result.
+
+        Evaluation episodes share the engines (and their interruptions at
+        weight updates) with training episodes but not the staleness
+        accounting: nothing they produce is trained on. The future holds one
+        entry per item, in order: its trajectories, None when the workflow
+        rejected it, or the exception it raised.
+        """
+        if self._loop is None:
+            raise RuntimeError("the rollout controller is not started; call start() first")
+
+        async def run_all() -> list[Any]:
+            gate = asyncio.Semaphore(concurrency)
+
+            async def one(item: Any) -> Any:
+                async with gate:
+                    return await workflow.arun_episode(self.engine, item)
+
+            return await asyncio.gather(*(one(item) for item in items), return_exceptions=True)
+
+        return asyncio.run_coroutine_threadsafe(run_all(), self._loop)
+
     def stats(self) -> dict[str, int]:
         with self._cond:
             c = self.staleness.counts

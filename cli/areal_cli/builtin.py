@@ -21,15 +21,21 @@ ConfigArg = Annotated[Optional[Path], typer.Argument(help="YAML run config; omit
 OverridesArg = Annotated[Optional[list[str]], typer.Argument(help="dotted overrides, e.g. actor.optimizer.lr=1e-5")]
 
 
-def _split(config: Path | None, overrides: list[str] | None) -> tuple[str | None, list[str]]:
-    """Typer cannot tell `areal check a=1` from `areal check file.yaml`; an '=' marks an override."""
+DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
+
+
+def _split(config: Path | None, overrides: list[str] | None) -> tuple[str, list[str]]:
+    """The config file (the built-in demo when none is given) and the overrides.
+
+    Typer cannot tell `areal check a=1` from `areal check file.yaml`; an '=' marks an override.
+    """
     overrides = list(overrides or [])
     if config is not None and "=" in str(config) and not config.exists():
-        return None, [str(config), *overrides]
-    return (str(config) if config is not None else None), overrides
+        return str(DEMO_CONFIG), [str(config), *overrides]
+    return (str(config) if config is not None else str(DEMO_CONFIG)), overrides
 
 
-def _validated(config: Path | None, overrides: list[str] | None, *, demo_header: bool):
+def _validated(config: Path | None, overrides: list[str] | None):
     from areal_core.config.validate import validate_run
     from areal_core.problems import ProblemsError
 
@@ -40,7 +46,7 @@ def _validated(config: Path | None, overrides: list[str] | None, *, demo_header:
         err.print(str(exc))
         raise typer.Exit(1) from None
     if run.problems:
-        source = path or ("the built-in demo" if demo_header else "the default config")
+        source = "the built-in demo" if path == str(DEMO_CONFIG) else path
         err.print(format_problems(run.problems, source))
         raise typer.Exit(1)
     return run, path
@@ -48,9 +54,9 @@ def _validated(config: Path | None, overrides: list[str] | None, *, demo_header:
 
 def check(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
     """Validate a run config and its placement; start nothing. Exit 0 when valid, 1 with every problem."""
-    run, path = _validated(config, overrides, demo_header=False)
+    run, path = _validated(config, overrides)
     alloc = run.allocation
-    console.print(f"{path or 'default config'}: OK. allocation {alloc} "
+    console.print(f"{'the built-in demo' if path == str(DEMO_CONFIG) else path}: OK. allocation {alloc} "
                   f"({alloc.n_devices} accelerator(s), {sum(c.world_size for c in alloc.components)} process(es))")
 
 
@@ -61,7 +67,7 @@ def run(config: ConfigArg = None, overrides: OverridesArg = None, resume: Resume
     """Train: with no CONFIG, the built-in demo (a small real model on a built-in task, CPU only)."""
     from areal_core.api import Context
 
-    validated, _ = _validated(config, overrides, demo_header=config is None)
+    validated, _ = _validated(config, overrides)
     cfg = validated.config
     run_dir = Path(cfg.output_dir).expanduser() / cfg.experiment / cfg.trial
     saved = run_dir / "config.yaml"
@@ -137,8 +143,25 @@ def plugins(as_json: Annotated[bool, typer.Option("--json", help="machine-readab
     console.print(table)
 
 
+RunDirArg = Annotated[Path, typer.Argument(help="a run folder: <output_dir>/<experiment>/<trial>")]
+OutOpt = Annotated[Optional[Path], typer.Option("--out", help="PNG to write (default RUN_DIR/curves.png)")]
+
+
+def plot(run_dir: RunDirArg, out: OutOpt = None) -> None:
+    """Draw a run's reward and validation-accuracy curves into a PNG."""
+    from areal_cli.plot import PlotError, plot_run
+
+    try:
+        written = plot_run(run_dir, out)
+    except PlotError as exc:
+        err.print(str(exc))
+        raise typer.Exit(1) from None
+    console.print(f"wrote {written}")
+
+
 @hookimpl(trylast=True)
 def areal_register_commands(registrar) -> None:
     registrar.add_command(run, "run")
+    registrar.add_command(plot, "plot")
     registrar.add_command(check, "check")
     registrar.add_command(plugins, "plugins")

@@ -215,4 +215,5 @@ workflow: {name: rl_workflow_double}
 reward: {name: mod3_double}
 dataset: {name: items_double}
 trainer: {total_steps: 6}
+eval: {size: 0}
 """

@@ -1,0 +1,70 @@
+"""A short version of the default run (`areal run` with the built-in demo config) on a tiny model.
+
+Everything real but the model's size: the demo YAML, the embedded engine in
+its own process, the FSDP trainer, GRPO with decoupled PPO, the rlvr workflow,
+the arithmetic dataset and reward, evaluation before and after, checkpoints
+and `areal plot`. Whether the demo *learns* is shown by benchmarks/vs_trl.py
+on the real model, not here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+AREAL = str(Path(sys.executable).with_name("areal"))
+
+
+def test_a_short_default_run_writes_a_complete_run_folder(tmp_path):
+    pytest.importorskip("areal_fsdp")
+    from areal_local.models import tiny_model
+
+    model = tiny_model(tmp_path / "tiny", seed=0)
+    overrides = [f"output_dir={tmp_path / 'runs'}", f"model.path={model}", "model.dtype=float32",
+                 "trainer.total_steps=3", "trainer.save_every=2", "eval.size=6", "rollout.batch_size=2",
+                 "rollout.group_size=2", "rollout.max_head_offpolicyness=1", "actor.optimizer.lr=1e-3"]
+    proc = subprocess.run([AREAL, "run", *overrides], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir = tmp_path / "runs" / "demo" / "run0"
+
+    config = (run_dir / "config.yaml").read_text()
+    for expected in ("name: grpo", "name: rlvr", "name: arithmetic", "max_head_offpolicyness: 1", "decoupled: true"):
+        assert expected in config
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows[0]["eval/items"] == 6 and rows[0]["eval/after_step"] == 0
+    assert rows[-1]["eval/items"] == 6 and rows[-1]["eval/after_step"] == 3
+    for row in rows:
+        assert all(v is None or math.isfinite(v) for v in row.values() if isinstance(v, float)), row
+        assert all(v is not None for k, v in row.items() if k != "time"), row  # null = non-finite
+    for row in rows[1:]:
+        for key in ("reward/mean", "train/loss", "train/grad_norm", "staleness/token_lag_max",
+                    "throughput/gen_tokens_per_s"):
+            assert key in row, (key, sorted(row))
+        assert row["staleness/token_lag_max"] <= 1
+    assert 0.0 <= rows[-1]["eval/accuracy"] <= 1.0
+    assert list((run_dir / "tensorboard").iterdir())
+
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(latest / "actor")  # plain HF safetensors
+    assert trained.config.vocab_size > 0
+
+    plotted = subprocess.run([AREAL, "plot", str(run_dir)], capture_output=True, text=True, timeout=120)
+    assert plotted.returncode == 0, plotted.stderr
+    png = run_dir / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_names_what_is_missing(tmp_path):
+    proc = subprocess.run([AREAL, "plot", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert f"{tmp_path} has no metrics.jsonl. Fix: pass the run folder" in proc.stderr
+    assert "Traceback" not in proc.stderr
