@@ -1,0 +1,231 @@
+"""areal against TRL's GRPOTrainer on the same model, task, prompts and budget, on CPU, side by side.
+
+    .venv/bin/pip install "trl==1.16.0"          # once; not a dependency of areal
+    .venv/bin/python benchmarks/vs_trl.py [--steps 30] [--eval-size 64] [--skip-trl] [--skip-sync]
+
+What runs, one after the other in this invocation:
+
+1. TRL ``GRPOTrainer`` (trl 1.16) configured the way its docs say for CPU:
+   ``use_cpu=True``, no vLLM, fp32 (``bf16=False``), ``gradient_checkpointing=False``.
+2. ``areal run`` with the built-in demo config at η = 4 (``rollout.max_head_offpolicyness=4``).
+3. The same at η = 0 (synchronous), unless ``--skip-sync``.
+
+Matched settings (printed by the script): SmolLM2-135M-Instruct in float32
+(this CPU has no bf16 units; ``model.dtype`` resolves the same way), the
+few-shot addition task (``3+4=7\\n10+5=15\\n8+9=17\\n{a}+{b}=``, a, b in
+0..20) from the ``arithmetic`` dataset with the same seed, so both see the
+same prompts in the same order; reward 1 when the completion starts with the
+sum (the ``arithmetic`` reward, used by both); 8 completions per prompt, 16
+per step, 16 new tokens at temperature 1; learning rate 1e-5, AdamW, no
+warmup, grad clip 1.0; loss: GRPO with group-std advantages, clip 0.2, no KL,
+sequence-mean of token-mean (TRL ``loss_type="grpo"``, ``scale_rewards="group"``,
+``beta=0``, ``num_iterations=1``; areal ``algorithm.name=grpo``).
+Differences that remain: areal's decoupled PPO weights each token by
+pi_prox / pi_behav (exactly 1 at η = 0); areal stops a completion at the first
+newline (the task's stop string), TRL generates all 16 tokens (its reward only
+reads the start).
+
+Accuracy: greedy, the first ``--eval-size`` held-out problems of the task's
+validation split, measured the same way for every model (HF ``generate`` on
+the weights: the initial model, TRL's trained model, areal's final
+checkpoint). Throughput: samples/s = completions trained / wall time of the
+training loop (TRL ``trainer.train()``; areal: the ``areal run`` process,
+which also starts the inference server and loads the model twice, so it is
+reported both end to end and per step in steady state); generation tokens/s:
+completion tokens / time spent generating (TRL: inside its generate call;
+areal: the run's mean ``throughput/gen_tokens_per_s``).
+No pass / fail: it prints figures and ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+AREAL = str(Path(sys.executable).with_name("areal"))
+GROUP, PER_STEP, NEW_TOKENS, LR = 8, 16, 16, 1e-5
+
+
+def task_items(split: str, n: int, seed: int = 1) -> list[dict]:
+    """The ``arithmetic`` dataset's items, exactly as an areal run with ``trainer.seed=seed`` sees them."""
+    import itertools
+
+    from areal_core.api import Context
+    from areal_core.config.validate import validate_run
+
+    run = validate_run(str(ROOT / "cli" / "areal_cli" / "demo.yaml"), [f"trainer.seed={seed}"])
+    dataset = run.components["dataset"].create(Context(config=run.config, options=run.options.get("dataset"),
+                                                       extras={"split": split}))
+    return list(itertools.islice(iter(dataset), n))
+
+
+def reward_fn():
+    from areal_core.api import Context
+    from areal_core.registry import resolve
+
+    return resolve("reward", "arithmetic").create(Context())
+
+
+def greedy_accuracy(model, tokenizer, items: list[dict], reward) -> float:
+    """Greedy completions of every item's prompt (HF generate, left-padded batch); share scored 1."""
+    tokenizer.padding_side = "left"
+    prompts = [item["prompt"] for item in items]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.inference_mode():
+        out = model.generate(**batch, do_sample=False, max_new_tokens=NEW_TOKENS,
+                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    scores = [reward(p, t, item) for p, t, item in zip(prompts, texts, items)]
+    return sum(float(s["reward"] if isinstance(s, dict) else s) >= 1.0 for s in scores) / len(items)
+
+
+def load(path: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+# --------------------------------------------------------------------- TRL
+def run_trl(model_dir: Path, steps: int, val: list[dict], out_dir: Path) -> dict:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    reward = reward_fn()
+    train = task_items("train", steps * PER_STEP // GROUP)
+    data = Dataset.from_list([{"prompt": i["prompt"], "answer": i["answer"], "id": i["id"]} for i in train])
+
+    def arithmetic_reward(prompts, completions, answer, **_):
+        return [float(reward(p, c, {"answer": a, "style": "few_shot"})["reward"])
+                for p, c, a in zip(prompts, completions, answer)]
+
+    config = GRPOConfig(
+        output_dir=str(out_dir), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        per_device_train_batch_size=PER_STEP, gradient_accumulation_steps=1, num_generations=GROUP,
+        max_completion_length=NEW_TOKENS, temperature=1.0, top_p=1.0, learning_rate=LR,
+        lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
+        loss_type="grpo", scale_rewards="group", beta=0.0, epsilon=0.2, num_iterations=1,
+        max_steps=steps, logging_steps=1, save_strategy="no", report_to=[], shuffle_dataset=False,
+        seed=1, dataloader_num_workers=0,
+    )
+    stamps: list[float] = []
+
+    class Stamp(TrainerCallback):
+        def on_step_end(self, *_args, **_kw):
+            stamps.append(time.perf_counter())
+
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=arithmetic_reward, args=config, train_dataset=data,
+                          callbacks=[Stamp()])
+    gen = {"s": 0.0, "tokens": 0}
+    inner = trainer._generate_single_turn
+
+    def timed(*a, **kw):
+        began = time.perf_counter()
+        result = inner(*a, **kw)
+        gen["s"] += time.perf_counter() - began
+        completion_ids = result[1]
+        gen["tokens"] += sum(len(c) for c in completion_ids)
+        return result
+
+    trainer._generate_single_turn = timed
+    began = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - began
+    tokenizer = trainer.processing_class
+    model = trainer.model.eval()
+    return {"wall_s": wall, "step_s": (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1),
+            "gen_tok_s": gen["tokens"] / gen["s"] if gen["s"] else float("nan"),
+            "gen_share": gen["s"] / wall, "acc_after": greedy_accuracy(model, tokenizer, val, reward)}
+
+
+# --------------------------------------------------------------------- areal
+def run_areal(eta: int, steps: int, val: list[dict], out_dir: Path) -> dict:
+    trial = f"eta{eta}"
+    overrides = [f"output_dir={out_dir}", f"trial={trial}", "model.dtype=float32",
+                 f"rollout.max_head_offpolicyness={eta}", f"rollout.group_size={GROUP}",
+                 f"rollout.batch_size={PER_STEP // GROUP}", f"rollout.sampling.max_new_tokens={NEW_TOKENS}",
+                 "rollout.sampling.temperature=1.0", f"actor.optimizer.lr={LR}", "actor.optimizer.grad_clip=1.0",
+                 "algorithm.name=grpo", "algorithm.eps_clip=0.2", "algorithm.kl_coef=0.0",
+                 f"trainer.total_steps={steps}", "trainer.save_every=0", "trainer.seed=1", "eval.size=0"]
+    began = time.perf_counter()
+    proc = subprocess.run([AREAL, "run", *overrides], capture_output=True, text=True,
+                          env={**os.environ, "TERM": "dumb"})
+    wall = time.perf_counter() - began
+    if proc.returncode != 0:
+        raise SystemExit(f"areal run (eta={eta}) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    run_dir = out_dir / "demo" / trial
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "train/loss" in r]
+    times = [r["time"] for r in rows]
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip() / "actor"
+    model, tokenizer = load(latest)
+    return {"wall_s": wall, "step_s": (times[-1] - times[0]) / max(1, len(times) - 1),
+            "gen_tok_s": statistics.mean(r["throughput/gen_tokens_per_s"] for r in rows[1:] or rows),
+            "lag_max": max(r.get("staleness/token_lag_max", 0) for r in rows),
+            "acc_after": greedy_accuracy(model, tokenizer, val, reward_fn())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--eval-size", type=int, default=64)
+    parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--skip-sync", action="store_true", help="skip areal at eta = 0")
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
+
+    from areal_core.models import resolve_model_path
+
+    model_dir = resolve_model_path("", "float32")
+    val = task_items("validation", args.eval_size)
+    base, tokenizer = load(model_dir)
+    acc_before = greedy_accuracy(base, tokenizer, val, reward_fn())
+    del base
+    samples = args.steps * PER_STEP
+    print(f"model {model_dir.name} float32 | task few-shot a+b, a,b in 0..20 | {args.steps} steps x {PER_STEP} "
+          f"completions ({GROUP} per prompt), {NEW_TOKENS} new tokens, lr {LR}, GRPO seq-mean-token-mean, "
+          f"clip 0.2, no KL | greedy accuracy on {len(val)} held-out problems | torch threads "
+          f"{torch.get_num_threads()}", flush=True)
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="areal-vs-trl-") as tmp:
+        if not args.skip_trl:
+            results["TRL GRPOTrainer"] = run_trl(model_dir, args.steps, val, Path(tmp) / "trl")
+            print("TRL done", flush=True)
+        results["areal eta=4"] = run_areal(4, args.steps, val, Path(tmp) / "areal")
+        print("areal eta=4 done", flush=True)
+        if not args.skip_sync:
+            results["areal eta=0"] = run_areal(0, args.steps, val, Path(tmp) / "areal")
+    print(f"\n{'':<16} {'wall s':>8} {'s/step':>7} {'samples/s':>10} {'gen tok/s':>10} {'acc before':>10} "
+          f"{'acc after':>10}")
+    for name, r in results.items():
+        print(f"{name:<16} {r['wall_s']:>8.1f} {r['step_s']:>7.2f} {samples / r['wall_s']:>10.2f} "
+              f"{r['gen_tok_s']:>10.1f} {acc_before:>10.3f} {r['acc_after']:>10.3f}")
+
+    def ratio(a: str, b: str) -> None:
+        if a in results and b in results:
+            x, y = results[a], results[b]
+            print(f"{a} / {b}: samples/s {y['wall_s'] / x['wall_s']:.2f}x end to end, "
+                  f"{y['step_s'] / x['step_s']:.2f}x per step in steady state; "
+                  f"accuracy after {x['acc_after']:.3f} vs {y['acc_after']:.3f}")
+
+    print()
+    ratio("areal eta=4", "TRL GRPOTrainer")
+    ratio("areal eta=0", "TRL GRPOTrainer")
+    ratio("areal eta=4", "areal eta=0")
+    if "TRL GRPOTrainer" in results:
+        print(f"TRL spent {results['TRL GRPOTrainer']['gen_share']:.0%} of its wall time generating")
+
+
+if __name__ == "__main__":
+    main()
