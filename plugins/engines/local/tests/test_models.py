@@ -234,7 +234,7 @@ def test_a_changed_source_or_a_lost_marker_converts_again(fake_source, tmp_path)
     source, calls = fake_source
     folder = demo_model_path("float32", cache_dir=tmp_path / "cache")
 
-    source.write_bytes(b"a newer gguf")  # reinstalled package: size and mtime change
+    source.write_bytes(b"a newer gguf")  # another file: the size changes
     assert demo_model_path("float32", cache_dir=tmp_path / "cache") == folder
     assert len(calls) == 2
 
