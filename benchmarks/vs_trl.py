@@ -134,7 +134,7 @@ def run_trl(model_dir: Path, steps: int, val: list[dict], out_dir: Path) -> dict
         began = time.perf_counter()
         result = inner(*a, **kw)
         gen["s"] += time.perf_counter() - began
-        completion_ids = result[1]
+        completion_ids = result[0]  # (completion ids, logprobs)
         gen["tokens"] += sum(len(c) for c in completion_ids)
         return result
 
