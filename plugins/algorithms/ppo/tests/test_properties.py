@@ -153,7 +153,7 @@ def test_micro_batches_give_the_whole_batch_loss_and_gradient(batch, case, data)
             continue
         loss, _ = algo.loss(leaf[mb["token_index"]], entropy[mb["token_index"]], mb)
         (loss * (n_mb / n_total)).backward()
-        summed += float(loss) * n_mb / n_total
+        summed += float(loss.detach()) * n_mb / n_total
     assert abs(summed - float(whole_loss)) < 1e-5
     torch.testing.assert_close(leaf.grad, whole_grad, rtol=1e-4, atol=1e-6)
 
@@ -164,7 +164,8 @@ def test_micro_batches_give_the_whole_batch_loss_and_gradient(batch, case, data)
        mode=st.sampled_from(["none", "truncate", "mask"]))
 def test_the_behaviour_weight_is_applied_whenever_decoupled_is_on(batch, name, level, mode):
     """Same policy and proximal logprobs, behaviour moved: the policy-gradient part of every token's
-    gradient is multiplied by its (bounded) behaviour weight pi_prox / pi_behav."""
+    gradient is multiplied by its (bounded) behaviour weight pi_prox / pi_behav (for GSPO, whose ratio is
+    per sequence, by the mean weight of the token's sequence)."""
     keys = dict(decoupled=True, prox_approx="recompute", kl_coef=0.0, behav_weight_level=level,
                 behav_weight_mode=mode, behav_weight_low=0.2, behav_weight_high=4.0)
     algo = make(name, **keys)
@@ -186,4 +187,13 @@ def test_the_behaviour_weight_is_applied_whenever_decoupled_is_on(batch, name, l
         w = w.clamp(0.2, 4.0)
     elif mode == "mask":
         w = torch.where((w >= 0.2) & (w <= 4.0), w, torch.zeros_like(w))
+    if name == "gspo":
+        # GSPO's ratio s_i is one number per sequence, so d loss / d log pi_t = -A s_i / |o_i| * sum over the
+        # sequence's loss tokens t' of w_t' c_t'; c is constant inside a sequence under every aggregation mode,
+        # so each token's gradient carries the mean of its sequence's weights (its own w_t only when all are equal).
+        lens = torch.tensor(out["seq_lens"])
+        seq = torch.repeat_interleave(torch.arange(len(lens)), lens)
+        total = torch.zeros(len(lens)).index_add(0, seq, torch.where(mask, w, torch.zeros_like(w)))
+        count = torch.zeros(len(lens)).index_add(0, seq, mask.float()).clamp(min=1.0)
+        w = (total / count)[seq]
     torch.testing.assert_close(grad_w[mask], (w * grad_1)[mask], rtol=1e-4, atol=1e-7)
