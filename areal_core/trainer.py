@@ -35,7 +35,7 @@ from areal_core.checkpoint import CheckpointStore, load_pickle, rng_state, save_
 from areal_core.config.validate import ValidatedRun, validate_run
 from areal_core.metrics import MetricsLogger, histogram, summarize, truncate_jsonl
 from areal_core.problems import ProblemsError, format_problems
-from areal_core.rollout import RolloutController, has_reward_variance, pack_groups
+from areal_core.rollout import RolloutController, RolloutError, StallError, has_reward_variance, pack_groups
 
 DIST_TIMEOUT_S = 600
 
@@ -54,6 +54,10 @@ def data_stream(dataset: Any, epochs: int) -> Iterator[Any]:
         yield from dataset
 
 
+class FilteredOutError(RuntimeError):
+    """Dynamic filtering dropped ``rollout.max_filtered_in_a_row`` groups in a row: no learning signal."""
+
+
 class Trainer:
     def __init__(self, run: ValidatedRun, run_dir: Path, rank: int = 0, world_size: int = 1) -> None:
         self.run, self.cfg, self.run_dir = run, run.config, Path(run_dir)
@@ -67,10 +71,20 @@ class Trainer:
         self.controller: RolloutController | None = None
         self.store = CheckpointStore(self.run_dir / "checkpoints")
         self.step = 0
+        self._filtered_in_a_row = 0  # groups dynamic filtering dropped since the last one it kept
 
     def _should_accept(self, group: Any) -> bool:
-        if self.cfg.rollout.dynamic_filtering and not has_reward_variance(group):
+        r = self.cfg.rollout
+        if r.dynamic_filtering and not has_reward_variance(group):
+            self._filtered_in_a_row += 1
+            if r.max_filtered_in_a_row and self._filtered_in_a_row >= r.max_filtered_in_a_row:
+                raise FilteredOutError(
+                    f"dynamic filtering dropped {self._filtered_in_a_row} groups in a row, every one with all "
+                    f"rewards equal (last: {sorted(set(group.rewards))}): the task gives this model no learning "
+                    "signal. Fix: an easier (or harder) task or prompt, a larger rollout.group_size, or "
+                    "rollout.dynamic_filtering=false; rollout.max_filtered_in_a_row=0 waits forever")
             return False
+        self._filtered_in_a_row = 0
         return self.algorithm.should_accept(group)
 
     # -------------------------------------------------------------- setup (rank 0)
@@ -402,7 +416,15 @@ def main(argv: list[str] | None = None) -> int:
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S))
     trainer = Trainer(run, args.run_dir, rank, world)
-    trainer.fit(resume=args.resume)
+    try:
+        trainer.fit(resume=args.resume)
+    except (StallError, RolloutError) as exc:
+        # The data gave out or gave no signal: the user's to fix, so the message, not a traceback.
+        # A workflow that crashed for any other reason keeps its traceback for the plugin's author.
+        if isinstance(exc, RolloutError) and not isinstance(exc.__cause__, FilteredOutError):
+            raise
+        print(f"areal: the run stopped at step {trainer.step}: {exc.__cause__ or exc}", file=sys.stderr)
+        return 1
     return 0
 
 

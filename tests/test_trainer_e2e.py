@@ -136,6 +136,16 @@ def test_dynamic_filtering_rejects_groups_without_signal(rl_run):
     assert all(m["reward/std"] > 0 or m["reward/min"] != m["reward/max"] for m in metrics)
 
 
+def test_a_run_whose_groups_are_all_filtered_out_stops_with_the_fix(rl_run):
+    start, runs = rl_run
+    proc = start("trial=no-signal", "rollout.dynamic_filtering=true", "rollout.max_filtered_in_a_row=1")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, out
+    assert "dynamic filtering dropped 1 groups in a row" in out
+    assert "rollout.dynamic_filtering=false" in out
+    assert "Traceback" not in out
+
+
 def test_a_crashing_trainer_is_reported_with_its_last_lines(rl_run):
     start, runs = rl_run
     proc = start("trial=crash", "actor.step_s=-1")  # time.sleep(-1) raises inside the train engine
