@@ -136,6 +136,16 @@ def test_dynamic_filtering_rejects_groups_without_signal(rl_run):
     assert all(m["reward/std"] > 0 or m["reward/min"] != m["reward/max"] for m in metrics)
 
 
+def test_evaluation_runs_before_beside_and_after_training(rl_run):
+    start, runs = rl_run
+    finish(start("trial=eval", "eval.size=5", "eval.every=2", "eval.samples=3"))
+    evals = [m for m in read_jsonl(runs / "eval" / "metrics.jsonl") if "eval/accuracy" in m]
+    after = [m["eval/after_step"] for m in evals]
+    assert after[0] == 0 and after[-1] == 6 and evals[0]["step"] == 0 and evals[-1]["step"] == 6
+    assert set(after[1:-1]) & {2, 4}, after  # started beside training, logged when it finished
+    assert all(m["eval/items"] == 5 and 0 <= m["eval/accuracy"] <= 1 for m in evals)
+
+
 def test_a_run_whose_groups_are_all_filtered_out_stops_with_the_fix(rl_run):
     start, runs = rl_run
     proc = start("trial=no-signal", "rollout.dynamic_filtering=true", "rollout.max_filtered_in_a_row=1")

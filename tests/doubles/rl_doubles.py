@@ -139,7 +139,10 @@ def mod3_reward_double(prompt, completion, item):
 
 class ItemsDatasetDouble(Dataset):
     def __iter__(self):
-        return iter(items(int(os.environ.get("AREAL_TEST_ITEMS", "200")), seed=self.context.config.trainer.seed))
+        n = int(os.environ.get("AREAL_TEST_ITEMS", "200"))
+        if self.split == "validation":  # ids of their own, never in the train split
+            return iter({**item, "id": 100_000 + item["id"]} for item in items(n, seed=self.seed + 1))
+        return iter(items(n, seed=self.context.config.trainer.seed))
 
     def __len__(self):
         return int(os.environ.get("AREAL_TEST_ITEMS", "200"))
