@@ -6,7 +6,7 @@ One step::
     proximal / reference logprobs, values         only when the algorithm asks
     advantages <- algorithm; stats <- actor.train_batch(batch, algorithm.loss)
     critic.train_values(batch, algorithm.value_loss)  only with a critic (needs.values)
-    version + 1; export weights; controller.update_weights_from_disk(...)
+    version + 1; export weights; controller.update_weights(...)  (disk or tensors: rollout.weight_sync)
                                                   the only pause: interrupt, swap, resume
     checkpoint, metrics                           while generation goes on
 
@@ -21,6 +21,7 @@ continues with no sample trained twice or skipped.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import os
 import shutil
@@ -38,6 +39,7 @@ from areal_core.problems import ProblemsError, format_problems
 from areal_core.rollout import RolloutController, RolloutError, StallError, has_reward_variance, pack_groups
 
 DIST_TIMEOUT_S = 600
+WEIGHT_BUCKET_BYTES = 256 * 1024**2  # rollout.weight_sync=tensors: the most bytes gathered at once
 
 
 def build(run: ValidatedRun, section: str, **extras: Any) -> Any:
@@ -98,6 +100,7 @@ class Trainer:
                 extras={"server_index": i, "address": os.environ.get(f"AREAL_ROLLOUT_{i}_ADDRESS")}))
             for i in range(placement.parallel.d)
         ]
+        self._check_weight_sync(engines)
         r = self.cfg.rollout
         self.controller = RolloutController(
             engines, workflow, batch_size=r.batch_size, max_head_offpolicyness=r.max_head_offpolicyness,
@@ -292,16 +295,50 @@ class Trainer:
         metrics: dict[str, float] = {f"train/{k}": float(v) for k, v in stats.items() if _is_number(v)}
         metrics.update({f"critic/{k}": float(v) for k, v in critic_stats.items() if _is_number(v)})
         sync_began = time.monotonic()
-        weights = self.run_dir / "weights" / f"v{new_version:06d}"
-        self.actor.export_to_disk(str(weights))  # collective: every rank takes part in the gather
+        paused_s = self._sync_weights(new_version)
         if self.rank == 0:
-            paused_s = self.controller.update_weights_from_disk(str(weights), new_version)
             metrics["time/weight_sync_s"] = time.monotonic() - sync_began
             metrics["time/generation_paused_s"] = paused_s
-            _prune_weights(self.run_dir / "weights", keep=2)
             metrics.update(self._rollout_metrics(groups, packed, version, waited, train_s))
             self._record_samples(groups, version)
         return metrics
+
+    def _sync_weights(self, version: int) -> float:
+        """Hand the new weights to the inference engines (collective); rank 0 returns the seconds paused.
+
+        ``rollout.weight_sync: disk`` writes a safetensors folder per version and
+        the engines load it; ``tensors`` gathers full tensors in buckets
+        (``export_tensors``) into rank 0's memory, then the engines take them in
+        memory. Generation pauses only for the hand-over, not for the gather.
+        """
+        if self.cfg.rollout.weight_sync == "tensors":
+            named = [pair for bucket in self.actor.export_tensors(WEIGHT_BUCKET_BYTES) for pair in bucket]
+            if self.rank != 0:
+                return 0.0
+
+            async def apply() -> None:
+                await asyncio.gather(*(e.update_weights_from_tensors(named, version) for e in self.controller.engines))
+
+            return self.controller.update_weights(apply, version)
+        weights = self.run_dir / "weights" / f"v{version:06d}"
+        self.actor.export_to_disk(str(weights))  # collective: every rank takes part in the gather
+        if self.rank != 0:
+            return 0.0
+        paused_s = self.controller.update_weights_from_disk(str(weights), version)
+        _prune_weights(self.run_dir / "weights", keep=2)
+        return paused_s
+
+    def _check_weight_sync(self, engines: list[Any]) -> None:
+        """``rollout.weight_sync: tensors`` needs a train engine that exports them and engines that take them."""
+        if self.cfg.rollout.weight_sync != "tensors":
+            return
+        refusing = [f"actor.backend {self.cfg.actor.backend!r} does not declare 'export_tensors'"] \
+            if "export_tensors" not in self.actor.capabilities else []
+        refusing += [f"rollout.backend {self.cfg.rollout.backend!r} does not declare 'update_weights_from_tensors'"
+                     for e in engines[:1] if "update_weights_from_tensors" not in e.capabilities]
+        if refusing:
+            raise ValueError(f"rollout.weight_sync: 'tensors' cannot be used: {'; '.join(refusing)}. "
+                             "Fix: rollout.weight_sync=disk (the default)")
 
     def _rollout_metrics(self, groups, packed, version: int, waited: float, train_s: float) -> dict[str, float]:
         produced = [v for v, m in zip(packed["versions"], packed["loss_mask"]) if m]

@@ -76,6 +76,10 @@ class RolloutConfig:
     dynamic_filtering: bool = spec(False, help="drop groups whose rewards are all equal and sample more in their place")
     max_filtered_in_a_row: int = spec(512, ge=0, help="stop the run when dynamic filtering drops this many groups "
                                       "in a row (the task gives the model no signal); 0 = never")
+    weight_sync: str = spec("disk", choices=["disk", "tensors"],
+                            help="how new weights reach the inference engines: a safetensors folder per version, "
+                                 "or full tensors gathered in memory (needs export_tensors / "
+                                 "update_weights_from_tensors)")
     sampling: SamplingConfig = spec(factory=SamplingConfig)
     extra: dict = spec(factory=dict)
 

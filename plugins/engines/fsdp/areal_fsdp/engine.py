@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from areal_core.api import TrainEngine
-from areal_fsdp.hf_folder import write_hf_files, write_hf_folder, write_json_atomic
+from areal_fsdp.hf_folder import checkpoint_names, write_hf_files, write_hf_folder, write_json_atomic
 from areal_fsdp.logprobs import packed_attention_mask, token_logprobs
 from areal_fsdp.packing import first_fit_decreasing, karmarkar_karp, micro_batches
 from areal_fsdp.schedule import lr_factor
@@ -99,7 +99,7 @@ class FSDPEngine(TrainEngine):
     """Train engine on PyTorch FSDP2 (``actor.backend: fsdp``). See the module docstring."""
 
     config_class = FSDPEngineConfig
-    capabilities = frozenset({"save_load", "export_disk", "reference"})
+    capabilities = frozenset({"save_load", "export_disk", "export_tensors", "reference"})
 
     def __init__(self, context: Any = None) -> None:
         super().__init__(context)
@@ -474,6 +474,55 @@ class FSDPEngine(TrainEngine):
             write_hf_folder(path, self.lm, state, self.dtype, source=self.source)
         self._barrier()
 
+    def export_tensors(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The weights as full CPU tensors in HF names and ``model.dtype``, in buckets of at most ``bucket_bytes``.
+
+        Collective: every rank iterates the whole generator (the same number of
+        buckets everywhere); rank 0's buckets hold ``(name, tensor)`` pairs, the
+        other ranks' are empty lists. A tensor larger than ``bucket_bytes`` is a
+        bucket on its own. The next bucket's all-gathers are issued (DTensor
+        ``redistribute(async_op=True)``) before the current bucket is handed
+        out, so gathering overlaps with whatever the caller does with it.
+        Tied aliases (a tied ``lm_head.weight``) are left out, as on disk.
+        """
+        self._require_model("export_tensors")
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+            raise ValueError(f"FSDPEngine.export_tensors: bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        state = {name: value for name, value in self.lm.state_dict().items() if name not in self._aliases}
+        return self._stream_buckets(state, _buckets(state, self.dtype, bucket_bytes))
+
+    def _stream_buckets(self, state: dict, plan: list[list[str]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        pending = self._gather(state, plan[0]) if plan else []
+        for i in range(len(plan)):
+            current = pending
+            pending = self._gather(state, plan[i + 1]) if i + 1 < len(plan) else []  # in flight during the yield
+            yield self._finish(current)
+
+    @staticmethod
+    def _gather(state: dict, names: list[str]) -> list[tuple[str, torch.Tensor]]:
+        """Start the all-gathers of ``names`` (sharded DTensors); the results are waited for in :meth:`_finish`."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        out = []
+        for name in names:
+            value = state[name].detach()
+            if isinstance(value, DTensor):
+                value = value.redistribute(placements=[Replicate()] * value.device_mesh.ndim,
+                                           async_op=True).to_local()
+            out.append((name, value))
+        return out
+
+    def _finish(self, gathered: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """Wait for a bucket's gathers; on rank 0 its tensors in HF names, cast and copied to CPU."""
+        if self.rank != 0:
+            for _, value in gathered:
+                if hasattr(value, "wait"):
+                    value.wait()
+            return []
+        tensors = {name: (value.to(self.dtype) if value.is_floating_point() else value).to("cpu", copy=True)
+                   for name, value in gathered}
+        return list(checkpoint_names(self.lm, tensors).items())
+
     def save(self, path: str, *, with_optimizer: bool = True) -> None:
         """Model (master dtype, HF safetensors), optimizer (DCP, sharded), scheduler and version into ``path``.
 
@@ -576,6 +625,21 @@ def _tied_aliases(lm: nn.Module) -> dict[str, str]:
             primary = next((n for n in names if n in embed_names), names[0])
             aliases.update({n: primary for n in names if n != primary})
     return aliases
+
+
+def _buckets(state: dict, dtype: torch.dtype, bucket_bytes: int) -> list[list[str]]:
+    """Names of ``state`` in order, grouped so each group's bytes (floats in ``dtype``) stay within ``bucket_bytes``."""
+    out: list[list[str]] = []
+    size = 0
+    for name, value in state.items():
+        itemsize = torch.empty((), dtype=dtype).element_size() if value.is_floating_point() else value.element_size()
+        nbytes = value.numel() * itemsize  # the full tensor's, also for a shard
+        if not out or size + nbytes > bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(name)
+        size += nbytes
+    return out
 
 
 def _no_dropout(lm: nn.Module) -> None:

@@ -74,6 +74,14 @@ def short_scenario(engine: FSDPEngine, batch: dict) -> dict:
     return seen
 
 
+def tensors_scenario(engine: FSDPEngine, batch: dict, out: str, bucket_bytes: int) -> dict:
+    """train, then export the weights as tensor buckets and to disk: what each gave (rank 0's buckets)."""
+    engine.train_batch(batch, nll)
+    buckets = [[(name, t.clone()) for name, t in bucket] for bucket in engine.export_tensors(bucket_bytes)]
+    engine.export_to_disk(os.path.join(out, "export"))
+    return {"buckets": buckets, "n_buckets": len(buckets), "lp1": engine.forward_logprobs(batch)["logprobs"]}
+
+
 def main(spec_path: str) -> int:
     spec = json.loads(open(spec_path).read())
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
@@ -81,6 +89,10 @@ def main(spec_path: str) -> int:
         engine = make_engine(spec)
         if spec.get("scenario") == "short":
             seen = short_scenario(engine, spec["batch"])
+        elif spec.get("scenario") == "tensors":
+            seen = tensors_scenario(engine, spec["batch"], spec["out"], spec["bucket_bytes"])
+            seen["n_buckets_per_rank"] = [None] * dist.get_world_size()
+            dist.all_gather_object(seen["n_buckets_per_rank"], seen["n_buckets"])
         else:
             seen = scenario(engine, spec["batch"], spec["out"], spec.get("resume_from"))
         if dist.get_rank() == 0:

@@ -453,6 +453,90 @@ def test_two_ranks_in_bfloat16_with_activation_checkpointing(models, tmp_path):
     assert worst(two["lp1"], two["lp0"]) > 1e-2  # it trained
 
 
+# ---------------------------------------------------------------------- weight export as tensors
+def fresh_from_tensors(folder, buckets) -> torch.nn.Module:
+    """A HF model built from ``folder``'s config with random weights, then given the exported tensors."""
+    from transformers import AutoConfig
+
+    torch.manual_seed(123)
+    lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
+    state = {name: t for bucket in buckets for name, t in bucket}
+    result = lm.load_state_dict(state, strict=False)
+    assert not result.unexpected_keys
+    assert set(result.missing_keys) <= {"lm_head.weight"}, result.missing_keys  # tied: the embedding's
+    lm.tie_weights()
+    return lm.eval()
+
+
+def bucket_bytes_of(bucket) -> int:
+    return sum(t.numel() * t.element_size() for _, t in bucket)
+
+
+def test_exported_tensors_give_a_fresh_hf_model_the_engines_logits(models, tmp_path):
+    e = engine(config(models["llama"]))
+    e.train_batch(make_batch(), nll)
+    limit = 40_000
+    buckets = list(e.export_tensors(limit))
+    assert len(buckets) > 2
+    assert all(bucket_bytes_of(b) <= limit or len(b) == 1 for b in buckets)
+    assert any(len(b) > 1 for b in buckets)  # small tensors share a bucket
+    names = [n for b in buckets for n, _ in b]
+    assert sorted(names) == sorted(load_file(Path(models["llama"]) / "model.safetensors"))
+    assert all(t.device.type == "cpu" and t.dtype == torch.float32 for b in buckets for _, t in b)
+    e.export_to_disk(str(tmp_path / "v1"))
+    from_disk = AutoModelForCausalLM.from_pretrained(tmp_path / "v1", dtype=torch.float32).eval()
+    from_tensors = fresh_from_tensors(tmp_path / "v1", buckets)
+    ids = torch.tensor(make_batch()["input_ids"][:20])[None]
+    with torch.no_grad():
+        assert torch.equal(from_tensors(ids).logits, from_disk(ids).logits)
+    assert worst(hf_logprobs(from_tensors, make_batch()), e.forward_logprobs(make_batch())["logprobs"]) < 1e-5
+    e.close()
+
+
+def test_the_next_bucket_is_gathered_before_the_current_one_is_handed_out(models):
+    e = engine(config(models["llama"]))
+    issued = []
+    gather = e._gather
+    e._gather = lambda state, names: issued.append(list(names)) or gather(state, names)
+    stream = e.export_tensors(40_000)
+    first = next(stream)
+    assert len(issued) == 2 and [n for n, _ in first] == issued[0]  # bucket 2 in flight while 1 is used
+    rest = list(stream)
+    assert len(issued) == 1 + len(rest) and [n for n, _ in rest[-1]] == issued[-1]
+    e.close()
+
+
+def test_export_tensors_in_bfloat16_and_bad_bucket_sizes(models):
+    e = engine(config(models["untied"], dtype="bfloat16"))
+    buckets = list(e.export_tensors(1 << 30))
+    assert len(buckets) == 1 and "lm_head.weight" in dict(buckets[0])  # untied: the head is its own weight
+    assert {t.dtype for _, t in buckets[0]} == {torch.bfloat16}
+    for bad in (0, -5, 1.5, "1MB"):
+        with pytest.raises(ValueError, match=f"bucket_bytes must be a positive int, got {bad!r}"):
+            e.export_tensors(bad)
+    e.close()
+
+
+def test_two_ranks_export_tensors_like_one(models, tmp_path):
+    batch = make_batch(LENGTHS + [4])
+    limit = 50_000
+    spec = {"model": str(models["llama"]), "batch": batch, "mb_max_tokens": 16, "lr": 1.0, "eps": 1.0,
+            "grad_clip": 0.0, "scenario": "tensors", "bucket_bytes": limit}
+    two = run_ranks(spec, tmp_path / "world2")
+    one = worker.tensors_scenario(worker.make_engine(spec), batch, str(tmp_path / "world1"), limit)
+    assert two["n_buckets_per_rank"] == [two["n_buckets"]] * 2 and two["n_buckets"] == one["n_buckets"] > 2
+    assert all(bucket_bytes_of(b) <= limit or len(b) == 1 for b in two["buckets"])
+    state2 = {n: t for b in two["buckets"] for n, t in b}
+    state1 = {n: t for b in one["buckets"] for n, t in b}
+    assert sorted(state2) == sorted(state1)
+    assert max(worst(state2[k], state1[k]) for k in state1) < 1e-5
+    # Rank 0's gathered tensors are exactly what it wrote to disk, and a fresh model gets its logits.
+    on_disk = load_file(tmp_path / "world2" / "export" / "model.safetensors")
+    assert max(worst(state2[k], on_disk[k]) for k in on_disk) == 0.0
+    lm = fresh_from_tensors(tmp_path / "world2" / "export", two["buckets"])
+    assert worst(hf_logprobs(lm, batch), two["lp1"]) < 1e-5
+
+
 # ---------------------------------------------------------------------- the conformance kit
 class TestFSDPConformance(TrainEngineConformance):
     component_name = "fsdp"

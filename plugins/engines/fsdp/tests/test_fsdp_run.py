@@ -1,0 +1,79 @@
+"""``areal run`` with the fsdp train engine and the embedded inference engine, weights handed over as tensors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("areal_fsdp")
+pytest.importorskip("areal_local")
+torch = pytest.importorskip("torch")
+
+AREAL = str(Path(sys.executable).with_name("areal"))
+
+# Rewards that differ within a group on a random model's text, so GRPO's advantages (and gradients) are not zero.
+REWARD_MODULE = '''
+def score(prompt, completion, item):
+    return float(sum(map(ord, completion)) % 2)
+'''
+
+
+@pytest.mark.slow
+def test_a_run_syncs_weights_as_tensors_through_shared_memory(tmp_path):
+    from safetensors.torch import load_file
+
+    from areal_local.models import tiny_model
+
+    model = tiny_model(tmp_path / "tiny", seed=0)
+    (tmp_path / "t5_parity_reward.py").write_text(REWARD_MODULE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    runs = tmp_path / "runs"
+    cmd = [AREAL, "run", f"output_dir={runs}", "experiment=sync", "trial=tensors", "allocation=local:cpu+fsdp:cpu",
+           f"model.path={model}", "model.dtype=float32", "rollout.weight_sync=tensors", "trainer.total_steps=3",
+           "rollout.batch_size=2", "rollout.group_size=4", "rollout.sampling.max_new_tokens=8", "eval.size=0",
+           "rollout.max_head_offpolicyness=1", "actor.optimizer.lr=1e-3", "reward.name=function",
+           "reward.target=t5_parity_reward:score", "rollout.dynamic_filtering=true"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir = runs / "sync" / "tensors"
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(m["train/grad_norm"] > 0 for m in metrics)
+    assert all(m["time/weight_sync_s"] > 0 for m in metrics)
+    # No weight folder in the run: each version went through /dev/shm, and the server took every one.
+    assert not (run_dir / "weights").exists()
+    server_log = (run_dir / "logs" / "rollout-0.log").read_text()
+    for version in (1, 2, 3):
+        assert f"weights v{version} from /dev/shm/areal-weights-" in server_log, server_log[-2000:]
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    trained = load_file(latest / "actor" / "model.safetensors")
+    initial = load_file(Path(model) / "model.safetensors")
+    assert max((trained[k] - initial[k]).abs().max().item() for k in initial) > 1e-4
+
+
+def test_tensor_sync_with_an_engine_that_cannot_take_tensors_names_the_key_and_the_fix():
+    from types import SimpleNamespace
+
+    from areal_core.config.schema import RunConfig
+    from areal_core.trainer import Trainer
+
+    cfg = RunConfig()
+    cfg.rollout.weight_sync, cfg.rollout.backend = "tensors", "disk_only"
+    fake = SimpleNamespace(cfg=cfg, actor=SimpleNamespace(capabilities=frozenset({"export_tensors"})))
+    engines = [SimpleNamespace(capabilities=frozenset({"update_weights_from_disk"}))]
+    with pytest.raises(ValueError, match="rollout.weight_sync: 'tensors' cannot be used: rollout.backend "
+                                         "'disk_only' does not declare 'update_weights_from_tensors'.*"
+                                         "rollout.weight_sync=disk"):
+        Trainer._check_weight_sync(fake, engines)
+    fake.actor = SimpleNamespace(capabilities=frozenset())
+    engines = [SimpleNamespace(capabilities=frozenset({"update_weights_from_tensors"}))]
+    with pytest.raises(ValueError, match="actor.backend 'fsdp' does not declare 'export_tensors'"):
+        Trainer._check_weight_sync(fake, engines)
+    cfg.rollout.weight_sync = "disk"
+    Trainer._check_weight_sync(fake, [])  # the default needs neither
