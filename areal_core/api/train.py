@@ -44,6 +44,8 @@ class TrainEngine(Component):
         logprobs (under ``temperature``) and entropy, and returns its
         token-mean loss and stats; the engine weights micro-batches by their
         loss tokens so the step does not depend on how the batch was split.
+        Logprobs and entropy of tokens outside ``loss_mask`` may be left at
+        0.0 (an engine need not compute what no loss reads).
         With world size > 1 every rank calls it with the same batch.
         """
 

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from areal_core.api import TrainEngine
+from areal_fsdp import attention
 from areal_fsdp.hf_folder import checkpoint_names, write_hf_files, write_hf_folder, write_json_atomic
 from areal_fsdp.logprobs import packed_attention_mask, token_logprobs
 from areal_fsdp.packing import first_fit_decreasing, karmarkar_karp, micro_batches
@@ -87,12 +88,13 @@ class _LogprobModel(nn.Module):
         self.chunk = chunk
         self.softcap = getattr(lm.config, "final_logit_softcapping", None)
 
-    def forward(self, input_ids, position_ids, attention_mask, is_start, temperature: float = 1.0):
+    def forward(self, input_ids, position_ids, attention_mask, is_start, temperature: float = 1.0,
+                only=None, **attention_kwargs):
         out = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids,
-                                    attention_mask=attention_mask, use_cache=False)
+                                    attention_mask=attention_mask, use_cache=False, **attention_kwargs)
         head = self.lm.get_output_embeddings()
         return token_logprobs(out.last_hidden_state[0], head.weight, getattr(head, "bias", None), input_ids[0],
-                              is_start, temperature=temperature, chunk=self.chunk, softcap=self.softcap)
+                              is_start, temperature=temperature, chunk=self.chunk, softcap=self.softcap, only=only)
 
 
 class FSDPEngine(TrainEngine):
@@ -207,6 +209,9 @@ class FSDPEngine(TrainEngine):
                                f"{self.options.attn_implementation!r}: {exc}") from exc
         lm.config.use_cache = False
         _no_dropout(lm)
+        if self.options.attn_implementation == "sdpa" and attention.supports(lm.config):
+            attention.register()  # the same kernel, one packed sequence at a time (see areal_fsdp.attention)
+            lm.set_attn_implementation(attention.PACKED_SDPA)
         return lm
 
     def _shard(self, model: _LogprobModel) -> None:
@@ -296,22 +301,28 @@ class FSDPEngine(TrainEngine):
             mb["position_ids"] = torch.cat([torch.arange(n) for n in lens])
         return mb
 
-    def _forward(self, mb: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logprobs [T_mb], entropy [T_mb]) float32 of one packed micro-batch."""
+    def _forward(self, mb: dict, temperature: float,
+                 only: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs [T_mb], entropy [T_mb]) float32 of one packed micro-batch (``only``: just those tokens)."""
         lens = mb["seq_lens"].tolist()
         dev = self.device
         starts = torch.zeros(sum(lens), dtype=torch.bool)
         starts[mb["cu_seqlens"][:-1]] = True
         impl = self.lm.config._attn_implementation
-        if impl.startswith("flash_attention"):
+        extra: dict = {}
+        if impl == attention.PACKED_SDPA:
+            mask, extra[attention.CU_SEQLENS] = None, mb["cu_seqlens"].tolist()
+        elif impl.startswith("flash_attention"):
             mask = None  # transformers separates packed sequences by their restarting position ids
         else:
             mask = self._mask(lens, impl)
         ids = mb["input_ids"].to(dev, torch.long)[None]
         pos = mb["position_ids"].to(dev, torch.long)[None]
+        if only is not None:
+            only = only.to(dev)
         cast = torch.autocast(dev.type, dtype=self.dtype) if self._autocast else nullcontext()
         with cast:
-            return self.model(ids, pos, mask, starts.to(dev), temperature)
+            return self.model(ids, pos, mask, starts.to(dev), temperature, only, **extra)
 
     def _mask(self, lens: list[int], impl: str) -> Any:
         additive = None if impl == "sdpa" else self.dtype  # eager adds the mask to scores in the compute dtype
@@ -381,7 +392,8 @@ class FSDPEngine(TrainEngine):
         try:
             for seqs in plan:
                 mb = self._micro_batch(tensors, cu, T, seqs or [filler])
-                logprobs, entropy = self._forward(mb, temperature)
+                # Only the loss tokens: loss_fn sees 0.0 elsewhere (the contract's "token mean over loss_mask").
+                logprobs, entropy = self._forward(mb, temperature, mb.get("loss_mask"))
                 n_loss = (int(mb["loss_mask"].sum()) if "loss_mask" in mb else len(mb["token_index"])) if seqs else 0
                 if n_loss == 0 or total_loss_tokens == 0:
                     # No loss tokens: a zero gradient, but every FSDP collective still runs.

@@ -70,26 +70,33 @@ def _chunk_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, input_ids: torch.Tensor,
                    is_start: torch.Tensor, *, temperature: float = 1.0, chunk: int = 1024,
-                   softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   softcap: float | None = None, only: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 ``(logprobs [T], entropy [T])`` of ``input_ids`` [T] from ``hidden`` [T, H].
 
     ``is_start`` [T] marks the first token of each sequence (value 0.0 there).
     ``weight`` [V, H] / ``bias`` [V]: the output projection. Under grad each
-    chunk is checkpointed (recomputed in backward).
+    chunk is checkpointed (recomputed in backward). ``only`` [T] bool: compute
+    just those tokens (the loss tokens, during training) and leave 0.0
+    elsewhere: in an RL batch most tokens are prompt, and the vocabulary-wide
+    float32 work (projection, log-sum-exp, entropy) is the larger part of a
+    step for a small model.
     """
     if temperature <= 0:
         raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
     T = hidden.shape[0]
-    pred, labels = hidden[:-1], input_ids[1:]  # h_{t-1} predicts x_t
+    wanted = ~is_start
+    if only is not None:
+        wanted = wanted & only.bool()
+    positions = torch.nonzero(wanted[1:], as_tuple=True)[0]  # token t = positions + 1, predicted by h_{t-1}
+    pred, labels = hidden[positions], input_ids[positions + 1]
     pieces_lp, pieces_ent = [], []
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    for s in range(0, T - 1, chunk):
+    for s in range(0, len(positions), chunk):
         args = (pred[s:s + chunk], weight, bias, labels[s:s + chunk], temperature, softcap)
         lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if grad else _chunk_logprobs(*args)
         pieces_lp.append(lp)
         pieces_ent.append(ent)
-    zero = hidden.new_zeros(1, dtype=torch.float32)
-    logp = torch.cat([zero, *pieces_lp])
-    entropy = torch.cat([zero, *pieces_ent])
-    keep = ~is_start
-    return torch.where(keep, logp, 0.0), torch.where(keep, entropy, 0.0)
+    empty = hidden.new_zeros(0, dtype=torch.float32)
+    logp = hidden.new_zeros(T, dtype=torch.float32).index_put((positions + 1,), torch.cat([empty, *pieces_lp]))
+    entropy = hidden.new_zeros(T, dtype=torch.float32).index_put((positions + 1,), torch.cat([empty, *pieces_ent]))
+    return logp, entropy
