@@ -1,5 +1,8 @@
 """areal-plugin-megatron: the Megatron-Core train engine (backend ``megatron``).
 
-For now the plugin declares the backend's placement and checks plans; the
-engine itself lands with issue 10.
+``hooks`` declares the backend's placement and plan rules (imports only
+areal_core); ``engine`` is the train engine (``areal.engines.train`` entry
+point ``megatron``), ``convert`` maps HF Llama / Qwen2 to Megatron's GPTModel
+and back, ``logprobs`` computes vocab-parallel logprobs, and ``cpu`` holds the
+whole CPU accommodation.
 """

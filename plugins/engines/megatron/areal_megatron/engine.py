@@ -1,0 +1,743 @@
+"""The ``megatron`` train engine: HF Llama / Qwen2 as a Megatron-Core ``GPTModel``, tensor x data parallel.
+
+One engine per rank. The world is the launcher's ``torch.distributed`` group
+(gloo on CPU, nccl on GPU; a one-process gloo group is made when there is
+none, since Megatron's parallel state needs one), split by Megatron's
+``parallel_state`` into tensor-parallel groups of ``t`` (the allocation's
+``megatron:d..t..``) and data-parallel groups of ``world / t``. Pipeline,
+context and expert parallel are declared to the plan check but not built
+yet: :meth:`MegatronEngine.initialize` refuses them, and ``areal check``
+reports them (``megatron.not-built``).
+
+Weights: the HF folder of ``model.path`` is read with safetensors and each
+rank keeps its tensor-parallel shard (:mod:`areal_megatron.convert`).
+Parameters are float32 for the actor (the optimizer's master copy);
+``model.dtype: bfloat16`` computes under ``torch.autocast`` on GPU (on CPU
+Megatron's linear layers cannot: the actor refuses it there). A reference
+engine keeps its parameters in ``model.dtype``.
+
+Batches are the trainer's packed lists. Sequences are shared among the
+data-parallel ranks with balanced token counts, then packed into micro-batches
+of at most ``actor.mb_max_tokens`` tokens (the count agreed over the world);
+the tensor-parallel ranks of one data-parallel rank run the same
+micro-batches. Each micro-batch is one row with a block-diagonal causal mask
+(Megatron's local attention takes an arbitrary mask; rotary phases only
+depend on the distance between tokens of one sequence, so the row's
+positions need not restart). Logprobs come from the vocab-parallel logits
+(:mod:`areal_megatron.logprobs`).
+
+Loss normalisation as in the fsdp engine: ``loss_fn`` returns the token mean
+over a micro-batch's ``loss_mask`` tokens and is weighted by (those tokens /
+the batch's loss tokens); gradients are summed over data-parallel ranks, so
+the step does not depend on the split.
+
+Optimizer: on CPU ``torch.optim.AdamW`` with the gradients all-reduced over
+the data-parallel group and the norm taken over tensor-parallel shards
+(:mod:`areal_megatron.cpu` says why); on GPU Megatron's own
+``DistributedDataParallel`` + ``get_megatron_optimizer`` (the distributed
+optimizer, clipping inside). Learning rate: warmup then constant, linear or
+cosine decay, as ``actor.optimizer`` says.
+
+Checkpoints (:meth:`save`): ``model.safetensors`` + ``config.json`` (HF
+names, float32 master weights, loadable by transformers), ``optimizer/``
+(one file per tensor-parallel rank on CPU; Megatron's parameter state on GPU)
+and ``engine_state.json`` (version, scheduler, tp) written last.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import shutil
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from areal_core.api import TrainEngine
+from areal_megatron import convert
+from areal_megatron.cpu import cuda_device_reads_cpu, mark_tensor_parallel_shards
+from areal_megatron.logprobs import vocab_parallel_logprobs
+
+STATE_FILE = "engine_state.json"
+STATE_FORMAT = 1
+OPTIMIZER_DIR = "optimizer"
+SIDE_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
+NOT_SIDE = {"config.json", "model.safetensors.index.json", "areal-converted.json"}
+
+
+@dataclass
+class MegatronEngineConfig:
+    """Keys of ``actor`` when ``actor.backend: megatron`` (beside the core's optimizer, mb_max_tokens, ...)."""
+
+    virtual_pipeline_size: int = field(default=1, metadata={
+        "ge": 1, "help": "interleaved pipeline chunks per stage (needs pipeline parallel, not built yet)"})
+    logits_chunk_tokens: int = field(default=1024, metadata={
+        "ge": 1, "help": "positions whose float32 vocab-parallel log-softmax is computed at once"})
+    transformer_engine: bool = field(default=True, metadata={
+        "help": "on GPU, use Transformer Engine's layer spec when transformer_engine is installed"})
+
+
+class MegatronEngine(TrainEngine):
+    """Train engine on Megatron-Core (``actor.backend: megatron``). See the module docstring."""
+
+    config_class = MegatronEngineConfig
+    capabilities = frozenset({"save_load", "export_disk", "export_tensors", "reference"})
+
+    def __init__(self, context: Any = None) -> None:
+        super().__init__(context)
+        self.options: MegatronEngineConfig = self.context.options or MegatronEngineConfig()
+        self.role: str = self.context.extras.get("role", "actor")
+        if self.role not in ("actor", "reference"):
+            raise ValueError(f"MegatronEngine: role {self.role!r} is not 'actor' or 'reference'")
+        self._version = 0
+        self.model: Any = None
+        self.optimizer: Any = None
+        self.scheduler: Any = None
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    # ------------------------------------------------------------------ setup
+    def _run_config(self) -> Any:
+        if self.context.config is not None:
+            return self.context.config
+        from areal_core.config.schema import RunConfig
+
+        return RunConfig()
+
+    def initialize(self) -> None:
+        if self.model is not None:
+            return
+        from transformers import AutoConfig
+
+        cfg = self._run_config()
+        self.tp = self._parallel_sizes()
+        self.device = self._pick_device()
+        self.cpu = self.device.type == "cpu"
+        self._init_parallel_state(cfg)
+        self.dtype = getattr(torch, cfg.model.dtype)
+        self.source = self._model_path(cfg.model.path, cfg.model.dtype)
+        self.hf_config = AutoConfig.from_pretrained(self.source)
+        convert.check_architecture(self.hf_config)
+        self.mb_max_tokens = int(cfg.actor.mb_max_tokens)
+        master = torch.float32 if self.role == "actor" else self.dtype
+        if self.cpu and master != self.dtype:
+            raise NotImplementedError(
+                f"MegatronEngine: model.dtype {cfg.model.dtype} over float32 master weights needs mixed precision, "
+                f"which Megatron's CPU linear layers do not support (their backward mixes dtypes under autocast); "
+                f"set model.dtype: float32 on CPU, or run on GPU")
+        recompute = self.role == "actor" and bool(cfg.actor.gradient_checkpointing)
+        tf_config = convert.transformer_config(self.hf_config, tp=self.tp, params_dtype=master, cpu=self.cpu,
+                                               recompute=recompute and not self.cpu)
+        if recompute and self.cpu:
+            raise NotImplementedError("MegatronEngine: activation recomputation uses Megatron's CUDA RNG "
+                                      "checkpointing; set actor.gradient_checkpointing: false on CPU")
+        model = convert.gpt_model(self.hf_config, tf_config, transformer_engine=self._use_te())
+        if self.cpu:
+            mark_tensor_parallel_shards(model)
+        for param in model.parameters():  # the torch norms are created float32 whatever params_dtype says;
+            if param.dtype != master:  # Module.to would drop Megatron's attributes (tensor_model_parallel)
+                param.data = param.data.to(master)
+        self._load_hf_weights(model, self.source)
+        if self.role == "reference":
+            model.requires_grad_(False)
+        self.tf_config = tf_config
+        self._autocast = master != self.dtype
+        if self.role == "actor" and not self.cpu:
+            self._wrap_gpu(model, cfg)
+        else:
+            self.model = model.eval()
+            self.inner = model
+            if self.role == "actor":
+                self._build_cpu_optimizer(cfg)
+
+    def _parallel_sizes(self) -> int:
+        parallel = getattr(self.context.placement, "parallel", None)
+        unbuilt = {dim: getattr(parallel, dim, 1) for dim in ("p", "c", "e")}
+        unbuilt = {dim: n for dim, n in unbuilt.items() if n > 1}
+        if unbuilt:
+            dims = ", ".join(f"{dim}{n}" for dim, n in unbuilt.items())
+            raise NotImplementedError(
+                f"MegatronEngine: the allocation asks for {dims} ('{self.context.placement}'); this version of "
+                f"areal-plugin-megatron builds tensor (t) and data (d) parallel only. Use t and d instead")
+        return int(getattr(parallel, "t", 1) or 1)
+
+    def _pick_device(self) -> torch.device:
+        wanted = getattr(self.context.placement, "device", None)
+        if wanted != "cpu" and torch.cuda.is_available():
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+            return device
+        if wanted == "gpu":
+            raise RuntimeError("MegatronEngine: the allocation places the actor on gpu but torch sees no CUDA "
+                               f"device (torch {torch.__version__}); place it with '@cpu' or install CUDA torch")
+        return torch.device("cpu")
+
+    def _init_parallel_state(self, cfg: Any) -> None:
+        from megatron.core import parallel_state as ps
+
+        if not dist.is_initialized():
+            from areal_core.launch.supervisor import free_port
+
+            # Megatron's parallel state needs a process group even for one process.
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+            dist.init_process_group("gloo" if self.cpu else "nccl", rank=0, world_size=1,
+                                    timeout=datetime.timedelta(seconds=300))
+        world = dist.get_world_size()
+        if world % self.tp:
+            raise ValueError(f"MegatronEngine: tensor parallel size t{self.tp} does not divide the world of "
+                             f"{world} ranks; choose t among the divisors of {world}")
+        if ps.model_parallel_is_initialized():
+            if ps.get_tensor_model_parallel_world_size() != self.tp:
+                raise RuntimeError(f"MegatronEngine: Megatron's parallel state is already set up with tensor "
+                                   f"parallel {ps.get_tensor_model_parallel_world_size()}, not t{self.tp}; "
+                                   f"engines of one process must share it")
+        else:
+            ps.initialize_model_parallel(tensor_model_parallel_size=self.tp)
+        self.world = world
+        self.rank = dist.get_rank()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.dp = ps.get_data_parallel_world_size()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_group = ps.get_data_parallel_group()
+        seed = int(getattr(getattr(cfg, "experiment", cfg), "seed", 1) or 1)
+        if self.cpu:
+            from areal_megatron.cpu import install_cpu_rng_tracker
+
+            install_cpu_rng_tracker(seed, self.tp_rank)
+        else:
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+    def _use_te(self) -> bool:
+        if self.cpu or not self.options.transformer_engine:
+            return False
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    @staticmethod
+    def _model_path(path: str, dtype: str) -> str:
+        from areal_core.models import resolve_model_path
+
+        return str(resolve_model_path(path, dtype))
+
+    def _load_hf_weights(self, model: Any, folder: str) -> None:
+        shard = convert.hf_to_megatron(read_hf_weights(folder), self.hf_config, tp=self.tp, rank=self.tp_rank)
+        params = dict(model.named_parameters())
+        shard = convert.model_names(shard, set(params))
+        missing = sorted(set(params) - set(shard))
+        unexpected = sorted(set(shard) - set(params))
+        if missing or unexpected:
+            raise ValueError(f"MegatronEngine: the weights of {folder} do not fit the Megatron model: missing "
+                             f"{missing[:5]}, unexpected {unexpected[:5]}")
+        with torch.no_grad():
+            for name, param in params.items():
+                if shard[name].shape != param.shape:
+                    raise ValueError(f"MegatronEngine: {name} from {folder} has shape {tuple(shard[name].shape)}, "
+                                     f"the model expects {tuple(param.shape)}")
+                param.copy_(shard[name].to(device=param.device, dtype=param.dtype))
+
+    def _wrap_gpu(self, model: Any, cfg: Any) -> None:
+        """GPU: Megatron's DistributedDataParallel and distributed optimizer (clipping inside)."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        o = cfg.actor.optimizer
+        ddp = DistributedDataParallel(self.tf_config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=False), model)
+        self.model = ddp.eval()
+        self.inner = model
+        self.optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.beta1, adam_beta2=o.beta2,
+            adam_eps=o.eps, clip_grad=float(o.grad_clip) if o.grad_clip > 0 else 0.0,
+            use_distributed_optimizer=True, bf16=False, params_dtype=torch.float32), [ddp])
+        self._build_scheduler(cfg, self.optimizer.param_groups)
+
+    def _build_cpu_optimizer(self, cfg: Any) -> None:
+        o = cfg.actor.optimizer
+        decay, no_decay = [], []
+        for p in self.model.parameters():
+            if p.requires_grad:
+                (decay if p.ndim >= 2 else no_decay).append(p)  # no decay on norms and biases
+        groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr, betas=(o.beta1, o.beta2),
+                                           eps=o.eps)
+        self.grad_clip = float(o.grad_clip)
+        self._build_scheduler(cfg, self.optimizer.param_groups)
+
+    def _build_scheduler(self, cfg: Any, groups: list[dict]) -> None:
+        o = cfg.actor.optimizer
+        self.schedule = Schedule(lr=float(o.lr), warmup_steps=int(o.warmup_steps),
+                                 total_steps=int(cfg.trainer.total_steps), kind=o.lr_schedule)
+        self._groups = groups
+        self._apply_lr()
+
+    def _apply_lr(self) -> float:
+        lr = self.schedule.lr_at(self.schedule.step)
+        for group in self._groups:
+            group["lr"] = lr
+        return lr
+
+    def _require_model(self, what: str) -> None:
+        if self.model is None:
+            raise RuntimeError(f"MegatronEngine.{what}: the engine is not initialized (call initialize() first) "
+                               f"or was closed")
+
+    # ------------------------------------------------------------------ batches
+    def _plan(self, lengths: list[int]) -> list[list[int]]:
+        """This data-parallel rank's micro-batches (sequence indices; [] = a weight-0 filler), equal in count."""
+        mine = balanced_split(lengths, self.dp)[self.dp_rank]
+        bins = pack_under(mine, lengths, self.mb_max_tokens)
+        box = torch.tensor([len(bins)], dtype=torch.long, device=self._comm_device())
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        return bins + [[] for _ in range(max(1, int(box.item())) - len(bins))]
+
+    def _comm_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def _forward(self, ids: torch.Tensor, lens: list[int], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs [T], entropy [T]) float32 of one packed row of sequences of ``lens``."""
+        from megatron.core import parallel_state as ps
+
+        dev = self.device
+        T = int(ids.numel())
+        seq = torch.repeat_interleave(torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev))
+        pos = torch.arange(T, device=dev)
+        hidden = (seq[:, None] != seq[None, :]) | (pos[None, :] > pos[:, None])  # True = masked, Megatron's sign
+        starts = torch.zeros(T, dtype=torch.bool, device=dev)
+        starts[torch.tensor([0, *list(_cumsum(lens))[:-1]], device=dev)] = True
+        ids = ids.to(dev, torch.long)
+        cast = torch.autocast(dev.type, dtype=self.dtype) if self._autocast else nullcontext()
+        with cast, (cuda_device_reads_cpu() if self.cpu else nullcontext()):
+            logits = self.model(ids[None], pos[None], hidden[None, None])  # [1, T, V'/t]
+        local = logits.shape[-1]
+        return vocab_parallel_logprobs(
+            logits[0], ids, starts, vocab_start=self.tp_rank * local, vocab_size=self.hf_config.vocab_size,
+            temperature=temperature, tp_group=ps.get_tensor_model_parallel_group() if self.tp > 1 else None,
+            chunk=self.options.logits_chunk_tokens)
+
+    # ------------------------------------------------------------------ the contract
+    def forward_logprobs(self, batch: dict, temperature: float = 1.0) -> dict:
+        """Per-token ``logprobs`` and ``entropy`` (lists of T floats, 0.0 at each sequence's first token).
+
+        Collective: every rank calls it with the same batch and returns the whole batch's values.
+        """
+        self._require_model("forward_logprobs")
+        packed = Packed.of(batch)
+        plan = self._plan(packed.lengths)
+        out = torch.zeros(2, packed.T, dtype=torch.float32)
+        with torch.no_grad():
+            for seqs in plan:
+                idx = packed.token_index(seqs or [packed.shortest])
+                lp, ent = self._forward(packed.ids[idx], packed.lens(seqs or [packed.shortest]), temperature)
+                if seqs and self.tp_rank == 0:
+                    out[0, idx], out[1, idx] = lp.float().cpu(), ent.float().cpu()
+        if self.world > 1:
+            box = out.to(self._comm_device())
+            dist.all_reduce(box)  # each token from exactly one data-parallel rank's tp rank 0; the others add 0
+            out = box.cpu()
+        return {"logprobs": out[0].tolist(), "entropy": out[1].tolist()}
+
+    def train_batch(self, batch: dict, loss_fn: Any, temperature: float = 1.0) -> dict:
+        """One optimizer step on ``batch``; ``loss_fn(logprobs, entropy, mb) -> (token-mean loss, stats)``.
+
+        ``mb`` holds the micro-batch's per-token keys as tensors over its
+        tokens (``loss_mask`` bool, floats float32, ints int64), per-sequence
+        keys over its sequences, ``seq_lens``, ``cu_seqlens`` and
+        ``token_index``, as in the fsdp engine. Returns ``loss``, ``grad_norm``
+        (before clipping), ``lr``, ``n_tokens``, ``n_loss_tokens``,
+        ``n_micro_batches``, ``update_skipped`` and the loss-token-weighted
+        means of ``loss_fn``'s stats.
+        """
+        self._require_model("train_batch")
+        if self.optimizer is None:
+            raise RuntimeError(f"MegatronEngine.train_batch: this engine has role {self.role!r} (a frozen copy "
+                               f"with no optimizer); only an engine built with role 'actor' trains")
+        packed = Packed.of(batch)
+        plan = self._plan(packed.lengths)
+        mask = packed.tensors.get("loss_mask")
+        total = int(mask.sum()) if mask is not None else packed.T
+        records: list[tuple[int, float, dict]] = []
+        self._zero_grad()
+        self.model.train()
+        try:
+            for seqs in plan:
+                mb = packed.micro_batch(seqs or [packed.shortest])
+                logprobs, entropy = self._forward(mb["input_ids"], mb["seq_lens"].tolist(), temperature)
+                n_loss = (int(mb["loss_mask"].sum()) if "loss_mask" in mb else len(mb["token_index"])) if seqs else 0
+                if n_loss == 0 or total == 0:
+                    (logprobs.sum() * 0.0).backward()  # every collective of the backward still runs
+                    continue
+                loss, stats = loss_fn(logprobs, entropy, mb)
+                scaled = loss * (n_loss / total)
+                if not scaled.requires_grad:
+                    scaled = scaled + logprobs.sum() * 0.0
+                scaled.backward()
+                records.append((n_loss, float(loss.detach()), _scalars(stats)))
+        finally:
+            self.model.eval()
+        lr = self._apply_lr()
+        grad_norm, skipped = self._step()
+        self.schedule.step += 1
+        self._apply_lr()
+        self._version += 1
+        if self.world > 1:
+            gathered: list[Any] = [None] * self.world
+            dist.all_gather_object(gathered, records if self.tp_rank == 0 else [])
+            records = [r for rank_records in gathered for r in rank_records]
+        out = _combine(records, total)
+        out.update(grad_norm=grad_norm, lr=lr, n_tokens=float(packed.T), n_loss_tokens=float(total),
+                   n_micro_batches=float(len(plan)), update_skipped=float(skipped))
+        return out
+
+    def _zero_grad(self) -> None:
+        if self.cpu:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+
+    def _step(self) -> tuple[float, bool]:
+        """Reduce, clip and apply the gradients: (norm before clipping, whether the step was skipped)."""
+        if not self.cpu:
+            self.model.finish_grad_sync()
+            ok, norm, _ = self.optimizer.step()
+            return float(norm) if norm is not None else 0.0, not ok
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.dp > 1:
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat, group=self.dp_group)  # loss weights already sum to 1 over the data ranks
+            torch.nn.utils.vector_to_parameters(flat, [p.grad for p in params])
+        squares = torch.zeros(1, dtype=torch.float64)
+        for p in params:
+            # Tensor-parallel shards count on every rank, replicated tensors (norms) once.
+            if getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0:
+                squares += p.grad.double().pow(2).sum()
+        if self.tp > 1:
+            dist.all_reduce(squares, group=self.tp_group)
+        norm = float(squares.sqrt())
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return norm, True
+        if self.grad_clip > 0 and norm > self.grad_clip:
+            for p in params:
+                p.grad.mul_(self.grad_clip / (norm + 1e-6))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm, False
+
+    # ------------------------------------------------------------------ weights
+    def _gather_hf(self) -> dict[str, torch.Tensor]:
+        """Full HF-named tensors (CPU, the parameters' dtype) on every rank; collective over the tp group."""
+        own = {name: p.detach() for name, p in self.inner.named_parameters()}
+        if self.tp == 1:
+            shards = [{k: v.cpu() for k, v in own.items()}]
+        else:
+            shards = [dict() for _ in range(self.tp)]
+            for name, value in own.items():
+                pieces = [torch.empty_like(value) for _ in range(self.tp)]
+                dist.all_gather(pieces, value.contiguous(), group=self.tp_group)
+                for r, piece in enumerate(pieces):
+                    shards[r][name] = piece.cpu()
+        return convert.megatron_to_hf(shards, self.hf_config)
+
+    def _writer(self) -> bool:
+        return self.rank == 0
+
+    def export_to_disk(self, path: str) -> None:
+        """Write the weights in ``model.dtype`` as a HF folder at ``path``, atomically. Collective."""
+        from areal_core.checkpoint import atomic_dir
+
+        self._require_model("export_to_disk")
+        tensors = self._gather_hf()
+        if self._writer():
+            with atomic_dir(path) as folder:
+                write_hf(folder, tensors, self.dtype, self.source)
+        self._barrier()
+
+    def export_tensors(self, bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
+        """Full tensors in HF names and ``model.dtype``, in buckets of at most ``bucket_bytes`` (one tensor
+        larger than that comes alone). Collective: every rank iterates; every rank gets the tensors."""
+        self._require_model("export_tensors")
+        if bucket_bytes < 1:
+            raise ValueError(f"MegatronEngine.export_tensors: bucket_bytes must be >= 1, got {bucket_bytes}")
+        bucket: list[tuple[str, Any]] = []
+        size = 0
+        for name, tensor in self._gather_hf().items():
+            tensor = tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, tensor))
+            size += nbytes
+        if bucket:
+            yield bucket
+
+    def save(self, path: str, *, with_optimizer: bool = True) -> None:
+        """Model (master dtype, HF safetensors), optimizer, schedule and version into ``path``. Collective."""
+        self._require_model("save")
+        folder = Path(path)
+        tensors = self._gather_hf()
+        if self._writer():
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / STATE_FILE).unlink(missing_ok=True)  # written last: its presence marks a complete save
+            shutil.rmtree(folder / OPTIMIZER_DIR, ignore_errors=True)
+            (folder / OPTIMIZER_DIR).mkdir()
+            write_hf(folder, tensors, next(self.inner.parameters()).dtype, self.source)
+        self._barrier()
+        saved = with_optimizer and self.optimizer is not None
+        if saved:
+            self._save_optimizer(folder / OPTIMIZER_DIR)
+        if self._writer():
+            tmp = folder / f".{STATE_FILE}.tmp"
+            tmp.write_text(json.dumps({"format": STATE_FORMAT, "version": self._version, "role": self.role,
+                                       "tp": self.tp, "optimizer": saved,
+                                       "schedule_step": self.schedule.step if saved else None}, indent=2) + "\n")
+            os.replace(tmp, folder / STATE_FILE)
+        self._barrier()
+
+    def _save_optimizer(self, folder: Path) -> None:
+        if self.cpu:
+            if self.dp_rank == 0:  # data-parallel ranks hold the same state
+                torch.save(self.optimizer.state_dict(), folder / f"tp{self.tp_rank}.pt")
+        else:
+            self.optimizer.save_parameter_state(str(folder / "parameter_state.pt"))
+            if self.rank == 0:
+                torch.save(self.optimizer.state_dict(), folder / "common.pt")
+        self._barrier()
+
+    def load(self, path: str, *, with_optimizer: bool = True) -> None:
+        """Restore what :meth:`save` wrote (any HF folder of the model, weights only, with ``with_optimizer=False``)."""
+        self._require_model("load")
+        folder = Path(path)
+        state_file = folder / STATE_FILE
+        meta = json.loads(state_file.read_text()) if state_file.is_file() else None
+        self._load_hf_weights(self.inner, str(folder))
+        if with_optimizer and self.optimizer is not None:
+            if not meta or not meta.get("optimizer"):
+                raise FileNotFoundError(f"MegatronEngine.load: {folder} holds no optimizer state (saved with "
+                                        f"with_optimizer=False, or not by this engine); load it with "
+                                        f"with_optimizer=False to take the weights only")
+            if meta.get("tp") != self.tp:
+                raise ValueError(f"MegatronEngine.load: {folder} was saved at tensor parallel t{meta.get('tp')}, "
+                                 f"this engine runs t{self.tp}; resume at t{meta.get('tp')} or load with "
+                                 f"with_optimizer=False")
+            if self.cpu:
+                self.optimizer.load_state_dict(torch.load(folder / OPTIMIZER_DIR / f"tp{self.tp_rank}.pt",
+                                                          weights_only=False))
+            else:
+                self.optimizer.load_state_dict(torch.load(folder / OPTIMIZER_DIR / "common.pt", weights_only=False))
+                self.optimizer.load_parameter_state(str(folder / OPTIMIZER_DIR / "parameter_state.pt"))
+            self.schedule.step = int(meta["schedule_step"])
+            self._apply_lr()
+        self._version = int(meta["version"]) if meta else 0
+        self._barrier()
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def close(self) -> None:
+        self.model = None
+        self.inner = None
+        self.optimizer = None
+
+
+# ---------------------------------------------------------------------- helpers
+@dataclass
+class Schedule:
+    """Learning rate of step ``s`` (0-based): linear warmup, then constant, linear or cosine decay to the end."""
+
+    lr: float
+    warmup_steps: int
+    total_steps: int
+    kind: str
+    step: int = 0
+
+    def lr_at(self, s: int) -> float:
+        if self.kind not in ("constant", "linear", "cosine"):
+            raise ValueError(f"actor.optimizer.lr_schedule {self.kind!r} is not constant, linear or cosine")
+        if s < self.warmup_steps:
+            return self.lr * (s + 1) / self.warmup_steps
+        done = min(1.0, max(0.0, (s - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)))
+        factor = {"constant": 1.0, "linear": 1.0 - done, "cosine": 0.5 * (1.0 + math.cos(math.pi * done))}
+        return self.lr * factor[self.kind]
+
+
+def balanced_split(lengths: list[int], k: int) -> list[list[int]]:
+    """``k`` lists of sequence indices with balanced token sums: longest first onto the lightest list."""
+    loads = [0] * k
+    parts: list[list[int]] = [[] for _ in range(k)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        j = min(range(k), key=lambda j: (loads[j], j))
+        parts[j].append(i)
+        loads[j] += lengths[i]
+    return [sorted(p) for p in parts]
+
+
+def pack_under(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """Sequences ``indices`` packed longest first into the fewest rows of at most ``budget`` tokens
+    (a longer sequence alone); rows in order of their first sequence."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(indices, key=lambda i: (-lengths[i], i)):
+        fit = next((r for r, left in enumerate(room) if lengths[i] <= left), None)
+        if fit is None:
+            rows.append([i])
+            room.append(budget - lengths[i])
+        else:
+            rows[fit].append(i)
+            room[fit] -= lengths[i]
+    return sorted(sorted(r) for r in rows)
+
+
+class Packed:
+    """A trainer batch as CPU tensors, with its sequence boundaries."""
+
+    def __init__(self, tensors: dict, cu: list[int]) -> None:
+        self.tensors = tensors
+        self.cu = cu
+        self.T = cu[-1]
+        self.lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
+        self.ids = tensors["input_ids"]
+        self.shortest = min(range(len(self.lengths)), key=lambda i: (self.lengths[i], i))
+
+    @classmethod
+    def of(cls, batch: dict) -> "Packed":
+        cu = [int(c) for c in _as_list(batch["cu_seqlens"])]
+        if len(cu) < 2:
+            raise ValueError("MegatronEngine: the batch holds no sequences (cu_seqlens has fewer than 2 entries)")
+        n_ids = len(_as_list(batch["input_ids"]))
+        if n_ids != cu[-1]:
+            raise ValueError(f"MegatronEngine: the batch has {n_ids} input_ids but cu_seqlens ends at {cu[-1]}")
+        return cls({k: _to_tensor(k, v) for k, v in batch.items() if k != "cu_seqlens"}, cu)
+
+    def lens(self, seqs: list[int]) -> list[int]:
+        return [self.lengths[s] for s in seqs]
+
+    def token_index(self, seqs: list[int]) -> torch.Tensor:
+        return torch.cat([torch.arange(self.cu[s], self.cu[s + 1]) for s in seqs])
+
+    def micro_batch(self, seqs: list[int]) -> dict:
+        """Per-token keys over the tokens of ``seqs`` (packed in that order), per-sequence keys over ``seqs``."""
+        tokens = self.token_index(seqs)
+        n_seq = len(self.lengths)
+        mb: dict = {}
+        for key, value in self.tensors.items():
+            if isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == self.T:
+                mb[key] = value[tokens]
+            elif isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == n_seq:
+                mb[key] = value[torch.tensor(seqs)]
+            else:
+                mb[key] = value
+        lens = self.lens(seqs)
+        mb["seq_lens"] = torch.tensor(lens)
+        mb["cu_seqlens"] = torch.tensor([0, *_cumsum(lens)])
+        mb["token_index"] = tokens
+        return mb
+
+
+def read_hf_weights(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files of a HF model folder (CPU)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"MegatronEngine: {folder} holds no *.safetensors weights; model.path must be a "
+                                f"Hugging Face model folder (safetensors + config.json)")
+    out: dict[str, torch.Tensor] = {}
+    for file in files:
+        out.update(load_file(str(file)))
+    return out
+
+
+def write_hf(folder: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype, source: str) -> None:
+    """HF model files into ``folder``: weights (sharded past 5 GiB), config.json saying ``dtype``, the source's
+    tokenizer and generation files."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    cast = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
+    for old in folder.glob("model*.safetensors*"):
+        old.unlink()
+    split = split_torch_state_dict_into_shards(cast, filename_pattern="model{suffix}.safetensors")
+    for filename, names in split.filename_to_tensors.items():
+        save_file({n: cast[n] for n in names}, str(folder / filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in cast.values())},
+                 "weight_map": split.tensor_to_filename}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+    config = AutoConfig.from_pretrained(source)
+    config.dtype = str(dtype).removeprefix("torch.")
+    config.save_pretrained(str(folder))
+    for file in sorted(Path(source).iterdir()):
+        if file.is_file() and file.suffix in SIDE_SUFFIXES and file.name not in NOT_SIDE \
+                and not (folder / file.name).exists():
+            shutil.copy2(file, folder / file.name)
+
+
+def _as_list(value: Any) -> list:
+    return value.tolist() if hasattr(value, "tolist") else list(value)
+
+
+def _to_tensor(key: str, value: Any) -> Any:
+    """Lists of numbers as CPU tensors: ``loss_mask`` bool, floats float32, ints int64; anything else as is."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu()
+    elif isinstance(value, (list, tuple)) and all(isinstance(v, (int, float, bool)) for v in value):
+        t = torch.tensor(value)
+    else:
+        return value
+    if key == "loss_mask":
+        return t.bool()
+    if t.is_floating_point():
+        return t.float()
+    return t.long() if t.dtype != torch.bool else t
+
+
+def _cumsum(values: list[int]) -> Iterator[int]:
+    total = 0
+    for v in values:
+        total += v
+        yield total
+
+
+def _scalars(stats: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key, value in (stats or {}).items():
+        try:
+            out[key] = float(value.detach()) if hasattr(value, "detach") else float(value)
+        except (TypeError, ValueError, RuntimeError):
+            continue
+    return out
+
+
+def _combine(records: list[tuple[int, float, dict]], total_loss_tokens: int) -> dict:
+    """The batch's token-mean loss and the loss-token-weighted means of the loss_fn's stats."""
+    out: dict[str, float] = {"loss": sum(n * loss for n, loss, _ in records) / max(1, total_loss_tokens)}
+    sums: dict[str, list[float]] = {}
+    for n, _, stats in records:
+        for key, value in stats.items():
+            acc = sums.setdefault(key, [0.0, 0.0])
+            acc[0] += n * value
+            acc[1] += n
+    out.update({k: s / max(1.0, w) for k, (s, w) in sums.items() if k not in out})
+    return out

@@ -1,0 +1,84 @@
+"""One rank of a multi-process MegatronEngine scenario, started by test_megatron_engine.py.
+
+    python dist_worker.py SPEC.json       (RANK / WORLD_SIZE / MASTER_* in the environment)
+
+SPEC names the model folder, the allocation (``megatron:t2``, ``megatron:d2``),
+the batch, the optimizer settings and an output folder; every rank runs
+:func:`scenario` and rank 0 writes what it saw to ``<out>/result.pt``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import warnings
+
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from areal_core.api import Context  # noqa: E402
+from areal_core.config.allocation import parse_allocation  # noqa: E402
+from areal_core.config.schema import RunConfig  # noqa: E402
+from areal_megatron.engine import MegatronEngine, MegatronEngineConfig  # noqa: E402
+
+
+def nll(logprobs, entropy, mb):
+    """Token mean of -logprob over the loss mask."""
+    mask = mb["loss_mask"]
+    return -(logprobs * mask).sum() / mask.sum(), {"entropy": (entropy * mask).sum() / mask.sum()}
+
+
+def make_engine(spec: dict) -> MegatronEngine:
+    cfg = RunConfig()
+    cfg.model.path, cfg.model.dtype = spec["model"], spec.get("dtype", "float32")
+    cfg.actor.mb_max_tokens = spec.get("mb_max_tokens", 8192)
+    cfg.actor.optimizer.lr = spec.get("lr", 1e-2)
+    cfg.actor.optimizer.weight_decay = spec.get("weight_decay", 0.0)
+    cfg.actor.optimizer.eps = spec.get("eps", 1e-8)
+    cfg.actor.optimizer.grad_clip = spec.get("grad_clip", 1.0)
+    cfg.trainer.total_steps = 10
+    (placement,) = parse_allocation(spec.get("allocation", "megatron:cpu")).components
+    engine = MegatronEngine(Context(config=cfg, options=MegatronEngineConfig(), placement=placement,
+                                    extras={"role": spec.get("role", "actor")}))
+    engine.initialize()
+    return engine
+
+
+def scenario(engine: MegatronEngine, batch: dict, out: str) -> dict:
+    """forward, train, forward, export, save, train, load, forward: what each step gave."""
+    seen: dict = {"lp0": engine.forward_logprobs(batch)}
+    seen["stats1"] = engine.train_batch(batch, nll)
+    seen["lp1"] = engine.forward_logprobs(batch)["logprobs"]
+    engine.export_to_disk(os.path.join(out, "export"))
+    engine.save(os.path.join(out, "ckpt"))
+    engine.train_batch(batch, nll)
+    seen["lp2"] = engine.forward_logprobs(batch)["logprobs"]
+    engine.load(os.path.join(out, "ckpt"))
+    seen["loaded_version"] = engine.version
+    seen["lp_loaded"] = engine.forward_logprobs(batch)["logprobs"]
+    engine.train_batch(batch, nll)
+    seen["lp2_after_load"] = engine.forward_logprobs(batch)["logprobs"]
+    seen["buckets"] = [[name for name, _ in bucket] for bucket in engine.export_tensors(64 * 1024)]
+    return seen
+
+
+def main(spec_path: str) -> int:
+    spec = json.loads(open(spec_path).read())
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    try:
+        engine = make_engine(spec)
+        seen = scenario(engine, spec["batch"], spec["out"])
+        if dist.get_rank() == 0:
+            torch.save(seen, os.path.join(spec["out"], "result.pt"))
+        engine.close()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

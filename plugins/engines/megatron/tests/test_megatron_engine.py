@@ -1,0 +1,457 @@
+"""The megatron train engine on tiny random Llama / Qwen2 models, on CPU: one process, and two over gloo."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import importlib.util
+import json
+import random
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+from safetensors.torch import load_file  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM  # noqa: E402, F401
+
+from areal_core.api import Context  # noqa: E402
+from areal_core.config.allocation import parse_allocation  # noqa: E402
+from areal_core.config.schema import RunConfig  # noqa: E402
+from areal_core.launch.supervisor import free_port, rendezvous_env  # noqa: E402
+from areal_core.testing import TrainEngineConformance  # noqa: E402
+from areal_local.models import tiny_model  # noqa: E402
+from areal_megatron import convert  # noqa: E402
+from areal_megatron.cpu import CPURNGStatesTracker, cuda_device_reads_cpu  # noqa: E402
+from areal_megatron.engine import MegatronEngine, MegatronEngineConfig, Schedule, balanced_split, pack_under  # noqa: E402
+from areal_megatron.logprobs import vocab_parallel_logprobs  # noqa: E402
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+_spec = importlib.util.spec_from_file_location("areal_megatron_dist_worker", WORKER)
+worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(worker)
+
+LENGTHS = [5, 9, 3, 12, 7, 6]
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron-models")
+    return {
+        "llama": tiny_model(root / "llama", arch="llama", seed=0),
+        "qwen2": tiny_model(root / "qwen2", arch="qwen2", seed=1),
+        "untied": tiny_model(root / "untied", arch="llama", seed=2, tie_word_embeddings=False),
+    }
+
+
+def make_batch(lengths=LENGTHS, seed: int = 0, prompt: int = 2) -> dict:
+    """A packed batch as ``pack_groups`` makes it, plus per-token advantages."""
+    rng = random.Random(seed)
+    out: dict = {k: [] for k in ("input_ids", "position_ids", "loss_mask", "advantages", "rewards", "seq_lens")}
+    cu = [0]
+    for j, n in enumerate(lengths):
+        out["input_ids"] += [rng.randrange(3, VOCAB) for _ in range(n)]
+        out["position_ids"] += list(range(n))
+        out["loss_mask"] += [int(i >= prompt) for i in range(n)]
+        out["advantages"] += [rng.uniform(-1, 1) for _ in range(n)]
+        out["rewards"].append(float(j % 2))
+        out["seq_lens"].append(n)
+        cu.append(cu[-1] + n)
+    out["cu_seqlens"] = cu
+    return out
+
+
+def config(path, *, dtype="float32", mb_max_tokens=8192, lr=1e-2, eps=1e-8, grad_clip=1.0) -> RunConfig:
+    cfg = RunConfig()
+    cfg.model.path, cfg.model.dtype = str(path), dtype
+    cfg.actor.mb_max_tokens = mb_max_tokens
+    cfg.actor.optimizer.lr, cfg.actor.optimizer.eps, cfg.actor.optimizer.grad_clip = lr, eps, grad_clip
+    cfg.trainer.total_steps = 10
+    return cfg
+
+
+def engine(cfg: RunConfig, role: str = "actor", allocation: str = "megatron:cpu") -> MegatronEngine:
+    (placement,) = parse_allocation(allocation).components
+    e = MegatronEngine.create(Context(config=cfg, options=MegatronEngineConfig(), placement=placement,
+                                      extras={"role": role}))
+    e.initialize()
+    return e
+
+
+def hf_logprobs(lm, batch: dict, temperature: float = 1.0) -> list[float]:
+    """Each sequence alone through a plain HF forward: log_softmax(logits / T) gathered at the next token."""
+    out: list[float] = []
+    cu = batch["cu_seqlens"]
+    with torch.no_grad():
+        for a, b in zip(cu[:-1], cu[1:]):
+            ids = torch.tensor(batch["input_ids"][a:b])[None]
+            logp = (lm(ids).logits[0].float() / temperature).log_softmax(-1)
+            out += [0.0] + logp[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+    return out
+
+
+def worst(a, b) -> float:
+    a = torch.as_tensor(a, dtype=torch.float64)
+    b = torch.as_tensor(b, dtype=torch.float64)
+    assert a.shape == b.shape, f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}"
+    return (a - b).abs().max().item() if a.numel() else 0.0
+
+
+def nll(logprobs, entropy, mb):
+    return worker.nll(logprobs, entropy, mb)
+
+
+def hf_state(path) -> dict:
+    return load_file(Path(path) / "model.safetensors")
+
+
+# ---------------------------------------------------------------------- conversion
+@pytest.mark.parametrize("name", ["llama", "qwen2", "untied"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_hf_to_megatron_and_back_is_exact(models, name, tp):
+    cfg = AutoConfig.from_pretrained(models[name])
+    hf = hf_state(models[name])
+    shards = [convert.hf_to_megatron(hf, cfg, tp=tp, rank=r) for r in range(tp)]
+    back = convert.megatron_to_hf(shards, cfg)
+    assert sorted(back) == sorted(hf)
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+    if name == "qwen2":
+        assert "decoder.layers.0.self_attention.linear_qkv.bias" in shards[0]
+    # Column shards hold whole query groups: q heads, then k, then v of each group.
+    qkv = shards[0]["decoder.layers.0.self_attention.linear_qkv.weight"]
+    d = convert.head_dim(cfg)
+    q = hf["model.layers.0.self_attn.q_proj.weight"]
+    k = hf["model.layers.0.self_attn.k_proj.weight"]
+    per_group = cfg.num_attention_heads // cfg.num_key_value_heads
+    assert torch.equal(qkv[:per_group * d], q[:per_group * d])
+    assert torch.equal(qkv[per_group * d:(per_group + 1) * d], k[:d])
+    fc1 = shards[-1]["decoder.layers.1.mlp.linear_fc1.weight"]
+    gate = hf["model.layers.1.mlp.gate_proj.weight"].chunk(tp)[-1]
+    assert torch.equal(fc1[:gate.shape[0]], gate)
+
+
+def test_an_odd_vocabulary_is_padded_for_tensor_parallel_and_trimmed_back(models):
+    cfg = AutoConfig.from_pretrained(models["untied"])
+    hf = hf_state(models["untied"])
+    cfg.vocab_size = 509  # drop 3 rows: 509 is odd
+    hf = {k: (v[:509] if v.shape[0] == VOCAB else v) for k, v in hf.items()}
+    shards = [convert.hf_to_megatron(hf, cfg, tp=2, rank=r) for r in range(2)]
+    assert shards[0]["embedding.word_embeddings.weight"].shape[0] == 255
+    assert not shards[1]["output_layer.weight"][-1].any() and shards[1]["output_layer.weight"][-2].any()
+    back = convert.megatron_to_hf(shards, cfg)
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+def test_transformer_engine_names_translate_both_ways():
+    canonical = {"decoder.layers.3.input_layernorm.weight": 1, "decoder.layers.3.pre_mlp_layernorm.weight": 2,
+                 "decoder.final_layernorm.weight": 3}
+    te = {"decoder.layers.3.self_attention.linear_qkv.layer_norm_weight", "decoder.final_layernorm.weight",
+          "decoder.layers.3.mlp.linear_fc1.layer_norm_weight"}
+    renamed = convert.model_names(canonical, te)
+    assert set(renamed) == te
+    assert convert.canonical_names(renamed) == canonical
+
+
+def test_unsupported_models_are_refused_with_the_fix(models):
+    cfg = AutoConfig.from_pretrained(models["llama"])
+    cfg.architectures = ["MistralForCausalLM"]
+    with pytest.raises(NotImplementedError, match="MistralForCausalLM.*actor.backend: fsdp"):
+        convert.check_architecture(cfg)
+    cfg = AutoConfig.from_pretrained(models["llama"])
+    cfg.rope_parameters = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}
+    with pytest.raises(NotImplementedError, match="'llama3'"):
+        convert.rope_base(cfg)
+
+
+def test_transformer_config_follows_the_hf_config(models):
+    cfg = AutoConfig.from_pretrained(models["qwen2"])
+    tf = convert.transformer_config(cfg, tp=1)
+    assert (tf.num_layers, tf.hidden_size, tf.num_attention_heads, tf.num_query_groups, tf.ffn_hidden_size) == (
+        cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+        cfg.intermediate_size)
+    assert tf.normalization == "RMSNorm" and tf.gated_linear_unit and tf.add_qkv_bias and not tf.add_bias_linear
+    assert not convert.transformer_config(AutoConfig.from_pretrained(models["llama"])).add_qkv_bias
+    assert convert.rope_base(cfg) == 10000.0
+
+
+# ---------------------------------------------------------------------- pure parts
+def test_balanced_split_and_packing():
+    lengths = [7, 3, 9, 2, 8, 20, 1]
+    parts = balanced_split(lengths, 2)
+    assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
+    sums = [sum(lengths[i] for i in p) for p in parts]
+    assert abs(sums[0] - sums[1]) <= 2, sums
+    rows = pack_under(list(range(len(lengths))), lengths, 10)
+    assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in r) <= 10 or len(r) == 1 for r in rows)
+    assert [5] in rows and len(rows) == 4
+    assert balanced_split([5], 3) == [[0], [], []]
+
+
+def test_schedule_warms_up_then_decays():
+    s = Schedule(lr=1.0, warmup_steps=2, total_steps=6, kind="linear")
+    assert [s.lr_at(i) for i in range(6)] == pytest.approx([0.5, 1.0, 1.0, 0.75, 0.5, 0.25])
+    c = Schedule(lr=2.0, warmup_steps=0, total_steps=4, kind="cosine")
+    assert [c.lr_at(i) for i in range(4)] == pytest.approx([2.0, 1.7071068, 1.0, 0.2928932])
+    with pytest.raises(ValueError, match="'step'.*constant, linear or cosine"):
+        Schedule(lr=1.0, warmup_steps=0, total_steps=1, kind="step").lr_at(0)
+
+
+def test_vocab_parallel_logprobs_of_one_rank_equal_a_log_softmax_and_ignore_padding():
+    torch.manual_seed(0)
+    T, V, pad = 7, 11, 3
+    logits = torch.randn(T, V + pad)
+    logits[:, V:] = 50.0  # padding columns would dominate the softmax if they were counted
+    ids = torch.randint(0, V, (T,))
+    starts = torch.tensor([1, 0, 0, 1, 0, 0, 0], dtype=torch.bool)
+    lp, ent = vocab_parallel_logprobs(logits, ids, starts, vocab_start=0, vocab_size=V, temperature=0.7, chunk=2)
+    ref = (logits[:-1, :V] / 0.7).log_softmax(-1)
+    want_lp = torch.cat([torch.zeros(1), ref.gather(-1, ids[1:, None]).squeeze(-1)])
+    want_ent = torch.cat([torch.zeros(1), -(ref.exp() * ref).sum(-1)])
+    keep = ~starts
+    assert worst(lp, torch.where(keep, want_lp, 0.0)) < 1e-5
+    assert worst(ent, torch.where(keep, want_ent, 0.0)) < 1e-5
+    assert lp[3] == 0.0 and ent[0] == 0.0
+
+
+# ---------------------------------------------------------------------- the CPU accommodation
+def test_cpu_rng_tracker_forks_a_stream_of_its_own():
+    tracker = CPURNGStatesTracker()
+    tracker.add("model-parallel-rng", 1234)
+    torch.manual_seed(0)
+    outer = torch.get_rng_state()
+    with tracker.fork():
+        first = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), outer)  # the default stream is untouched
+    with tracker.fork():
+        second = torch.rand(3)
+    assert not torch.equal(first, second)  # the forked stream advanced
+    assert torch.equal(first, torch.Generator().manual_seed(1234).manual_seed(1234) and
+                       torch.rand(3, generator=torch.Generator().manual_seed(1234)))
+    with pytest.raises(KeyError, match="no RNG state 'other'"):
+        with tracker.fork("other"):
+            pass
+
+
+def test_cuda_device_reads_cpu_only_inside():
+    with cuda_device_reads_cpu():
+        assert torch.cuda.current_device() == "cpu"
+        assert torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
+    if not torch.cuda.is_available():
+        with pytest.raises((AssertionError, RuntimeError)):
+            torch.cuda.current_device()
+
+
+# ---------------------------------------------------------------------- the engine, one process
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_forward_logprobs_equals_a_plain_hf_forward(models, arch, temperature):
+    e = engine(config(models[arch], mb_max_tokens=16))
+    batch = make_batch()
+    out = e.forward_logprobs(batch, temperature=temperature)
+    lm = AutoModelForCausalLM.from_pretrained(models[arch], dtype=torch.float32)
+    assert len(out["logprobs"]) == len(out["entropy"]) == len(batch["input_ids"])
+    assert worst(out["logprobs"], hf_logprobs(lm, batch, temperature)) < 1e-5
+    starts = batch["cu_seqlens"][:-1]
+    assert all(out["logprobs"][s] == 0.0 and out["entropy"][s] == 0.0 for s in starts)
+    assert all(0 < h <= torch.log(torch.tensor(float(VOCAB))).item() + 1e-4
+               for i, h in enumerate(out["entropy"]) if i not in starts)
+    e.close()
+
+
+def test_loss_fn_sees_each_micro_batch_as_tensors(models):
+    e = engine(config(models["llama"], mb_max_tokens=16))
+    batch = make_batch()
+    seen = []
+
+    def record(logprobs, entropy, mb):
+        seen.append(dict(mb))
+        assert logprobs.dtype == entropy.dtype == torch.float32 and logprobs.requires_grad
+        assert logprobs.shape == mb["input_ids"].shape == mb["advantages"].shape
+        return nll(logprobs, entropy, mb)
+
+    stats = e.train_batch(batch, record)
+    assert stats["n_micro_batches"] == len(seen) > 1
+    assert all(int(mb["seq_lens"].sum()) <= 16 for mb in seen)
+    tokens = torch.cat([m["token_index"] for m in seen])
+    assert sorted(tokens.tolist()) == list(range(len(batch["input_ids"])))
+    for m in seen:
+        assert m["loss_mask"].dtype == torch.bool and m["input_ids"].dtype == torch.long
+        firsts = m["token_index"][m["cu_seqlens"][:-1]].tolist()
+        seqs = [batch["cu_seqlens"].index(f) for f in firsts]
+        assert m["rewards"].tolist() == [batch["rewards"][s] for s in seqs]
+    e.close()
+
+
+def sgd_like(path, **kw) -> RunConfig:
+    """lr 1, eps 1: AdamW's first step moves each weight by about its gradient, so weights compare gradients."""
+    return config(path, lr=1.0, eps=1.0, grad_clip=0.0, **kw)
+
+
+def test_gradient_does_not_depend_on_the_micro_batch_split(models, tmp_path):
+    batch = make_batch()
+    results = {}
+    for name, budget in {"one": 8192, "many": 12}.items():
+        e = engine(sgd_like(models["llama"], mb_max_tokens=budget))
+        stats = e.train_batch(batch, nll)
+        e.export_to_disk(str(tmp_path / name))
+        results[name] = (stats, load_file(tmp_path / name / "model.safetensors"))
+        e.close()
+    assert results["one"][0]["n_micro_batches"] == 1 and results["many"][0]["n_micro_batches"] >= 3
+    initial = hf_state(models["llama"])
+    assert max(worst(initial[k], results["one"][1][k]) for k in initial) > 1e-3
+    assert results["many"][0]["loss"] == pytest.approx(results["one"][0]["loss"], rel=1e-6)
+    assert results["many"][0]["grad_norm"] == pytest.approx(results["one"][0]["grad_norm"], rel=1e-5)
+    assert max(worst(results["one"][1][k], results["many"][1][k]) for k in initial) < 1e-5
+
+
+def test_training_statistics_schedule_and_clipping(models):
+    cfg = config(models["llama"], lr=1e-2, grad_clip=0.5)
+    cfg.actor.optimizer.warmup_steps = 2
+    e = engine(cfg)
+    batch = make_batch()
+    lp = e.forward_logprobs(batch)["logprobs"]
+    mask = batch["loss_mask"]
+    expected_loss = -sum(v for v, m in zip(lp, mask) if m) / sum(mask)
+    first = e.train_batch(batch, nll)
+    second = e.train_batch(batch, nll)
+    assert first["loss"] == pytest.approx(expected_loss, abs=1e-5)
+    assert (first["lr"], second["lr"]) == pytest.approx((0.5e-2, 1e-2))
+    assert first["n_tokens"] == len(batch["input_ids"]) and first["n_loss_tokens"] == sum(mask)
+    assert first["grad_norm"] > 0.5 and first["update_skipped"] == 0 and "entropy" in first
+    assert second["loss"] < first["loss"] and e.version == 2
+    e.close()
+
+
+def test_save_train_load_restores_weights_version_and_optimizer(models, tmp_path):
+    e = engine(config(models["qwen2"], mb_max_tokens=16))
+    seen = worker.scenario(e, make_batch(), str(tmp_path))
+    assert seen["loaded_version"] == 1
+    assert worst(seen["lp_loaded"], seen["lp1"]) == 0.0
+    assert worst(seen["lp2"], seen["lp1"]) > 1e-3
+    assert worst(seen["lp2_after_load"], seen["lp2"]) < 1e-6  # same step again: optimizer state restored
+    lm = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32)
+    assert worst(hf_logprobs(lm, make_batch()), seen["lp1"]) < 1e-5
+    # The export after one step holds the same weights in HF names, tied lm_head left out.
+    exported = load_file(tmp_path / "export" / "model.safetensors")
+    assert sorted(exported) == sorted(hf_state(models["qwen2"]))
+    assert (tmp_path / "export" / "tokenizer.json").exists()
+    names = [n for bucket in seen["buckets"] for n in bucket]
+    assert sorted(names) == sorted(exported) and len(seen["buckets"]) > 1
+    e.close()
+
+
+def test_export_of_untied_and_bfloat16_models(models, tmp_path):
+    e = engine(config(models["untied"]))
+    e.export_to_disk(str(tmp_path / "untied"))
+    assert "lm_head.weight" in load_file(tmp_path / "untied" / "model.safetensors")
+    e.close()
+    with pytest.raises(NotImplementedError, match="model.dtype bfloat16 .*set model.dtype: float32 on CPU"):
+        engine(config(models["llama"], dtype="bfloat16"))
+    # A bfloat16 reference engine (no master copy) exports bfloat16.
+    e = engine(config(models["llama"], dtype="bfloat16"), role="reference")
+    e.export_to_disk(str(tmp_path / "bf16"))
+    assert {t.dtype for t in load_file(tmp_path / "bf16" / "model.safetensors").values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    e.close()
+
+
+def test_reference_role_is_frozen_and_refuses_to_train(models):
+    ref = engine(config(models["llama"], dtype="bfloat16"), role="reference")
+    assert ref.optimizer is None
+    assert all(not p.requires_grad and p.dtype == torch.bfloat16 for p in ref.inner.parameters())
+    lm = AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float32)
+    assert worst(ref.forward_logprobs(make_batch())["logprobs"], hf_logprobs(lm, make_batch())) < 0.1
+    with pytest.raises(RuntimeError, match="role 'reference'.*no optimizer"):
+        ref.train_batch(make_batch(), nll)
+    ref.close()
+
+
+def test_unbuilt_parallelism_and_missing_folders_are_refused(models, tmp_path):
+    with pytest.raises(NotImplementedError, match="p2, c2 .*tensor \\(t\\) and data \\(d\\) parallel only"):
+        engine(config(models["llama"]), allocation="megatron:p2c2@cpu")
+    with pytest.raises(FileNotFoundError, match="holds no \\*.safetensors"):
+        (tmp_path / "empty").mkdir()
+        (tmp_path / "empty" / "config.json").write_text((Path(models["llama"]) / "config.json").read_text())
+        engine(config(tmp_path / "empty"))
+
+
+# ---------------------------------------------------------------------- two ranks over gloo
+def run_ranks(spec: dict, folder: Path, world: int = 2, timeout: float = 300) -> dict:
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = {**spec, "out": str(folder)}
+    (folder / "spec.json").write_text(json.dumps(spec))
+    port = free_port()
+    procs, logs = [], []
+    for rank in range(world):
+        log = open(folder / f"rank{rank}.log", "w")
+        logs.append(log)
+        env = {**os.environ, **rendezvous_env(rank, world, port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(folder / "spec.json")], env=env,
+                                      stdout=log, stderr=subprocess.STDOUT))
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        codes = [p.wait() for p in procs]
+    for log in logs:
+        log.close()
+    if any(codes):
+        tails = "\n".join(f"--- rank {r} (exit {c}):\n" + "\n".join(
+            (folder / f"rank{r}.log").read_text().splitlines()[-25:]) for r, c in enumerate(codes))
+        pytest.fail(f"{world} ranks exited with {codes} (waited up to {timeout} s):\n{tails}")
+    return torch.load(folder / "result.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tensor_and_data_parallel_ranks_train_like_one(models, tmp_path, arch):
+    """t2 and d2 against one process: HF's logprobs, the same loss, the same updated weights, save / load."""
+    batch = make_batch(LENGTHS + [4])
+    spec = {"model": str(models[arch]), "batch": batch, "mb_max_tokens": 16, "lr": 1.0, "eps": 1.0,
+            "grad_clip": 0.0}
+    one = worker.scenario(worker.make_engine(spec), batch, str(tmp_path / "world1"))
+    lm = AutoModelForCausalLM.from_pretrained(models[arch], dtype=torch.float32)
+    reference = hf_logprobs(lm, batch)
+    initial = hf_state(models[arch])
+    export1 = load_file(tmp_path / "world1" / "export" / "model.safetensors")
+    assert max(worst(export1[k], initial[k]) for k in initial) > 1e-3  # the step moved the weights
+    for allocation in ("megatron:t2@cpu", "megatron:d2@cpu"):
+        name = allocation.split(":")[1].split("@")[0]
+        two = run_ranks({**spec, "allocation": allocation}, tmp_path / name)
+        assert worst(two["lp0"]["logprobs"], reference) < 1e-5, allocation
+        assert worst(two["lp0"]["entropy"], one["lp0"]["entropy"]) < 1e-5, allocation
+        assert two["stats1"]["loss"] == pytest.approx(one["stats1"]["loss"], rel=1e-6), allocation
+        assert two["stats1"]["grad_norm"] == pytest.approx(one["stats1"]["grad_norm"], rel=1e-5), allocation
+        exported = load_file(tmp_path / name / "export" / "model.safetensors")
+        assert sorted(exported) == sorted(export1)
+        assert max(worst(exported[k], export1[k]) for k in export1) < 1e-5, allocation
+        for key in ("lp1", "lp2"):
+            assert worst(two[key], one[key]) < 1e-5, (allocation, key)
+        assert two["loaded_version"] == 1 and worst(two["lp_loaded"], two["lp1"]) == 0.0
+        assert worst(two["lp2_after_load"], two["lp2"]) < 1e-6
+
+
+# ---------------------------------------------------------------------- the conformance kit
+class TestMegatronConformance(TrainEngineConformance):
+    component_name = "megatron"
+
+    @pytest.fixture(autouse=True)
+    def _model(self, models):
+        self.model_path = models["llama"]
+
+    def make(self, cls):
+        (placement,) = parse_allocation("megatron:cpu").components
+        return cls.create(Context(config=config(self.model_path, mb_max_tokens=16, lr=1e-2),
+                                  options=cls.config_class(), placement=placement, extras={"role": "actor"}))
+
+    def make_batch(self) -> dict:
+        return make_batch()
