@@ -73,6 +73,7 @@ def _component_problems(comp: Component, model: ModelInfo | None, vpp: int) -> l
         _virtual_pipeline_problem(comp, model, vpp),
         experts_problem(BACKEND, comp, par.e, model),
         _expert_placement_problem(comp),
+        _not_built_problem(comp),
     ]
     return [problem for problem in found if problem is not None]
 
@@ -116,5 +117,20 @@ def _expert_placement_problem(comp: Component) -> Problem | None:
         f"(d{par.d} x t{par.t} x c{par.c}).",
         f"make d x c a multiple of e{par.e}: choose e from "
         f"{', '.join(map(str, divisors(par.d * par.c)))}, or raise d",
+        key="allocation",
+    )
+
+
+def _not_built_problem(comp: Component) -> Problem | None:
+    """Pipeline, context and expert parallel are declared (and their rules checked) but not built yet."""
+    par = comp.parallel
+    unbuilt = [f"{dim}{n}" for dim, n in (("p", par.p), ("c", par.c), ("e", par.e)) if n > 1]
+    if not unbuilt:
+        return None
+    return Problem(
+        f"{BACKEND}.not-built",
+        f"'{comp}': {', '.join(unbuilt)} asks for pipeline / context / expert parallelism, which this version "
+        f"of areal-plugin-megatron does not build yet (it builds tensor t and data d parallel).",
+        f"use t and d only, e.g. 'megatron:d{par.world_size // par.t}t{par.t}'",
         key="allocation",
     )

@@ -1,0 +1,55 @@
+"""A short `areal run` with `actor.backend: megatron` against the embedded (local) inference engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("areal_local")
+
+from areal_core.testing.distributions import install_fake_distribution  # noqa: E402
+
+# The core's RL doubles (dataset, workflow, reward, algorithm), installed as a fake distribution as
+# tests/test_trainer_e2e.py does; the train engine is the real megatron one.
+DOUBLES = Path(__file__).resolve().parents[4] / "tests" / "doubles"
+AREAL = str(Path(sys.executable).with_name("areal"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (DOUBLES / "rl_doubles.py").exists(), reason="needs the repository's tests/doubles")
+def test_megatron_trains_against_the_embedded_engine(tmp_path):
+    from areal_local.models import tiny_model
+
+    sys.path.insert(0, str(DOUBLES))
+    try:
+        import rl_doubles
+    finally:
+        sys.path.remove(str(DOUBLES))
+    model = tiny_model(tmp_path / "tiny", seed=0)
+    files = {name: (DOUBLES / name).read_text() for name in ("rl_doubles.py", "latency_engine_double.py")}
+    with install_fake_distribution(tmp_path / "site", "areal-test-rl-doubles", "0.0.1", rl_doubles.ENTRY_POINTS,
+                                   files) as site:
+        config = tmp_path / "run.yaml"
+        config.write_text(rl_doubles.CONFIG)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.run(
+            [AREAL, "run", str(config), f"output_dir={tmp_path / 'runs'}", "trial=megatron",
+             "allocation=local:cpu+megatron:cpu", "rollout.backend=local", "actor.backend=megatron",
+             "algorithm.name=rl_pg_double", f"model.path={model}", "model.dtype=float32", "actor.optimizer.lr=1e-3",
+             "rollout.max_head_offpolicyness=1", "trainer.total_steps=3", "rollout.dynamic_filtering=true",
+             "trainer.save_every=1"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    run_dir = tmp_path / "runs" / "areal" / "megatron"
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(m["train/grad_norm"] > 0 for m in metrics)
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert (latest / "actor" / "model.safetensors").exists()
+    assert "weights v3" in (run_dir / "logs" / "rollout-0.log").read_text()
