@@ -11,7 +11,7 @@ import torch.nn.functional as F  # noqa: E402
 from areal_fsdp import attention  # noqa: E402
 from areal_fsdp.logprobs import packed_attention_mask, token_logprobs  # noqa: E402
 
-LENS = [5, 1, 9, 3]
+LENS = [5, 1, 9, 3, 8, 9]
 
 
 def masked_reference(q, k, v, lens):
@@ -26,7 +26,7 @@ def test_packed_sdpa_equals_the_block_diagonal_mask_in_values_and_gradients(kv_h
     q = torch.randn(1, 4, T, 8, generator=g, requires_grad=True)
     k = torch.randn(1, kv_heads, T, 8, generator=g, requires_grad=True)
     v = torch.randn(1, kv_heads, T, 8, generator=g, requires_grad=True)
-    cu = [0, 5, 6, 15, 18]
+    cu = [0, 5, 6, 15, 18, 26, 35]
     module = torch.nn.Module().eval()
     ours, _ = attention.packed_sdpa(module, q, k, v, None, **{attention.CU_SEQLENS: cu})
     ref = masked_reference(q, k, v, LENS)
@@ -115,3 +115,15 @@ def test_the_engine_attends_per_sequence_with_sdpa_and_trains_like_the_masked_pa
     assert results["sdpa"][0] == attention.PACKED_SDPA and results["eager"][0] == "eager"
     assert results["sdpa"][1] == pytest.approx(results["eager"][1], abs=1e-5)
     torch.testing.assert_close(torch.tensor(results["sdpa"][2]), torch.tensor(results["eager"][2]), atol=1e-5, rtol=0)
+
+
+def test_buckets_cover_every_sequence_once_and_bound_the_padding():
+    lens = [50, 48, 3, 52, 47, 900, 2, 5, 49]
+    groups = attention.buckets(lens)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    for g in groups:
+        longest = max(lens[i] for i in g)
+        assert lens[g[0]] == longest
+        assert len(g) * longest ** 2 <= attention.PADDING_SLACK * sum(lens[i] ** 2 for i in g)
+    assert [lens[i] for i in groups[0]] == [900]  # the long one is not padded against the short ones
+    assert {50, 48, 52, 47, 49} <= {lens[i] for g in groups for i in g if len(g) > 1}
