@@ -23,7 +23,8 @@ AREAL = str(Path(sys.executable).with_name("areal"))
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (DOUBLES / "rl_doubles.py").exists(), reason="needs the repository's tests/doubles")
-def test_megatron_trains_against_the_embedded_engine(tmp_path):
+@pytest.mark.parametrize(("placement", "weight_sync"), [("megatron:cpu", "disk"), ("megatron:t2@cpu", "tensors")])
+def test_megatron_trains_against_the_embedded_engine(tmp_path, placement, weight_sync):
     from areal_local.models import tiny_model
 
     sys.path.insert(0, str(DOUBLES))
@@ -40,7 +41,7 @@ def test_megatron_trains_against_the_embedded_engine(tmp_path):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
         proc = subprocess.run(
             [AREAL, "run", str(config), f"output_dir={tmp_path / 'runs'}", "trial=megatron",
-             "allocation=local:cpu+megatron:cpu", "rollout.backend=local", "actor.backend=megatron",
+             f"allocation=local:cpu+{placement}", f"rollout.weight_sync={weight_sync}", "rollout.backend=local", "actor.backend=megatron",
              "algorithm.name=rl_pg_double", f"model.path={model}", "model.dtype=float32", "actor.optimizer.lr=1e-3",
              "rollout.max_head_offpolicyness=1", "trainer.total_steps=3", "rollout.dynamic_filtering=true",
              "trainer.save_every=1"],
@@ -53,3 +54,5 @@ def test_megatron_trains_against_the_embedded_engine(tmp_path):
     latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     assert (latest / "actor" / "model.safetensors").exists()
     assert "weights v3" in (run_dir / "logs" / "rollout-0.log").read_text()
+    if placement.startswith("megatron:t2"):
+        assert (run_dir / "logs" / "actor-rank1.log").exists()  # two tensor-parallel ranks took part
