@@ -30,7 +30,10 @@ fi
 
 targets=(-e ".[dev,plot]")
 for project in plugins/*/*/pyproject.toml; do
-    targets+=(-e "$(dirname "$project")")
+    case "$(dirname "$project")" in
+        plugins/engines/fsdp) targets+=(-e "plugins/engines/fsdp[lora]") ;;  # LoRA through PEFT
+        *) targets+=(-e "$(dirname "$project")") ;;
+    esac
 done
 echo "install: areal-core and ${#targets[@]} editable project(s) into $VENV"
 "${PIP[@]}" install --no-build-isolation "${targets[@]}"

@@ -50,6 +50,8 @@ from torch import nn
 from areal_core.api import TrainEngine
 from areal_fsdp import attention
 from areal_fsdp.hf_folder import checkpoint_names, write_hf_files, write_hf_folder, write_json_atomic
+from areal_fsdp.lora import (add_lora, export_items, is_adapter, lora_layers, module_names, read_adapter,
+                              write_adapter)
 from areal_fsdp.logprobs import packed_attention_mask, token_logprobs
 from areal_fsdp.packing import first_fit_decreasing, karmarkar_karp, micro_batches
 from areal_fsdp.schedule import lr_factor
@@ -58,6 +60,7 @@ ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 STATE_FILE = "engine_state.json"
 STATE_FORMAT = 1
 OPTIMIZER_DIR = "optimizer"
+ADAPTER_DIR = "adapter"
 
 
 @dataclass
@@ -72,6 +75,18 @@ class FSDPEngineConfig:
         "ge": 1, "help": "positions whose full-vocabulary float32 logits are computed at once"})
     reshard_after_forward: bool = field(default=True, metadata={
         "help": "free each layer's gathered weights after its forward (less memory, one more all-gather)"})
+    lora_rank: int = field(default=0, metadata={
+        "ge": 0, "help": "LoRA rank (through PEFT, the 'lora' extra): train adapters only; 0 = train every weight"})
+    lora_alpha: float = field(default=16.0, metadata={
+        "gt": 0.0, "help": "LoRA alpha: the adapters' update is scaled by alpha / rank"})
+    lora_dropout: float = field(default=0.0, metadata={
+        "ge": 0.0, "lt": 1.0, "help": "dropout on the adapters' input while training (off in forward_logprobs)"})
+    lora_target_modules: list = field(default_factory=lambda: ["all-linear"], metadata={
+        "help": "module names given adapters (e.g. [q_proj, v_proj]); ['all-linear'] = every linear but the head"})
+    lora_export: str = field(default="merged", metadata={
+        "choices": ["merged", "adapter"],
+        "help": "what export_to_disk writes with LoRA: merged full weights (what inference engines load) or the "
+                "adapters only in PEFT format (for engines that load adapters); export_tensors is always merged"})
 
 
 class _LogprobModel(nn.Module):
@@ -113,6 +128,8 @@ class FSDPEngine(TrainEngine):
         self.model: _LogprobModel | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
+        self._peft: Any = None  # the PEFT model around self.lm when LoRA is on
+        self._lora_layers: dict[str, tuple[float, bool]] = {}
 
     # ------------------------------------------------------------------ setup
     @property
@@ -145,7 +162,6 @@ class FSDPEngine(TrainEngine):
         self.mb_max_tokens = int(cfg.actor.mb_max_tokens)
         master = torch.float32 if self.role == "actor" else self.dtype
         lm = self._load_lm(self.source, master)
-        self._aliases = _tied_aliases(lm)
         if self.role == "actor" and cfg.actor.gradient_checkpointing:
             if not getattr(lm, "supports_gradient_checkpointing", False):
                 raise ValueError(f"FSDPEngine: {type(lm).__name__} does not support gradient checkpointing; "
@@ -156,6 +172,11 @@ class FSDPEngine(TrainEngine):
                 lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.role == "reference":
             lm.requires_grad_(False)
+        o = self.options
+        self._peft = add_lora(lm, o.lora_rank, o.lora_alpha, o.lora_dropout, o.lora_target_modules, cfg.trainer.seed) \
+            if o.lora_rank > 0 and self.role == "actor" else None
+        self._lora_layers = lora_layers(lm) if self._peft is not None else {}
+        self._aliases = _tied_aliases(lm)
         model = _LogprobModel(lm, self.options.logits_chunk_tokens)
         if self.world > 1:
             self._shard(model)
@@ -439,20 +460,22 @@ class FSDPEngine(TrainEngine):
         return float(norm)
 
     # ------------------------------------------------------------------ weights
-    def _full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full tensors of every parameter and persistent buffer, module names, tied aliases left out.
+    def _items(self, which: str = "merged") -> tuple[dict, list[tuple[str, list[str], Any]]]:
+        """The (sharded) state dict and what to export from it: ``merged`` (LoRA merged in), ``base``
+        (LoRA's frozen weights, plain names) or ``adapters`` (LoRA names); tied aliases left out."""
+        state = {name: value for name, value in self.lm.state_dict().items() if name not in self._aliases}
+        if which == "adapters":
+            return state, [(name, [name], None) for name in state if is_adapter(name)]
+        return state, export_items(list(state), self._lora_layers, merged=which == "merged")
 
-        Collective when sharded; only rank 0 gets the tensors (on CPU), the others an empty dict.
+    def _full_state_dict(self, which: str = "merged") -> dict[str, torch.Tensor]:
+        """Full tensors (master dtype, CPU) of :meth:`_items` ``which``, exported names.
+
+        Collective when sharded; only rank 0 gets the tensors, the others an empty dict.
         """
-        out: dict[str, torch.Tensor] = {}
-        for name, value in self.lm.state_dict().items():
-            if name in self._aliases:
-                continue
-            if hasattr(value, "full_tensor"):
-                value = value.full_tensor()
-            if self.rank == 0:
-                out[name] = value.detach().to("cpu", copy=True)
-        return out
+        state, items = self._items(which)
+        return {name: t for bucket in self._stream_buckets(state, items, [list(range(len(items)))], None)
+                for name, t in bucket}
 
     def _load_full_state_dict(self, state: dict[str, torch.Tensor], where: str) -> None:
         """Copy full tensors (module names) into the (sharded) parameters and buffers."""
@@ -478,9 +501,20 @@ class FSDPEngine(TrainEngine):
     def export_to_disk(self, path: str) -> None:
         """Write the weights in ``model.dtype`` as a HF folder at ``path``, atomically.
 
-        Collective when the world is larger than 1 (every rank gathers, rank 0 writes).
+        With LoRA, the adapters merged in; or, with ``lora_export: adapter``,
+        the adapters only, as a PEFT adapter folder. Collective when the world
+        is larger than 1 (every rank gathers, rank 0 writes).
         """
         self._require_model("export_to_disk")
+        if self._peft is not None and self.options.lora_export == "adapter":
+            from areal_core.checkpoint import atomic_dir
+
+            adapters = self._full_state_dict("adapters")
+            if self.rank == 0:
+                with atomic_dir(path) as folder:
+                    write_adapter(folder, adapters, self._peft, self.dtype, self.source)
+            self._barrier()
+            return
         state = self._full_state_dict()
         if self.rank == 0:
             write_hf_folder(path, self.lm, state, self.dtype, source=self.source)
@@ -495,59 +529,79 @@ class FSDPEngine(TrainEngine):
         bucket on its own. The next bucket's all-gathers are issued (DTensor
         ``redistribute(async_op=True)``) before the current bucket is handed
         out, so gathering overlaps with whatever the caller does with it.
-        Tied aliases (a tied ``lm_head.weight``) are left out, as on disk.
+        Tied aliases (a tied ``lm_head.weight``) are left out, as on disk;
+        LoRA adapters are merged in (the names are the plain model's).
         """
         self._require_model("export_tensors")
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ValueError(f"FSDPEngine.export_tensors: bucket_bytes must be a positive int, got {bucket_bytes!r}")
-        state = {name: value for name, value in self.lm.state_dict().items() if name not in self._aliases}
-        return self._stream_buckets(state, _buckets(state, self.dtype, bucket_bytes))
+        state, items = self._items("merged")
+        return self._stream_buckets(state, items, _buckets(state, items, self.dtype, bucket_bytes), self.dtype)
 
-    def _stream_buckets(self, state: dict, plan: list[list[str]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        pending = self._gather(state, plan[0]) if plan else []
-        for i in range(len(plan)):
+    def _stream_buckets(self, state: dict, items: list, plan: list[list[int]],
+                        dtype: torch.dtype | None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Each bucket of ``plan`` (indices into ``items``), its successor's gathers in flight while it is used."""
+        pending = self._gather(state, [items[i] for i in plan[0]]) if plan else []
+        for k in range(len(plan)):
             current = pending
-            pending = self._gather(state, plan[i + 1]) if i + 1 < len(plan) else []  # in flight during the yield
-            yield self._finish(current)
+            pending = self._gather(state, [items[i] for i in plan[k + 1]]) if k + 1 < len(plan) else []
+            yield self._finish(current, dtype)
 
     @staticmethod
-    def _gather(state: dict, names: list[str]) -> list[tuple[str, torch.Tensor]]:
-        """Start the all-gathers of ``names`` (sharded DTensors); the results are waited for in :meth:`_finish`."""
+    def _gather(state: dict, items: list) -> list:
+        """Start the all-gathers of the items' sources (sharded DTensors); :meth:`_finish` waits for them."""
         from torch.distributed.tensor import DTensor, Replicate
 
         out = []
-        for name in names:
-            value = state[name].detach()
-            if isinstance(value, DTensor):
-                value = value.redistribute(placements=[Replicate()] * value.device_mesh.ndim,
-                                           async_op=True).to_local()
-            out.append((name, value))
+        for name, sources, combine in items:
+            values = []
+            for source in sources:
+                value = state[source].detach()
+                if isinstance(value, DTensor):
+                    value = value.redistribute(placements=[Replicate()] * value.device_mesh.ndim,
+                                               async_op=True).to_local()
+                values.append(value)
+            out.append((name, values, combine))
         return out
 
-    def _finish(self, gathered: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """Wait for a bucket's gathers; on rank 0 its tensors in HF names, cast and copied to CPU."""
+    def _finish(self, gathered: list, dtype: torch.dtype | None) -> list[tuple[str, torch.Tensor]]:
+        """Wait for a bucket's gathers; on rank 0 its tensors in HF names, combined, cast and copied to CPU."""
         if self.rank != 0:
-            for _, value in gathered:
-                if hasattr(value, "wait"):
-                    value.wait()
+            for _, values, _ in gathered:
+                for value in values:
+                    if hasattr(value, "wait"):
+                        value.wait()
             return []
-        tensors = {name: (value.to(self.dtype) if value.is_floating_point() else value).to("cpu", copy=True)
-                   for name, value in gathered}
+        tensors = {}
+        for name, values, combine in gathered:
+            value = combine(values) if combine is not None else values[0]
+            if dtype is not None and value.is_floating_point():
+                value = value.to(dtype)
+            tensors[name] = value.to("cpu", copy=True)
+        if dtype is None:
+            return list(tensors.items())  # module names: the HF-folder writer renames
         return list(checkpoint_names(self.lm, tensors).items())
 
     def save(self, path: str, *, with_optimizer: bool = True) -> None:
         """Model (master dtype, HF safetensors), optimizer (DCP, sharded), scheduler and version into ``path``.
 
-        Every rank calls it with the same folder.
+        With LoRA the model files hold the frozen base weights and ``adapter/``
+        the adapters (PEFT format, master dtype). Every rank calls it with the
+        same folder.
         """
         self._require_model("save")
         folder = Path(path)
-        state = self._full_state_dict()
+        state = self._full_state_dict("base")
+        adapters = self._full_state_dict("adapters") if self._peft is not None else {}
         if self.rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
             (folder / STATE_FILE).unlink(missing_ok=True)  # written last: its presence marks a complete save
             shutil.rmtree(folder / OPTIMIZER_DIR, ignore_errors=True)  # no shard files of an older save remain
-            write_hf_files(folder, self.lm, state, next(self.lm.parameters()).dtype, source=self.source)
+            master = next(self.lm.parameters()).dtype
+            write_hf_files(folder, self.lm, state, master, source=self.source)
+            if self._peft is not None:
+                (folder / ADAPTER_DIR).mkdir(exist_ok=True)
+                write_adapter(folder / ADAPTER_DIR, adapters, self._peft, master, self.source)
         self._barrier()
         saved_optimizer = with_optimizer and self.optimizer is not None
         if saved_optimizer:
@@ -562,7 +616,7 @@ class FSDPEngine(TrainEngine):
         if self.rank == 0:
             write_json_atomic(folder / STATE_FILE, {
                 "format": STATE_FORMAT, "version": self._version, "role": self.role, "world_size": self.world,
-                "optimizer": saved_optimizer,
+                "optimizer": saved_optimizer, "lora": self._peft is not None,
                 "scheduler": self.scheduler.state_dict() if saved_optimizer else None,
             })
         self._barrier()
@@ -571,7 +625,8 @@ class FSDPEngine(TrainEngine):
         """Restore what :meth:`save` wrote; every rank calls it with the same folder.
 
         With ``with_optimizer=False`` any HF model folder of the same
-        architecture loads (weights only; the version is the folder's, else 0).
+        architecture loads (weights only; the version is the folder's, else 0);
+        with LoRA the folder needs ``adapter/`` too.
         """
         import json
 
@@ -583,8 +638,12 @@ class FSDPEngine(TrainEngine):
         meta = json.loads(state_file.read_text()) if state_file.is_file() else None
         master = next(self.lm.parameters()).dtype
         fresh = AutoModelForCausalLM.from_pretrained(str(folder), dtype=master)
-        self._load_full_state_dict(dict(fresh.state_dict()), str(folder))
+        state = dict(fresh.state_dict())
         del fresh
+        if self._peft is not None:
+            own = list(self.lm.state_dict())
+            state = {**module_names(state, own), **read_adapter(folder / ADAPTER_DIR)}
+        self._load_full_state_dict(state, str(folder))
         if with_optimizer and self.optimizer is not None:
             if not meta or not meta.get("optimizer"):
                 raise FileNotFoundError(f"FSDPEngine.load: {folder} holds no optimizer state (saved with "
@@ -639,17 +698,18 @@ def _tied_aliases(lm: nn.Module) -> dict[str, str]:
     return aliases
 
 
-def _buckets(state: dict, dtype: torch.dtype, bucket_bytes: int) -> list[list[str]]:
-    """Names of ``state`` in order, grouped so each group's bytes (floats in ``dtype``) stay within ``bucket_bytes``."""
-    out: list[list[str]] = []
+def _buckets(state: dict, items: list, dtype: torch.dtype, bucket_bytes: int) -> list[list[int]]:
+    """Indices of ``items`` in order, grouped so each group's bytes (floats in ``dtype``) stay within ``bucket_bytes``."""
+    out: list[list[int]] = []
     size = 0
-    for name, value in state.items():
+    for i, (_, sources, _) in enumerate(items):
+        value = state[sources[0]]  # the exported tensor has the shape of its first source
         itemsize = torch.empty((), dtype=dtype).element_size() if value.is_floating_point() else value.element_size()
         nbytes = value.numel() * itemsize  # the full tensor's, also for a shard
         if not out or size + nbytes > bucket_bytes:
             out.append([])
             size = 0
-        out[-1].append(name)
+        out[-1].append(i)
         size += nbytes
     return out
 

@@ -38,7 +38,8 @@ def make_engine(spec: dict) -> FSDPEngine:
     cfg.actor.optimizer.eps = spec.get("eps", 1e-8)
     cfg.actor.optimizer.grad_clip = spec.get("grad_clip", 1.0)
     cfg.trainer.total_steps = 10
-    engine = FSDPEngine(Context(config=cfg, options=FSDPEngineConfig(), extras={"role": spec.get("role", "actor")}))
+    engine = FSDPEngine(Context(config=cfg, options=FSDPEngineConfig(**spec.get("options", {})),
+                                extras={"role": spec.get("role", "actor")}))
     engine.initialize()
     return engine
 

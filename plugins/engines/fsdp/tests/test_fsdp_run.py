@@ -24,7 +24,8 @@ def score(prompt, completion, item):
 
 
 @pytest.mark.slow
-def test_a_run_syncs_weights_as_tensors_through_shared_memory(tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_run_syncs_weights_as_tensors_through_shared_memory(tmp_path, lora):
     from safetensors.torch import load_file
 
     from areal_local.models import tiny_model
@@ -39,6 +40,8 @@ def test_a_run_syncs_weights_as_tensors_through_shared_memory(tmp_path):
            "rollout.batch_size=2", "rollout.group_size=4", "rollout.sampling.max_new_tokens=8", "eval.size=0",
            "rollout.max_head_offpolicyness=1", "actor.optimizer.lr=1e-3", "reward.name=function",
            "reward.target=t5_parity_reward:score", "rollout.dynamic_filtering=true"]
+    if lora:  # adapters trained, merged weights sent
+        cmd += ["actor.lora_rank=4", "actor.lora_target_modules=[q_proj,v_proj]", "actor.optimizer.lr=1e-2"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir = runs / "sync" / "tensors"
@@ -54,7 +57,13 @@ def test_a_run_syncs_weights_as_tensors_through_shared_memory(tmp_path):
     latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     trained = load_file(latest / "actor" / "model.safetensors")
     initial = load_file(Path(model) / "model.safetensors")
-    assert max((trained[k] - initial[k]).abs().max().item() for k in initial) > 1e-4
+    moved = max((trained[k] - initial[k]).abs().max().item() for k in initial)
+    if lora:  # the checkpoint keeps the frozen base and the trained adapters beside it
+        assert moved == 0.0
+        adapters = load_file(latest / "actor" / "adapter" / "adapter_model.safetensors")
+        assert any(".lora_B." in n and t.abs().max() > 0 for n, t in adapters.items())
+    else:
+        assert moved > 1e-4
 
 
 def test_tensor_sync_with_an_engine_that_cannot_take_tensors_names_the_key_and_the_fix():
