@@ -104,8 +104,9 @@ def transformer_config(cfg: Any, *, tp: int = 1, params_dtype: torch.dtype = tor
         params_dtype=params_dtype, bf16=compute == torch.bfloat16, fp16=compute == torch.float16,
         # Weights come from the HF folder: no random init (and none needing a CUDA RNG).
         perform_initialization=False, use_cpu_initialization=cpu,
-        # Only fusions with a pure-PyTorch path: the fused kernels are CUDA-only.
-        bias_activation_fusion=not cpu, masked_softmax_fusion=not cpu, persist_layer_norm=not cpu,
+        # Only fusions with a pure-PyTorch path on CPU. The fused masked softmax needs a compiled kernel that the
+        # megatron-core wheel does not ship, and the packed rows' block-diagonal mask is not one it handles.
+        bias_activation_fusion=not cpu, masked_softmax_fusion=False, persist_layer_norm=not cpu,
         bias_dropout_fusion=not cpu, apply_rope_fusion=False, gradient_accumulation_fusion=False,
     )
     if recompute:

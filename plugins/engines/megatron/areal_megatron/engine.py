@@ -23,7 +23,8 @@ the tensor-parallel ranks of one data-parallel rank run the same
 micro-batches. Each micro-batch is one row with a block-diagonal causal mask
 (Megatron's local attention takes an arbitrary mask; rotary phases only
 depend on the distance between tokens of one sequence, so the row's
-positions need not restart). Logprobs come from the vocab-parallel logits
+positions need not restart); with ``transformer_engine: true`` on GPU the
+row goes to Transformer Engine's attention as THD ``packed_seq_params``. Logprobs come from the vocab-parallel logits
 (:mod:`areal_megatron.logprobs`).
 
 Loss normalisation as in the fsdp engine: ``loss_fn`` returns the token mean
@@ -79,8 +80,9 @@ class MegatronEngineConfig:
         "ge": 1, "help": "interleaved pipeline chunks per stage (needs pipeline parallel, not built yet)"})
     logits_chunk_tokens: int = field(default=1024, metadata={
         "ge": 1, "help": "positions whose float32 vocab-parallel log-softmax is computed at once"})
-    transformer_engine: bool = field(default=True, metadata={
-        "help": "on GPU, use Transformer Engine's layer spec when transformer_engine is installed"})
+    transformer_engine: bool = field(default=False, metadata={
+        "help": "GPU with transformer_engine installed: Transformer Engine's layer spec, packed rows as THD "
+                "(not verified here yet); false: Megatron's local layers with a block-diagonal mask"})
 
 
 class MegatronEngine(TrainEngine):
@@ -139,7 +141,8 @@ class MegatronEngine(TrainEngine):
         if recompute and self.cpu:
             raise NotImplementedError("MegatronEngine: activation recomputation uses Megatron's CUDA RNG "
                                       "checkpointing; set actor.gradient_checkpointing: false on CPU")
-        model = convert.gpt_model(self.hf_config, tf_config, transformer_engine=self._use_te())
+        self._te = self._use_te()
+        model = convert.gpt_model(self.hf_config, tf_config, transformer_engine=self._te)
         if self.cpu:
             mark_tensor_parallel_shards(model)
         for param in model.parameters():  # the torch norms are created float32 whatever params_dtype says;
@@ -314,15 +317,26 @@ class MegatronEngine(TrainEngine):
 
         dev = self.device
         T = int(ids.numel())
-        seq = torch.repeat_interleave(torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev))
         pos = torch.arange(T, device=dev)
-        hidden = (seq[:, None] != seq[None, :]) | (pos[None, :] > pos[:, None])  # True = masked, Megatron's sign
+        cu = torch.tensor([0, *_cumsum(lens)], device=dev, dtype=torch.int32)
         starts = torch.zeros(T, dtype=torch.bool, device=dev)
-        starts[torch.tensor([0, *list(_cumsum(lens))[:-1]], device=dev)] = True
+        starts[cu[:-1].long()] = True
         ids = ids.to(dev, torch.long)
+        extra: dict = {}
+        if self._te:
+            # Transformer Engine's attention takes the packed row as THD with the sequence boundaries.
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            extra["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                         max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+            mask = None
+        else:
+            # The local attention takes any mask: block-diagonal causal, True = hidden (Megatron's sign).
+            seq = torch.repeat_interleave(torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev))
+            mask = ((seq[:, None] != seq[None, :]) | (pos[None, :] > pos[:, None]))[None, None]
         cast = torch.autocast(dev.type, dtype=self.dtype) if self._autocast else nullcontext()
         with cast, (cuda_device_reads_cpu() if self.cpu else nullcontext()):
-            logits = self.model(ids[None], pos[None], hidden[None, None])  # [1, T, V'/t]
+            logits = self.model(ids[None], pos[None], mask, **extra)  # [1, T, V'/t]
         local = logits.shape[-1]
         return vocab_parallel_logprobs(
             logits[0], ids, starts, vocab_start=self.tp_rank * local, vocab_size=self.hf_config.vocab_size,

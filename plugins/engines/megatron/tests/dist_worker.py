@@ -26,6 +26,9 @@ from areal_core.config.schema import RunConfig  # noqa: E402
 from areal_megatron.engine import MegatronEngine, MegatronEngineConfig  # noqa: E402
 
 
+BUCKET_BYTES = 64 * 1024
+
+
 def nll(logprobs, entropy, mb):
     """Token mean of -logprob over the loss mask."""
     mask = mb["loss_mask"]
@@ -62,7 +65,7 @@ def scenario(engine: MegatronEngine, batch: dict, out: str) -> dict:
     seen["lp_loaded"] = engine.forward_logprobs(batch)["logprobs"]
     engine.train_batch(batch, nll)
     seen["lp2_after_load"] = engine.forward_logprobs(batch)["logprobs"]
-    seen["buckets"] = [[name for name, _ in bucket] for bucket in engine.export_tensors(64 * 1024)]
+    seen["buckets"] = [{name: t.clone() for name, t in bucket} for bucket in engine.export_tensors(BUCKET_BYTES)]
     return seen
 
 

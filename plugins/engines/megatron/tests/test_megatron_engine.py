@@ -344,8 +344,15 @@ def test_save_train_load_restores_weights_version_and_optimizer(models, tmp_path
     exported = load_file(tmp_path / "export" / "model.safetensors")
     assert sorted(exported) == sorted(hf_state(models["qwen2"]))
     assert (tmp_path / "export" / "tokenizer.json").exists()
-    names = [n for bucket in seen["buckets"] for n in bucket]
-    assert sorted(names) == sorted(exported) and len(seen["buckets"]) > 1
+    # The buckets: the same tensors as the last state (after lp2_after_load's step), each bucket within its
+    # bytes unless a single tensor is larger.
+    buckets = seen["buckets"]
+    assert len(buckets) > 1 and sorted(n for b in buckets for n in b) == sorted(exported)
+    assert all(len(b) == 1 or sum(t.numel() * t.element_size() for t in b.values()) <= worker.BUCKET_BYTES
+               for b in buckets)
+    e.export_to_disk(str(tmp_path / "last"))
+    last = load_file(tmp_path / "last" / "model.safetensors")
+    assert all(torch.equal(t, last[n]) for b in buckets for n, t in b.items())
     e.close()
 
 
@@ -438,6 +445,9 @@ def test_tensor_and_data_parallel_ranks_train_like_one(models, tmp_path, arch):
             assert worst(two[key], one[key]) < 1e-5, (allocation, key)
         assert two["loaded_version"] == 1 and worst(two["lp_loaded"], two["lp1"]) == 0.0
         assert worst(two["lp2_after_load"], two["lp2"]) < 1e-6
+        mine = {n: t for b in two["buckets"] for n, t in b.items()}
+        theirs = {n: t for b in one["buckets"] for n, t in b.items()}
+        assert sorted(mine) == sorted(theirs) and max(worst(mine[n], theirs[n]) for n in mine) < 1e-4
 
 
 # ---------------------------------------------------------------------- the conformance kit
