@@ -34,7 +34,8 @@ from typing import Any, Awaitable, Callable, Iterable, Iterator
 from areal_core.api.inference import InferenceEngine
 from areal_core.api.workflow import Workflow
 from areal_core.rollout.batch import EpisodeGroup
-from areal_core.rollout.interruptible import InterruptibleEngine
+from areal_core.rollout.elastic import DOWN, JOINING, ElasticConfig, EnginePool, HealthMonitor, Member, Topology
+from areal_core.rollout.interruptible import ENGINE_FAILURES, InterruptibleEngine
 from areal_core.rollout.staleness import StalenessManager
 
 ShouldAccept = Callable[[EpisodeGroup], bool]
@@ -67,11 +68,18 @@ class RolloutController:
         request_timeout_s: float = 600.0,
         reward_workers: int = 4,
         call_timeout_s: float = 600.0,
+        elastic: ElasticConfig | None = None,
+        engine_factory: Callable[[str], InferenceEngine] | None = None,
     ) -> None:
         self.batch_size = batch_size
         self.eta = max_head_offpolicyness
         self.staleness = StalenessManager(batch_size, max_head_offpolicyness, max_concurrent_rollouts)
-        self.engines = list(engines)
+        self._initial_engines = list(engines)
+        self.elastic = elastic
+        self.engine_factory = engine_factory  # address -> engine, for add_server() and discovery
+        self.pool: EnginePool | None = None
+        self.monitor: HealthMonitor | None = None
+        self._weights_path: str | None = None  # the latest weights on disk: joining servers load them
         self.workflow = workflow
         self.should_accept = should_accept
         self.request_timeout_s = request_timeout_s
@@ -111,7 +119,8 @@ class RolloutController:
             asyncio.set_event_loop(loop)
             loop.set_default_executor(ThreadPoolExecutor(self._reward_workers, thread_name_prefix="areal-reward"))
             self._loop = loop
-            self.engine = InterruptibleEngine(self.engines, self.request_timeout_s)
+            self.pool = EnginePool(self._initial_engines, self.elastic)
+            self.engine = InterruptibleEngine(self.pool, self.request_timeout_s)
             ready.set()
             loop.run_forever()
             loop.run_until_complete(loop.shutdown_default_executor())
@@ -123,9 +132,13 @@ class RolloutController:
             raise TimeoutError("waited 30 s for the rollout controller's event loop thread to start")
 
         async def start_engines() -> None:
-            await asyncio.gather(*(e.start() for e in self.engines))
+            await asyncio.gather(*(e.start() for e in self._initial_engines))
+            if self.elastic is not None:
+                discover = self._engine_for if self.engine_factory is not None else None
+                self.monitor = HealthMonitor(self.pool, self._bring_up, discover)
+                self.monitor.start()
 
-        self._call(start_engines(), f"start {len(self.engines)} inference engine(s)")
+        self._call(start_engines(), f"start {len(self._initial_engines)} inference engine(s)")
         return self
 
     def close(self) -> None:
@@ -138,7 +151,14 @@ class RolloutController:
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
-            await asyncio.gather(*(e.aclose() for e in self.engines), return_exceptions=True)
+            if self.monitor is not None:
+                await self.monitor.stop()
+            # what is left (evaluation episodes, their engine calls) ends before the loop does
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
+            await asyncio.gather(*(m.engine.aclose() for m in self.pool.members), return_exceptions=True)
 
         try:
             asyncio.run_coroutine_threadsafe(shutdown(), loop).result(self.call_timeout_s)
@@ -355,18 +375,29 @@ class RolloutController:
             self._paused = True
         self.engine.close_gate()
         if all("pause" in e.capabilities for e in self.engines):
-            await asyncio.gather(*(e.pause() for e in self.engines))
+            await self._on_members(lambda e: e.pause(), "pause")
         else:  # no interruption: let requests in flight finish under the old weights
             while self.engine.in_flight:
                 await asyncio.sleep(0.001)
 
     async def _resume(self) -> None:
         if all("pause" in e.capabilities for e in self.engines):
-            await asyncio.gather(*(e.resume() for e in self.engines))
+            await self._on_members(lambda e: e.resume(), "resume")
         with self._cond:
             self._paused = False
         self.engine.open_gate()
         self._admit()
+
+    async def _on_members(self, call: Callable[[InferenceEngine], Awaitable[Any]], what: str) -> None:
+        """``call`` on every routed engine at once. Elastic: an engine that fails leaves routing
+        (it would serve stale weights); otherwise the first failure is raised."""
+        members = self.pool.active()
+        results = await asyncio.gather(*(call(m.engine) for m in members), return_exceptions=True)
+        for member, result in zip(members, results):
+            if isinstance(result, BaseException):
+                if self.elastic is None or not isinstance(result, ENGINE_FAILURES):
+                    raise result
+                self.pool.remove(member, f"{what} failed: {type(result).__name__}: {result}")
 
     def update_weights(self, apply: Callable[[], Awaitable[Any]], version: int) -> float:
         """Pause, run ``apply()`` on the loop, set ``version``, resume; nothing else inside the pause.
@@ -375,23 +406,88 @@ class RolloutController:
         """
         async def swap() -> float:
             began = time.monotonic()
-            await self._pause()
-            try:
-                await apply()
-                with self._cond:
-                    self._version = version
-                    self._cond.notify_all()
-            finally:
-                await self._resume()
+            async with self.pool.lock:  # never beside a rebuild of the server set
+                await self._pause()
+                try:
+                    await apply()
+                    with self._cond:
+                        self._version = version
+                        self._cond.notify_all()
+                finally:
+                    await self._resume()
             return time.monotonic() - began
 
         return self._call(swap(), f"update weights to version {version}")
 
     def update_weights_from_disk(self, path: str, version: int) -> float:
         async def apply() -> None:
-            await asyncio.gather(*(e.update_weights_from_disk(path, version) for e in self.engines))
+            await self._on_members(lambda e: e.update_weights_from_disk(path, version), "update_weights_from_disk")
+            self._weights_path = str(path)
 
         return self.update_weights(apply, version)
+
+    # ------------------------------------------------------------ elastic topology
+    @property
+    def engines(self) -> list[InferenceEngine]:
+        """The engines now routed to (before start: the ones given)."""
+        return self._initial_engines if self.pool is None else [m.engine for m in self.pool.active()]
+
+    @property
+    def topology(self) -> Topology:
+        """The routed servers and the topology version: the weight-update group's size is ``topology.size``."""
+        if self.pool is None:
+            raise RuntimeError("the rollout controller is not started; call start() first")
+        return self.pool.topology
+
+    def _engine_for(self, address: str) -> InferenceEngine:
+        if self.engine_factory is None:
+            raise ValueError(f"cannot add the inference server at {address}: the controller was built without an "
+                             "engine_factory (address -> engine); pass the engine itself to add_engine()")
+        return self.engine_factory(address)
+
+    async def _bring_up(self, engine: InferenceEngine) -> None:
+        """Bring a joining engine to the current weights (from disk) before it takes traffic."""
+        if engine.version == self._version:
+            return
+        if self._weights_path is None:
+            raise RuntimeError(f"a server joining at version {self._version} (it has {engine.version}) needs the "
+                               "current weights from disk, but no update_weights_from_disk happened yet; elastic "
+                               "joins after the first update need rollout.weight_sync=disk")
+        await engine.update_weights_from_disk(self._weights_path, self._version)
+
+    def add_engine(self, engine: InferenceEngine, timeout_s: float | None = None) -> Topology:
+        """Add a live server: start its client, bring it to the current weights at the next rebuild
+        (after the cooldown), then route to it. Returns the topology it joined; raises if it could not."""
+        timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
+
+        async def join() -> Topology:
+            await engine.start()
+            member = self.pool.add(engine)
+            deadline = time.monotonic() + timeout_s
+            while member.state == JOINING:
+                if self.pool.cooldown_left() == 0 and not self.pool.lock.locked():
+                    async with self.pool.lock:
+                        if member.state == JOINING:
+                            await self.pool.rebuild(self._bring_up)
+                    continue
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"waited {timeout_s:.0f} s for inference server {member.name} to join "
+                                       f"(cooldown left {self.pool.cooldown_left():.0f} s)")
+                await asyncio.sleep(min(0.2, max(0.01, self.pool.cooldown_left())))
+            if member.state == DOWN:
+                raise RuntimeError(f"inference server {member.name} could not join; see the log above")
+            self._kick()
+            return self.pool.topology
+
+        return self._call(join(), f"add inference server {getattr(engine, 'address', type(engine).__name__)}")
+
+    def add_server(self, address: str, timeout_s: float | None = None) -> Topology:
+        """Add the server at ``address`` (host:port) through ``engine_factory``; see :meth:`add_engine`."""
+        return self.add_engine(self._engine_for(address), timeout_s)
+
+    def members(self) -> list[Member]:
+        """Every server the controller has routed to, with its state and counters (for logs and tests)."""
+        return list(self.pool.members) if self.pool is not None else []
 
     # ------------------------------------------------------------ state
     def stop_rollouts(self) -> int:
@@ -438,7 +534,9 @@ class RolloutController:
     def stats(self) -> dict[str, int]:
         with self._cond:
             c = self.staleness.counts
+            servers = len(self.pool.active()) if self.pool is not None else len(self._initial_engines)
             return {"version": self._version, "queued": len(self._pending), "running": len(self._running),
+                    "servers": servers,
                     "ready": len(self._ready), "started": c.started, "accepted": c.accepted,
                     "rejected": c.rejected, "consumed": self._consumed_accepted,
                     "generated_tokens": self._generated_tokens}

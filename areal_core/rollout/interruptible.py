@@ -6,7 +6,9 @@ what each in-flight request produced so far with ``stop_reason="abort"``.
 This facade waits until generation resumes and continues the same request
 from prompt + partial output under the new weights, so a workflow receives
 one response whose tokens may carry several policy versions, each with the
-behaviour logprob of the weights that sampled it.
+behaviour logprob of the weights that sampled it. With an elastic pool
+(:mod:`areal_core.rollout.elastic`), a request whose server fails or leaves
+routing continues the same way on another server.
 """
 
 from __future__ import annotations
@@ -15,33 +17,39 @@ import asyncio
 from dataclasses import replace
 
 from areal_core.api.inference import GenerationRequest, GenerationResponse, InferenceEngine
+from areal_core.remote import RemoteError
+from areal_core.rollout.elastic import EngineLost, EnginePool, Member
 
 # An engine answering "abort" while generation is open, with no new token,
 # this many times in a row is broken rather than interrupted.
 MAX_IDLE_ABORTS = 3
+# What an engine raises when its server is gone or failing (not a refused request).
+ENGINE_FAILURES = (ConnectionError, RemoteError)
 
 
 class InterruptibleEngine(InferenceEngine):
-    """Facade over one or more engines (the ``d`` servers of an allocation)."""
+    """Facade over one or more engines (the ``d`` servers of an allocation, or an elastic pool)."""
 
-    def __init__(self, engines: list[InferenceEngine], request_timeout_s: float = 600.0) -> None:
+    def __init__(self, engines: list[InferenceEngine] | EnginePool, request_timeout_s: float = 600.0) -> None:
         super().__init__()
-        if not engines:
-            raise ValueError("InterruptibleEngine needs at least one inference engine")
-        self.engines = list(engines)
+        self.pool = engines if isinstance(engines, EnginePool) else EnginePool(list(engines))
         self.request_timeout_s = request_timeout_s
         self._open = asyncio.Event()
         self._open.set()
-        self._in_flight = [0] * len(self.engines)
+
+    @property
+    def engines(self) -> list[InferenceEngine]:
+        """The engines now routed to."""
+        return [m.engine for m in self.pool.active()]
 
     @property
     def version(self) -> int:
-        return min(e.version for e in self.engines)
+        return self.pool.version
 
     @property
     def in_flight(self) -> int:
         """Requests now inside an engine call."""
-        return sum(self._in_flight)
+        return sum(m.in_flight for m in self.pool.members)
 
     def close_gate(self) -> None:
         self._open.clear()
@@ -49,23 +57,47 @@ class InterruptibleEngine(InferenceEngine):
     def open_gate(self) -> None:
         self._open.set()
 
-    def _pick(self) -> int:
-        """The engine with the fewest requests in flight (first on ties)."""
-        return min(range(len(self.engines)), key=self._in_flight.__getitem__)
-
     async def _call(self, request: GenerationRequest) -> GenerationResponse:
-        index = self._pick()
-        self._in_flight[index] += 1
+        member = await self.pool.wait_for_engine(self.request_timeout_s, f"serve request {request.rid}")
+        member.in_flight += 1
         try:
-            return await asyncio.wait_for(self.engines[index].agenerate(request), self.request_timeout_s)
-        except asyncio.TimeoutError:
+            return await self._call_on(member, request)
+        finally:
+            member.in_flight -= 1
+
+    async def _call_on(self, member: Member, request: GenerationRequest) -> GenerationResponse:
+        call = asyncio.ensure_future(member.engine.agenerate(request))
+        lost = asyncio.ensure_future(member.lost.wait())
+        try:
+            done, _ = await asyncio.wait({call, lost}, timeout=self.request_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # the episode was cancelled: so is its engine call, before this returns
+            call.cancel()
+            await asyncio.wait({call})
+            raise
+        finally:
+            lost.cancel()
+        if call not in done:
+            call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
+            if lost in done:
+                member.moved += 1
+                raise EngineLost(member.name)
             raise TimeoutError(
                 f"waited {self.request_timeout_s:.0f} s (rollout.request_timeout_s) for inference "
-                f"engine {index} ({type(self.engines[index]).__name__}) to answer request "
+                f"engine {member.name} ({type(member.engine).__name__}) to answer request "
                 f"{request.rid} ({len(request.input_ids)} prompt tokens)"
-            ) from None
-        finally:
-            self._in_flight[index] -= 1
+            )
+        try:
+            response = call.result()
+        except ENGINE_FAILURES as exc:
+            if not self.pool.elastic:
+                raise
+            self.pool.report_failure(member, f"{type(exc).__name__}: {exc}", request=True)
+            member.moved += 1
+            raise EngineLost(member.name) from exc
+        member.served += 1
+        return response
 
     async def agenerate(self, request: GenerationRequest) -> GenerationResponse:
         budget = request.sampling.max_new_tokens
@@ -75,11 +107,14 @@ class InterruptibleEngine(InferenceEngine):
         idle_aborts = 0
         while True:
             await self._open.wait()
-            part = await self._call(replace(
-                request,
-                input_ids=request.input_ids + out_ids,
-                sampling=replace(request.sampling, max_new_tokens=budget - len(out_ids)),
-            ))
+            try:
+                part = await self._call(replace(
+                    request,
+                    input_ids=request.input_ids + out_ids,
+                    sampling=replace(request.sampling, max_new_tokens=budget - len(out_ids)),
+                ))
+            except EngineLost:
+                continue  # its server left: the same continuation goes to another one
             out_ids += part.output_ids
             logprobs += part.output_logprobs
             versions += part.output_versions

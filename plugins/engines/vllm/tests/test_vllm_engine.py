@@ -1,0 +1,84 @@
+"""The vllm engine without a server: the version check, the server recipe, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+
+from areal_core.api import Context
+from areal_core.config.schema import RunConfig
+from areal_core.registry import resolve
+from areal_vllm import engine as vllm_engine
+from areal_vllm.engine import SUPPORTED_TEXT, VLLMEngine, VLLMEngineConfig, check_version, server_argv
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.32.0+cpu"])
+def test_supported_versions_pass(version):
+    check_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.31.9", "0.33.0", "1.0.0", "dev"])
+def test_other_versions_are_refused_naming_the_range(version):
+    with pytest.raises(RuntimeError) as info:
+        check_version(version)
+    message = str(info.value)
+    assert repr(version) in message and SUPPORTED_TEXT in message and "install_vllm.sh" in message
+
+
+def test_server_recipe_on_cpu_has_dev_mode_and_a_small_kv_cache():
+    argv, env = server_argv("/opt/py", "/models/tiny", 8123, VLLMEngineConfig(kv_cache_gib=1, max_model_len=256))
+    assert argv[:3] == ["/opt/py", "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[argv.index("--port") + 1] == "8123" and argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert argv[argv.index("--max-model-len") + 1] == "256"
+    assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    assert "--gpu-memory-utilization" not in argv
+
+
+def test_server_recipe_on_gpu_sets_memory_share_not_cpu_cache():
+    argv, env = server_argv("py", "m", 1, VLLMEngineConfig(gpu_memory_utilization=0.5), device="gpu")
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.5"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env
+
+
+def test_interpreter_comes_from_config_then_environment(monkeypatch, tmp_path):
+    config = RunConfig()
+    config.model.path = "/models/tiny"
+    recipe = VLLMEngine.server_process(Context(config=config, options=VLLMEngineConfig(python="/x/python")), 0, 9)
+    assert recipe.argv[0] == "/x/python" and "/x/python" in recipe.what
+    monkeypatch.setenv("AREAL_VLLM_PYTHON", "/env/python")
+    assert vllm_engine.default_python() == "/env/python"
+    monkeypatch.delenv("AREAL_VLLM_PYTHON")
+    monkeypatch.chdir(tmp_path)  # no .venv-vllm here; the checkout's own may exist
+    assert vllm_engine.default_python() in (sys.executable, str(vllm_engine.Path(vllm_engine.__file__).resolve()
+                                                                  .parents[4] / ".venv-vllm/bin/python"))
+
+
+def test_create_needs_the_address():
+    with pytest.raises(ValueError, match="address"):
+        VLLMEngine.create(Context(config=RunConfig(), extras={}))
+
+
+def test_update_from_a_missing_folder_is_refused_before_any_request(tmp_path):
+    engine = VLLMEngine(None, "127.0.0.1:9")
+    with pytest.raises(FileNotFoundError, match="not a folder"):
+        asyncio.run(engine.update_weights_from_disk(str(tmp_path / "missing"), 1))
+    assert engine.version == 0
+
+
+def test_unreachable_server_names_its_address_and_attempts():
+    engine = VLLMEngine(None, "127.0.0.1:9", retries=1, retry_delay_s=0.01)
+
+    async def body():
+        try:
+            await engine.request("GET", "/version")
+        finally:
+            await engine.aclose()
+
+    with pytest.raises(ConnectionError, match=r"vLLM server at 127.0.0.1:9 is unreachable .* after 2 attempt"):
+        asyncio.run(body())
+
+
+def test_entry_point_resolves():
+    assert resolve("inference_engine", "vllm") is VLLMEngine

@@ -1,0 +1,214 @@
+"""Elastic topology of the rollout controller against engine doubles: servers
+that fail leave routing with nothing lost or duplicated, servers that join are
+brought to the current weights first, rebuilds respect the cooldown, the
+topology version tracks the routed set. (Real vLLM servers: the vllm plugin's
+slow tests.)"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from areal_core.rollout import RolloutController, RolloutError
+from areal_core.rollout.elastic import DOWN, ElasticConfig, NoEngineError
+from latency_engine_double import GroupWorkflowDouble, LatencyEngineDouble, items, token_for
+
+FAST = dict(interval_s=0.02, failure_threshold=2, cooldown_s=0.0)
+
+
+class DyingEngineDouble(LatencyEngineDouble):
+    """Test double: a server that can be killed mid-request (calls then raise ConnectionError,
+    health() answers False) and that records what it served."""
+
+    def __init__(self, address: str, seed: int = 0, max_token_latency_s: float = 0.002) -> None:
+        super().__init__(seed=seed, max_token_latency_s=max_token_latency_s)
+        self.address = address
+        self.dead = False
+        self.starts = 0
+        self.served_versions: list[int] = []
+
+    def _check(self) -> None:
+        if self.dead:
+            raise ConnectionError(f"the double at {self.address} is down")
+
+    async def start(self):
+        self.starts += 1
+
+    async def health(self):
+        return not self.dead
+
+    async def agenerate(self, request):
+        self._check()
+        inner = asyncio.ensure_future(super().agenerate(request))
+        while not inner.done():
+            if self.dead:
+                inner.cancel()
+                await asyncio.gather(inner, return_exceptions=True)
+                self._check()
+            await asyncio.sleep(0.001)
+        response = inner.result()
+        self.served_versions += response.output_versions
+        return response
+
+    async def pause(self):
+        self._check()
+        await super().pause()
+
+    async def resume(self):
+        self._check()
+        await super().resume()
+
+    async def update_weights_from_disk(self, path, version):
+        self._check()
+        await super().update_weights_from_disk(path, version)
+
+
+def controller(engines, *, elastic=None, batch_size=4, eta=1, **kw):
+    return RolloutController(engines, GroupWorkflowDouble(2), batch_size=batch_size, max_head_offpolicyness=eta,
+                             max_concurrent_rollouts=16, elastic=elastic, request_timeout_s=30, **kw)
+
+
+def step(ctrl, data):
+    batch = ctrl.prepare_batch(data, timeout=30)
+    version = ctrl.version + 1
+    ctrl.update_weights_from_disk(f"/ckpt/v{version}", version)
+    return batch
+
+
+def check_complete(batch):
+    """Every trajectory holds exactly the tokens an uninterrupted request gives (the doubles' token at a
+    position depends on the request id and the position only): nothing lost, nothing sampled twice."""
+    for group in batch:
+        for traj in group.trajectories:
+            rid, prompt = traj.info["rid"], 4
+            expected = [token_for(rid, prompt + k) for k in range(group.item["length"])]
+            assert traj.tokens[prompt:] == expected, f"request {rid} came back with other tokens"
+            versions = traj.versions[prompt:]
+            assert versions == sorted(versions)
+
+
+def test_killed_server_leaves_routing_and_its_requests_finish_elsewhere():
+    data = items(200, seed=5, max_length=30)
+    a, b = DyingEngineDouble("10.0.0.1:1"), DyingEngineDouble("10.0.0.2:1")
+    with controller([a, b], elastic=ElasticConfig(**FAST)) as ctrl:
+        first = step(ctrl, data)
+        assert ctrl.topology.size == 2 and ctrl.topology.version == 0
+        b.dead = True  # mid-run: requests are in flight on both
+        rest = [step(ctrl, data) for _ in range(4)]
+        members = {m.name: m for m in ctrl.members()}
+        topology = ctrl.topology
+        stats = ctrl.stats()
+    batches = [first, *rest]
+    ids = [g.item["id"] for batch in batches for g in batch]
+    assert len(ids) == len(set(ids)) == 20  # no group lost or trained twice
+    assert sorted(ids) == list(range(20))  # eta=1 keeps the order within reach; nothing skipped
+    for batch in batches:
+        check_complete(batch)
+    assert members["10.0.0.2:1"].state == DOWN and members["10.0.0.1:1"].state == "active"
+    assert (topology.version, topology.members) == (1, ("10.0.0.1:1",))
+    assert stats["servers"] == 1
+    assert b.served_versions and a.served_versions
+    assert members["10.0.0.2:1"].moved > 0, "no request was in flight on the killed server"
+
+
+def test_joining_server_gets_current_weights_before_traffic():
+    data = items(200, seed=3, max_length=12)
+    a = DyingEngineDouble("a:1")
+    c = DyingEngineDouble("c:1")
+    with controller([a], elastic=ElasticConfig(**FAST)) as ctrl:
+        for _ in range(2):
+            step(ctrl, data)
+        assert ctrl.version == 2 and c.version == 0
+        topology = ctrl.add_engine(c)
+        assert c.updates == [("/ckpt/v2", 2)]  # loaded from disk before it was routed to
+        assert c.served_versions == []
+        assert (topology.version, topology.members) == (1, ("a:1", "c:1"))
+        for _ in range(3):
+            step(ctrl, data)
+    assert c.starts == 1
+    assert c.served_versions, "the joined server never received a request"
+    assert min(c.served_versions) >= 2  # never served the weights it started with
+
+
+def test_join_waits_for_the_cooldown_between_rebuilds():
+    data = items(100, seed=4, max_length=6)
+    a, b, c = DyingEngineDouble("a:1"), DyingEngineDouble("b:1"), DyingEngineDouble("c:1")
+    with controller([a], elastic=ElasticConfig(interval_s=0.02, failure_threshold=2, cooldown_s=0.6)) as ctrl:
+        step(ctrl, data)
+        began = time.monotonic()
+        ctrl.add_engine(b)  # the first rebuild: 0.6 s after the controller started
+        ctrl.add_engine(c)  # the second: 0.6 s after the first
+        waited = time.monotonic() - began
+        assert ctrl.topology.version == 2 and ctrl.topology.size == 3
+    assert waited >= 0.6
+
+
+def test_discovery_file_adds_servers():
+    data = items(100, seed=4, max_length=6)
+
+    def factory(address):
+        return DyingEngineDouble(address)
+
+    def run(path):
+        elastic = ElasticConfig(**FAST, discovery=True, discovery_file=str(path))
+        with controller([DyingEngineDouble("a:1")], elastic=elastic, engine_factory=factory) as ctrl:
+            step(ctrl, data)
+            path.write_text("a:1\nd:1\n")
+            deadline = time.monotonic() + 10
+            while ctrl.topology.size < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            step(ctrl, data)
+            return ctrl.topology
+
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as folder:
+        topology = run(Path(folder) / "servers.txt")
+    assert topology.members == ("a:1", "d:1")
+
+
+def test_every_server_down_is_a_clear_error():
+    data = items(100, seed=4, max_length=30)
+    a = DyingEngineDouble("a:1")
+    with controller([a], elastic=ElasticConfig(**FAST)) as ctrl:
+        step(ctrl, data)
+        a.dead = True
+        with pytest.raises((RolloutError, NoEngineError, ConnectionError)) as info:
+            step(ctrl, data)
+    assert "a:1" in str(info.value)
+
+
+def test_without_elastic_a_failing_server_is_an_error():
+    data = items(100, seed=4, max_length=30)
+    a = DyingEngineDouble("a:1")
+    with controller([a]) as ctrl:
+        step(ctrl, data)
+        a.dead = True
+        with pytest.raises((RolloutError, ConnectionError)) as info:
+            step(ctrl, data)
+    assert "a:1" in str(info.value)
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"interval_s": 0}, "interval_s"),
+    ({"failure_threshold": 0}, "failure_threshold"),
+    ({"cooldown_s": -1}, "cooldown_s"),
+    ({"discovery": True}, "discovery_file"),
+])
+def test_elastic_config_names_the_bad_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        ElasticConfig(**kwargs)
+
+
+def test_join_before_any_weights_on_disk_at_a_later_version_is_refused():
+    data = items(100, seed=4, max_length=6)
+    a, late = DyingEngineDouble("a:1"), DyingEngineDouble("late:1")
+    with controller([a], elastic=ElasticConfig(**FAST)) as ctrl:
+        ctrl.prepare_batch(data, timeout=30)
+        ctrl.set_version(3)  # as after a tensor-based update: nothing on disk to load
+        with pytest.raises(RuntimeError, match="could not join"):
+            ctrl.add_engine(late)
+        assert ctrl.topology.members == ("a:1",)
