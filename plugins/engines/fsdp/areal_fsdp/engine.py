@@ -699,7 +699,8 @@ def _tied_aliases(lm: nn.Module) -> dict[str, str]:
 
 
 def _buckets(state: dict, items: list, dtype: torch.dtype, bucket_bytes: int) -> list[list[int]]:
-    """Indices of ``items`` in order, grouped so each group's bytes (floats in ``dtype``) stay within ``bucket_bytes``."""
+    """Indices of ``items`` in order, grouped so each group's bytes (floats in ``dtype``) stay within
+    ``bucket_bytes``; an item larger than that is a group alone."""
     out: list[list[int]] = []
     size = 0
     for i, (_, sources, _) in enumerate(items):

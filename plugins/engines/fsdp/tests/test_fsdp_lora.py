@@ -16,7 +16,8 @@ from areal_core.api import Context  # noqa: E402
 from areal_fsdp.engine import FSDPEngine, FSDPEngineConfig  # noqa: E402
 from areal_local.models import tiny_model  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("areal_fsdp_engine_tests", Path(__file__).with_name("test_fsdp_engine.py"))
+_spec = importlib.util.spec_from_file_location("areal_fsdp_engine_tests",
+                                               Path(__file__).with_name("test_fsdp_engine.py"))
 base = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(base)
 make_batch, config, nll, worst, hf_logprobs = base.make_batch, base.config, base.nll, base.worst, base.hf_logprobs
