@@ -212,7 +212,7 @@ class MegatronEngine(TrainEngine):
         self.dp = ps.get_data_parallel_world_size()
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_group = ps.get_data_parallel_group()
-        seed = int(getattr(getattr(cfg, "experiment", cfg), "seed", 1) or 1)
+        seed = int(cfg.trainer.seed)
         if self.cpu:
             from areal_megatron.cpu import install_cpu_rng_tracker
 

@@ -382,7 +382,27 @@ def test_reference_role_is_frozen_and_refuses_to_train(models):
     ref.close()
 
 
+def test_resuming_at_another_tensor_parallel_size_is_refused_with_the_fix(models, tmp_path):
+    e = engine(config(models["llama"]))
+    e.save(str(tmp_path / "ckpt"))
+    state = json.loads((tmp_path / "ckpt" / "engine_state.json").read_text())
+    assert state["tp"] == 1 and state["optimizer"] and (tmp_path / "ckpt" / "optimizer" / "tp0.pt").exists()
+    state["tp"] = 2  # as if saved at t2
+    (tmp_path / "ckpt" / "engine_state.json").write_text(json.dumps(state))
+    with pytest.raises(ValueError, match="saved at tensor parallel t2, this engine runs t1.*with_optimizer=False"):
+        e.load(str(tmp_path / "ckpt"))
+    e.load(str(tmp_path / "ckpt"), with_optimizer=False)  # the weights alone still load
+    e.save(str(tmp_path / "weights_only"), with_optimizer=False)
+    with pytest.raises(FileNotFoundError, match="holds no optimizer state"):
+        e.load(str(tmp_path / "weights_only"))
+    e.close()
+
+
 def test_unbuilt_parallelism_and_missing_folders_are_refused(models, tmp_path):
+    cfg = config(models["llama"])
+    cfg.actor.gradient_checkpointing = True
+    with pytest.raises(NotImplementedError, match="gradient_checkpointing: false on CPU"):
+        engine(cfg)
     with pytest.raises(NotImplementedError, match="p2, c2 .*tensor \\(t\\) and data \\(d\\) parallel only"):
         engine(config(models["llama"]), allocation="megatron:p2c2@cpu")
     with pytest.raises(FileNotFoundError, match="holds no \\*.safetensors"):
