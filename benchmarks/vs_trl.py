@@ -1,17 +1,19 @@
 """areal against TRL's GRPOTrainer on the same model, task, prompts and budget, on CPU, side by side.
 
     .venv/bin/pip install "trl==1.16.0"          # once; not a dependency of areal
-    .venv/bin/python benchmarks/vs_trl.py [--steps 30] [--eval-size 64] [--skip-trl] [--skip-sync]
+    .venv/bin/python benchmarks/vs_trl.py [--steps 30] [--eval-size 64] [--dtype float32|bfloat16]
+                                          [--skip-trl] [--skip-sync]
 
 What runs, one after the other in this invocation:
 
 1. TRL ``GRPOTrainer`` (trl 1.16) configured the way its docs say for CPU:
-   ``use_cpu=True``, no vLLM, fp32 (``bf16=False``), ``gradient_checkpointing=False``.
+   ``use_cpu=True``, no vLLM, fp32 (``bf16=False``), ``gradient_checkpointing=False``;
+   ``--dtype bfloat16`` turns on its ``bf16=True`` (autocast over float32 weights) instead.
 2. ``areal run`` with the built-in demo config at η = 4 (``rollout.max_head_offpolicyness=4``).
 3. The same at η = 0 (synchronous), unless ``--skip-sync``.
 
-Matched settings (printed by the script): SmolLM2-135M-Instruct in float32
-(this CPU has no bf16 units; ``model.dtype`` resolves the same way), the
+Matched settings (printed by the script): SmolLM2-135M-Instruct in ``--dtype``
+(float32 by default, as TRL's CPU docs run it; areal gets the same ``model.dtype``), the
 few-shot addition task (``3+4=7\\n10+5=15\\n8+9=17\\n{a}+{b}=``, a, b in
 0..20) from the ``arithmetic`` dataset with the same seed, so both see the
 same prompts in the same order; reward 1 when the completion starts with the
@@ -20,7 +22,8 @@ per step, 16 new tokens at temperature 1; learning rate 1e-5, AdamW, no
 warmup, grad clip 1.0; loss: GRPO with group-std advantages, clip 0.2, no KL,
 sequence-mean of token-mean (TRL ``loss_type="grpo"``, ``scale_rewards="group"``,
 ``beta=0``, ``num_iterations=1``; areal ``algorithm.name=grpo``).
-Differences that remain: areal's decoupled PPO weights each token by
+Dynamic filtering is off on the areal side (TRL has none), so both generate exactly the
+completions they train on. Differences that remain: areal's decoupled PPO weights each token by
 pi_prox / pi_behav (exactly 1 at η = 0); areal stops a completion at the first
 newline (the task's stop string), TRL generates all 16 tokens (its reward only
 reads the start).
@@ -92,12 +95,13 @@ def greedy_accuracy(model, tokenizer, items: list[dict], reward) -> float:
 def load(path: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # Accuracy is always measured in float32, the same way for every model.
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(path)
 
 
 # --------------------------------------------------------------------- TRL
-def run_trl(model_dir: Path, steps: int, val: list[dict], out_dir: Path) -> dict:
+def run_trl(model_dir: Path, steps: int, val: list[dict], out_dir: Path, dtype: str) -> dict:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -111,7 +115,7 @@ def run_trl(model_dir: Path, steps: int, val: list[dict], out_dir: Path) -> dict
                 for p, c, a in zip(prompts, completions, answer)]
 
     config = GRPOConfig(
-        output_dir=str(out_dir), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        output_dir=str(out_dir), use_cpu=True, bf16=dtype == "bfloat16", fp16=False, gradient_checkpointing=False,
         per_device_train_batch_size=PER_STEP, gradient_accumulation_steps=1, num_generations=GROUP,
         max_completion_length=NEW_TOKENS, temperature=1.0, top_p=1.0, learning_rate=LR,
         lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
@@ -150,13 +154,16 @@ def run_trl(model_dir: Path, steps: int, val: list[dict], out_dir: Path) -> dict
 
 
 # --------------------------------------------------------------------- areal
-def run_areal(eta: int, steps: int, val: list[dict], out_dir: Path) -> dict:
+def run_areal(eta: int, steps: int, val: list[dict], out_dir: Path, dtype: str) -> dict:
     trial = f"eta{eta}"
-    overrides = [f"output_dir={out_dir}", f"trial={trial}", "model.dtype=float32",
+    overrides = [f"output_dir={out_dir}", f"trial={trial}", f"model.dtype={dtype}",
                  f"rollout.max_head_offpolicyness={eta}", f"rollout.group_size={GROUP}",
                  f"rollout.batch_size={PER_STEP // GROUP}", f"rollout.sampling.max_new_tokens={NEW_TOKENS}",
                  "rollout.sampling.temperature=1.0", f"actor.optimizer.lr={LR}", "actor.optimizer.grad_clip=1.0",
                  "algorithm.name=grpo", "algorithm.eps_clip=0.2", "algorithm.kl_coef=0.0",
+                 # TRL trains on every group, all-equal-reward ones included: so does areal here, so both
+                 # generate exactly the samples they train on (the demo itself filters such groups out).
+                 "rollout.dynamic_filtering=false",
                  f"trainer.total_steps={steps}", "trainer.save_every=0", "trainer.seed=1", "eval.size=0"]
     began = time.perf_counter()
     proc = subprocess.run([AREAL, "run", *overrides], capture_output=True, text=True,
@@ -180,6 +187,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--eval-size", type=int, default=64)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="training dtype of both sides (bfloat16: TRL bf16 autocast, areal model.dtype)")
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--skip-sync", action="store_true", help="skip areal at eta = 0")
     args = parser.parse_args()
@@ -193,19 +202,19 @@ def main() -> None:
     acc_before = greedy_accuracy(base, tokenizer, val, reward_fn())
     del base
     samples = args.steps * PER_STEP
-    print(f"model {model_dir.name} float32 | task few-shot a+b, a,b in 0..20 | {args.steps} steps x {PER_STEP} "
+    print(f"model {model_dir.name} {args.dtype} | task few-shot a+b, a,b in 0..20 | {args.steps} steps x {PER_STEP} "
           f"completions ({GROUP} per prompt), {NEW_TOKENS} new tokens, lr {LR}, GRPO seq-mean-token-mean, "
           f"clip 0.2, no KL | greedy accuracy on {len(val)} held-out problems | torch threads "
           f"{torch.get_num_threads()}", flush=True)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="areal-vs-trl-") as tmp:
         if not args.skip_trl:
-            results["TRL GRPOTrainer"] = run_trl(model_dir, args.steps, val, Path(tmp) / "trl")
+            results["TRL GRPOTrainer"] = run_trl(model_dir, args.steps, val, Path(tmp) / "trl", args.dtype)
             print("TRL done", flush=True)
-        results["areal eta=4"] = run_areal(4, args.steps, val, Path(tmp) / "areal")
+        results["areal eta=4"] = run_areal(4, args.steps, val, Path(tmp) / "areal", args.dtype)
         print("areal eta=4 done", flush=True)
         if not args.skip_sync:
-            results["areal eta=0"] = run_areal(0, args.steps, val, Path(tmp) / "areal")
+            results["areal eta=0"] = run_areal(0, args.steps, val, Path(tmp) / "areal", args.dtype)
     print(f"\n{'':<16} {'wall s':>8} {'s/step':>7} {'samples/s':>10} {'gen tok/s':>10} {'acc before':>10} "
           f"{'acc after':>10}")
     for name, r in results.items():
