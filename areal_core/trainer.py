@@ -94,18 +94,21 @@ class Trainer:
         reward = build(self.run, "reward")
         workflow = build(self.run, "workflow", reward=reward)
         placement = self.run.placement("rollout")
-        engines = [
-            self.run.components["rollout"].create(Context(
+
+        def engine_at(index: int, address: str | None) -> Any:
+            return self.run.components["rollout"].create(Context(
                 config=self.cfg, options=self.run.options.get("rollout"), placement=placement,
-                extras={"server_index": i, "address": os.environ.get(f"AREAL_ROLLOUT_{i}_ADDRESS")}))
-            for i in range(placement.parallel.d)
-        ]
+                extras={"server_index": index, "address": address}))
+
+        engines = [engine_at(i, os.environ.get(f"AREAL_ROLLOUT_{i}_ADDRESS")) for i in range(placement.parallel.d)]
         self._check_weight_sync(engines)
         r = self.cfg.rollout
+        joined = itertools.count(placement.parallel.d)  # servers added while the run is live (rollout.elastic)
         self.controller = RolloutController(
             engines, workflow, batch_size=r.batch_size, max_head_offpolicyness=r.max_head_offpolicyness,
             max_concurrent_rollouts=r.max_concurrent_rollouts, request_timeout_s=r.request_timeout_s,
-            should_accept=self._should_accept)
+            should_accept=self._should_accept, elastic=r.elastic,
+            engine_factory=lambda address: engine_at(next(joined), address))
         self._last_generated = (0, time.monotonic())
         self.dataset = build(self.run, "dataset")
         self.data = data_stream(self.dataset, self.cfg.trainer.epochs)

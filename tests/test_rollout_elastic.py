@@ -15,7 +15,7 @@ from areal_core.rollout import RolloutController, RolloutError
 from areal_core.rollout.elastic import DOWN, ElasticConfig, NoEngineError
 from latency_engine_double import GroupWorkflowDouble, LatencyEngineDouble, items, token_for
 
-FAST = dict(interval_s=0.02, failure_threshold=2, cooldown_s=0.0)
+FAST = dict(enabled=True, interval_s=0.02, failure_threshold=2, cooldown_s=0.0)
 
 
 class DyingEngineDouble(LatencyEngineDouble):
@@ -135,7 +135,7 @@ def test_joining_server_gets_current_weights_before_traffic():
 def test_join_waits_for_the_cooldown_between_rebuilds():
     data = items(100, seed=4, max_length=6)
     a, b, c = DyingEngineDouble("a:1"), DyingEngineDouble("b:1"), DyingEngineDouble("c:1")
-    with controller([a], elastic=ElasticConfig(interval_s=0.02, failure_threshold=2, cooldown_s=0.6)) as ctrl:
+    with controller([a], elastic=ElasticConfig(enabled=True, interval_s=0.02, failure_threshold=2, cooldown_s=0.6)) as ctrl:
         step(ctrl, data)
         began = time.monotonic()
         ctrl.add_engine(b)  # the first rebuild: 0.6 s after the controller started
@@ -196,11 +196,23 @@ def test_without_elastic_a_failing_server_is_an_error():
     ({"interval_s": 0}, "interval_s"),
     ({"failure_threshold": 0}, "failure_threshold"),
     ({"cooldown_s": -1}, "cooldown_s"),
-    ({"discovery": True}, "discovery_file"),
 ])
 def test_elastic_config_names_the_bad_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         ElasticConfig(**kwargs)
+
+
+def test_discovery_without_a_file_is_refused_at_start():
+    ctrl = controller([DyingEngineDouble("a:1")], elastic=ElasticConfig(enabled=True, discovery=True),
+                      engine_factory=lambda address: DyingEngineDouble(address))
+    with pytest.raises(ValueError, match="rollout.elastic.discovery_file"):
+        ctrl.start()
+    ctrl.close()
+
+
+def test_elastic_off_keeps_the_plain_controller():
+    ctrl = controller([DyingEngineDouble("a:1")], elastic=ElasticConfig(enabled=False))
+    assert ctrl.elastic is None
 
 
 def test_join_before_any_weights_on_disk_at_a_later_version_is_refused():

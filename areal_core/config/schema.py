@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from areal_core.rollout.elastic import ElasticConfig
+
 NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]*"
 
 
@@ -81,6 +83,7 @@ class RolloutConfig:
                                  "or full tensors gathered in memory (needs export_tensors / "
                                  "update_weights_from_tensors)")
     sampling: SamplingConfig = spec(factory=SamplingConfig)
+    elastic: ElasticConfig = spec(factory=ElasticConfig)
     extra: dict = spec(factory=dict)
 
 

@@ -75,7 +75,7 @@ class RolloutController:
         self.eta = max_head_offpolicyness
         self.staleness = StalenessManager(batch_size, max_head_offpolicyness, max_concurrent_rollouts)
         self._initial_engines = list(engines)
-        self.elastic = elastic
+        self.elastic = elastic if elastic is None or elastic.enabled else None
         self.engine_factory = engine_factory  # address -> engine, for add_server() and discovery
         self.pool: EnginePool | None = None
         self.monitor: HealthMonitor | None = None

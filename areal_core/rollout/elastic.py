@@ -37,8 +37,10 @@ ACTIVE, JOINING, DOWN = "active", "joining", "down"
 
 @dataclass
 class ElasticConfig:
-    """How the controller watches its inference servers and lets them join and leave."""
+    """How the controller watches its inference servers and lets them join and leave (``rollout.elastic``)."""
 
+    enabled: bool = field(default=False, metadata={"help": "watch the inference servers: a failing one leaves "
+                          "routing and its requests continue elsewhere; servers may join while the run is live"})
     interval_s: float = field(default=5.0, metadata={"gt": 0.0, "help": "seconds between health probes of "
                               "each inference server"})
     failure_threshold: int = field(default=3, metadata={"ge": 1, "help": "failed probes in a row after which a "
@@ -57,9 +59,11 @@ class ElasticConfig:
             raise ValueError(f"elastic failure_threshold must be >= 1, got {self.failure_threshold}")
         if self.cooldown_s < 0:
             raise ValueError(f"elastic cooldown_s must be >= 0 seconds, got {self.cooldown_s}")
+
+    def check_discovery(self) -> None:
         if self.discovery and not self.discovery_file:
-            raise ValueError("elastic discovery is on but discovery_file is empty; name the file that lists the "
-                             "servers' addresses, or set discovery=false")
+            raise ValueError("rollout.elastic.discovery is on but rollout.elastic.discovery_file is empty; name the "
+                             "file that lists the servers' addresses (host:port per line), or set discovery=false")
 
 
 @dataclass(frozen=True)
@@ -234,6 +238,7 @@ class HealthMonitor:
                  discover: Callable[[str], InferenceEngine] | None = None) -> None:
         if pool.config is None:
             raise ValueError("HealthMonitor needs an EnginePool with an ElasticConfig")
+        pool.config.check_discovery()
         self.pool, self.config = pool, pool.config
         self.bring_up = bring_up
         self.discover = discover

@@ -32,7 +32,8 @@ if PYTHON == sys.executable or not Path(PYTHON).is_file():
                 "make it with: bash scripts/install_vllm.sh", allow_module_level=True)
 
 PROMPT = [5, 17, 33, 9, 41]
-OPTIONS = VLLMEngineConfig(kv_cache_gib=1, max_model_len=512, startup_timeout_s=400)
+LONG = 1500  # tokens: a request still decoding when pause() comes 0.2 s after it started
+OPTIONS = VLLMEngineConfig(kv_cache_gib=1, max_model_len=2048, startup_timeout_s=400)
 
 
 def tiny(path: Path, seed: int) -> Path:
@@ -40,7 +41,7 @@ def tiny(path: Path, seed: int) -> Path:
 
     # vLLM's CPU attention needs a head size of 32, 64, 80, 96, 112, 128...: 16 (the default tiny shape) crashes it.
     return tiny_model(path, seed=seed, hidden_size=128, heads=2, kv_heads=1, dtype="bfloat16",
-                      max_position_embeddings=1024)
+                      max_position_embeddings=2048)
 
 
 class Servers:
@@ -75,8 +76,8 @@ def servers(tmp_path_factory):
 class TestVLLMConformance(InferenceEngineConformance):
     component_name = "vllm"
     prompt_ids = PROMPT
-    long_max_new_tokens = 480
-    pause_after_s = 0.05
+    long_max_new_tokens = 1500
+    pause_after_s = 0.2
     servers: Servers
 
     @pytest.fixture(autouse=True)
@@ -102,22 +103,22 @@ def test_tokens_and_logprobs_match_across_a_continuation(servers):
         engine = servers.engine(servers.fleet.servers[0], ignore_eos=True)
         await engine.start()
         try:
-            whole = await engine.agenerate(GenerationRequest(PROMPT, SamplingParams(max_new_tokens=300,
+            whole = await engine.agenerate(GenerationRequest(PROMPT, SamplingParams(max_new_tokens=LONG,
                                                                                     temperature=0)))
             task = asyncio.ensure_future(engine.agenerate(GenerationRequest(PROMPT, SamplingParams(
-                max_new_tokens=300, temperature=0))))
-            await asyncio.sleep(0.05)
+                max_new_tokens=LONG, temperature=0))))
+            await asyncio.sleep(0.2)
             await engine.pause()
             part = await task
             await engine.resume()
             rest = await engine.agenerate(GenerationRequest(PROMPT + part.output_ids, SamplingParams(
-                max_new_tokens=300 - len(part.output_ids), temperature=0)))
+                max_new_tokens=LONG - len(part.output_ids), temperature=0)))
             return whole, part, rest
         finally:
             await engine.aclose()
 
     whole, part, rest = run(body())
-    assert part.stop_reason == "abort" and 0 < len(part.output_ids) < 300
+    assert part.stop_reason == "abort" and 0 < len(part.output_ids) < LONG
     assert part.output_ids + rest.output_ids == whole.output_ids
     joined = part.output_logprobs + rest.output_logprobs
     assert max(abs(a - b) for a, b in zip(joined, whole.output_logprobs)) < 0.1
