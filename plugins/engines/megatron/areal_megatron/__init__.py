@@ -6,3 +6,10 @@ point ``megatron``), ``convert`` maps HF Llama / Qwen2 to Megatron's GPTModel
 and back, ``logprobs`` computes vocab-parallel logprobs, and ``cpu`` holds the
 whole CPU accommodation.
 """
+
+import warnings
+
+# megatron-core says at import, once per module, that Transformer Engine and Apex are missing and that it falls
+# back to PyTorch: that is this plugin's normal setup (see README), not something for the user to fix.
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed",
+                        category=UserWarning, module=r"megatron\.")

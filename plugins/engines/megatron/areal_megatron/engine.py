@@ -62,7 +62,6 @@ import torch.distributed as dist
 
 from areal_core.api import TrainEngine
 from areal_megatron import convert
-from areal_megatron.cpu import cuda_device_reads_cpu, mark_tensor_parallel_shards
 from areal_megatron.logprobs import vocab_parallel_logprobs
 
 STATE_FILE = "engine_state.json"
@@ -144,6 +143,8 @@ class MegatronEngine(TrainEngine):
         self._te = self._use_te()
         model = convert.gpt_model(self.hf_config, tf_config, transformer_engine=self._te)
         if self.cpu:
+            from areal_megatron.cpu import mark_tensor_parallel_shards
+
             mark_tensor_parallel_shards(model)
         for param in model.parameters():  # the torch norms are created float32 whatever params_dtype says;
             if param.dtype != master:  # Module.to would drop Megatron's attributes (tensor_model_parallel)
@@ -221,6 +222,12 @@ class MegatronEngine(TrainEngine):
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
             model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+    @staticmethod
+    def _cpu_forward() -> Any:
+        from areal_megatron.cpu import cuda_device_reads_cpu  # imports megatron: only once an engine runs
+
+        return cuda_device_reads_cpu()
 
     def _use_te(self) -> bool:
         if self.cpu or not self.options.transformer_engine:
@@ -335,7 +342,7 @@ class MegatronEngine(TrainEngine):
             seq = torch.repeat_interleave(torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev))
             mask = ((seq[:, None] != seq[None, :]) | (pos[None, :] > pos[:, None]))[None, None]
         cast = torch.autocast(dev.type, dtype=self.dtype) if self._autocast else nullcontext()
-        with cast, (cuda_device_reads_cpu() if self.cpu else nullcontext()):
+        with cast, (self._cpu_forward() if self.cpu else nullcontext()):
             logits = self.model(ids[None], pos[None], mask, **extra)  # [1, T, V'/t]
         local = logits.shape[-1]
         return vocab_parallel_logprobs(

@@ -131,6 +131,6 @@ def _not_built_problem(comp: Component) -> Problem | None:
         f"{BACKEND}.not-built",
         f"'{comp}': {', '.join(unbuilt)} asks for pipeline / context / expert parallelism, which this version "
         f"of areal-plugin-megatron does not build yet (it builds tensor t and data d parallel).",
-        f"use t and d only, e.g. 'megatron:d{par.world_size // par.t}t{par.t}'",
+        f"use t and d only, e.g. 'megatron:d{par.world_size // par.t}{f't{par.t}' if par.t > 1 else ''}'",
         key="allocation",
     )

@@ -78,6 +78,8 @@ def test_what_the_engine_does_not_build_yet_is_refused_with_the_fix():
     assert problem.code == "megatron.not-built" and problem.key == "allocation"
     assert "p2, c2" in problem.message and "t and d only" in problem.hint and "'megatron:d8t2'" in problem.hint  # the same 16 devices
     assert codes(validate("megatron:d4t2e4", MOE)) == ["megatron.not-built"]
+    (problem,) = validate("megatron:p2@cpu")
+    assert problem.hint == "use t and d only, e.g. 'megatron:d2'"
 
 
 def test_tensor_must_divide_heads():
