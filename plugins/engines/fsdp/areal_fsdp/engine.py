@@ -156,6 +156,8 @@ class FSDPEngine(TrainEngine):
         self._refuse_unbuilt_parallelism()
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
+        self.tp = self._tensor_parallel_size()
+        self.dp, self.dp_rank = self.world // self.tp, self.rank // self.tp  # data-parallel ranks, this one's
         self.device = self._pick_device()
         self.dtype = getattr(torch, cfg.model.dtype)
         self.source = self._model_path(cfg.model.path, cfg.model.dtype)
@@ -178,26 +180,69 @@ class FSDPEngine(TrainEngine):
         self._lora_layers = lora_layers(lm) if self._peft is not None else {}
         self._aliases = _tied_aliases(lm)
         model = _LogprobModel(lm, self.options.logits_chunk_tokens)
-        if self.world > 1:
+        if self.tp > 1:
+            self._tensor_parallel(model)
+        elif self.world > 1:
             self._shard(model)
         else:
             model.to(self.device)
         self.model = model.eval()
-        # Autocast when nothing else casts: unsharded bf16 compute over float32 parameters.
-        self._autocast = self.world == 1 and master != self.dtype
+        # Autocast when nothing else casts: bf16 compute over float32 parameters without FSDP.
+        self._autocast = (self.world == 1 or self.tp > 1) and master != self.dtype
         if self.role == "actor":
             self._build_optimizer(cfg)
 
     def _refuse_unbuilt_parallelism(self) -> None:
         parallel = getattr(self.context.placement, "parallel", None)
-        unbuilt = {dim: getattr(parallel, dim, 1) for dim in ("t", "c")}
-        unbuilt = {dim: n for dim, n in unbuilt.items() if n > 1}
+        d, t, c = (getattr(parallel, dim, 1) for dim in ("d", "t", "c"))
+        unbuilt = {"t": t} if t > 1 and (d > 1 or c > 1) else {}  # tensor parallel alone is built
+        unbuilt.update({"c": c} if c > 1 else {})
         if unbuilt:
             dims = ", ".join(f"{dim}{n}" for dim, n in unbuilt.items())
             raise NotImplementedError(
-                f"FSDPEngine: the allocation asks for {dims} ('{self.context.placement}'); this version of "
-                f"areal-plugin-fsdp implements data parallel only (tensor and context parallel are not built yet). "
-                f"Use d instead, e.g. d{getattr(parallel, 'd', 1) * math.prod(unbuilt.values())}")
+                f"FSDPEngine: the allocation asks for {dims} with d{d} ('{self.context.placement}'); this version "
+                f"of areal-plugin-fsdp implements data parallel, and tensor parallel alone (d1), not context "
+                f"parallel nor tensor x data parallel yet. Use d instead, e.g. d{d * math.prod(unbuilt.values())}")
+
+    def _tensor_parallel_size(self) -> int:
+        t = int(getattr(getattr(self.context.placement, "parallel", None), "t", 1) or 1)
+        if t > 1 and t != self.world:
+            raise RuntimeError(f"FSDPEngine: the allocation asks for t{t} but {self.world} rank(s) were started; "
+                               f"tensor parallel (d1) needs exactly t ranks")
+        if t > 1 and self.options.lora_rank > 0:
+            raise NotImplementedError(f"FSDPEngine: LoRA (actor.lora_rank={self.options.lora_rank}) with tensor "
+                                      f"parallel (t{t}) is not built; use d{t} or actor.lora_rank=0")
+        return t
+
+    def _tensor_parallel(self, model: _LogprobModel) -> None:
+        """Megatron-style tensor parallel through DTensor: attention heads and MLP columns split over the ranks.
+
+        q/k/v and gate/up are column-parallel, o and down row-parallel (their
+        outputs all-reduced), so each rank runs its share of the heads;
+        embeddings, norms and the output head stay whole on every rank.
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        config = model.lm.config
+        heads = getattr(config, "num_attention_heads", 0)
+        kv_heads = getattr(config, "num_key_value_heads", heads) or heads
+        if heads % self.tp or kv_heads % self.tp:
+            raise ValueError(f"FSDPEngine: t{self.tp} must divide the model's {heads} attention and {kv_heads} "
+                             f"key-value heads; choose a t that divides both, or use d")
+        model.to(self.device)
+        self.mesh = init_device_mesh(self.device.type, (self.tp,), mesh_dim_names=("tp",))
+        plan = {**{f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")},
+                "self_attn.o_proj": RowwiseParallel(),
+                **{f"mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")},
+                "mlp.down_proj": RowwiseParallel()}
+        for layer in self._decoder_layers(model):
+            names = {name for name, _ in layer.named_modules()}
+            missing = [name for name in plan if name not in names]
+            if missing:
+                raise NotImplementedError(f"FSDPEngine: tensor parallel knows Llama-style layers (self_attn.q_proj "
+                                          f"... mlp.down_proj); {type(layer).__name__} has no {missing}. Use d")
+            parallelize_module(layer, self.mesh, plan)
 
     def _pick_device(self) -> torch.device:
         wanted = getattr(self.context.placement, "device", None)
@@ -243,14 +288,18 @@ class FSDPEngine(TrainEngine):
         params_dtype = next(model.parameters()).dtype
         mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32) \
             if params_dtype != self.dtype else MixedPrecisionPolicy()
+        for layer in self._decoder_layers(model):
+            fully_shard(layer, mesh=self.mesh, mp_policy=mp, reshard_after_forward=self.options.reshard_after_forward)
+        fully_shard(model, mesh=self.mesh, mp_policy=mp, reshard_after_forward=self.options.reshard_after_forward)
+
+    @staticmethod
+    def _decoder_layers(model: _LogprobModel) -> list[nn.Module]:
         layer_classes = set(getattr(model.lm, "_no_split_modules", None) or [])
         layers = [m for m in model.lm.modules() if type(m).__name__ in layer_classes]
         if not layers:
             raise RuntimeError(f"FSDPEngine: {type(model.lm).__name__} names no decoder layer class "
                                f"(_no_split_modules); cannot shard it layer by layer")
-        for layer in layers:
-            fully_shard(layer, mesh=self.mesh, mp_policy=mp, reshard_after_forward=self.options.reshard_after_forward)
-        fully_shard(model, mesh=self.mesh, mp_policy=mp, reshard_after_forward=self.options.reshard_after_forward)
+        return layers
 
     def _build_optimizer(self, cfg: Any) -> None:
         o = cfg.actor.optimizer
@@ -259,8 +308,10 @@ class FSDPEngine(TrainEngine):
             if p.requires_grad:
                 (decay if p.ndim >= 2 else no_decay).append(p)  # no decay on norms and biases
         groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        # The fused kernel on plain (unsharded) tensors: 133M float32 parameters took 0.24 s a step against
+        # 1.1 s for the default foreach kernel on one CPU core. Sharded (DTensor) parameters keep the default.
         self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr, betas=(o.beta1, o.beta2),
-                                           eps=o.eps)
+                                           eps=o.eps, fused=self.world == 1 or None)
         self.grad_clip = float(o.grad_clip)
         factor = partial(lr_factor, warmup_steps=o.warmup_steps, total_steps=cfg.trainer.total_steps,
                          schedule=o.lr_schedule)
@@ -278,7 +329,7 @@ class FSDPEngine(TrainEngine):
             [b - a for a, b in zip(_as_list(batch["cu_seqlens"])[:-1], _as_list(batch["cu_seqlens"])[1:])]
         if not lengths:
             raise ValueError("FSDPEngine: the batch holds no sequences")
-        mine = karmarkar_karp(lengths, self.world)[self.rank] if self.world > 1 else list(range(len(lengths)))
+        mine = karmarkar_karp(lengths, self.dp)[self.dp_rank] if self.dp > 1 else list(range(len(lengths)))
         own = [lengths[i] for i in mine]
         count = len(first_fit_decreasing(own, self.mb_max_tokens))
         if self.world > 1:
@@ -376,7 +427,7 @@ class FSDPEngine(TrainEngine):
                 if seqs:
                     logprobs[mb["token_index"]] = lp.float().cpu()
                     entropy[mb["token_index"]] = ent.float().cpu()
-        if self.world > 1:
+        if self.dp > 1:
             both = torch.stack([logprobs, entropy]).to(self._comm_device())
             dist.all_reduce(both)  # each token is computed by exactly one rank; the others add 0
             logprobs, entropy = both.cpu()
@@ -422,8 +473,8 @@ class FSDPEngine(TrainEngine):
                     continue
                 loss, stats = loss_fn(logprobs, entropy, mb)
                 weight = n_loss / total_loss_tokens
-                # FSDP averages gradients over ranks; scaling by the world size makes that a sum.
-                scaled = loss * (weight * self.world)
+                # FSDP averages gradients over data-parallel ranks; scaling by their number makes that a sum.
+                scaled = loss * (weight * self.dp)
                 if not scaled.requires_grad:
                     scaled = scaled + logprobs.sum() * 0.0
                 scaled.backward()
@@ -440,7 +491,7 @@ class FSDPEngine(TrainEngine):
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self._version += 1
-        if self.world > 1:
+        if self.dp > 1:
             gathered: list[Any] = [None] * self.world
             dist.all_gather_object(gathered, records)
             records = [r for rank_records in gathered for r in rank_records]
@@ -454,10 +505,34 @@ class FSDPEngine(TrainEngine):
         if not params:
             return 0.0
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
+        if self.tp > 1:
+            return self._clip_tensor_parallel(params, max_norm)
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         return float(norm)
+
+    def _clip_tensor_parallel(self, params: list[nn.Parameter], max_norm: float) -> float:
+        """Global grad norm over split (DTensor) and whole parameters, clipped as ``clip_grad_norm_`` does."""
+        from torch.distributed.tensor import DTensor
+
+        split = torch.zeros((), dtype=torch.float32, device=self.device)
+        whole = torch.zeros((), dtype=torch.float32, device=self.device)
+        for p in params:
+            g = p.grad
+            if isinstance(g, DTensor) and any(pl.is_shard() for pl in g.placements):
+                split += g.to_local().float().pow(2).sum()
+            else:  # the same on every rank: counted once
+                whole += (g.to_local() if isinstance(g, DTensor) else g).float().pow(2).sum()
+        box = split.to(self._comm_device())
+        dist.all_reduce(box)
+        norm = float((box.to(whole.device) + whole).sqrt())
+        if math.isfinite(norm):
+            coef = min(1.0, max_norm / (norm + 1e-6))
+            if coef < 1.0:
+                for p in params:
+                    p.grad.mul_(coef)
+        return norm
 
     # ------------------------------------------------------------------ weights
     def _items(self, which: str = "merged") -> tuple[dict, list[tuple[str, list[str], Any]]]:

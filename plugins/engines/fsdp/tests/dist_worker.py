@@ -38,7 +38,12 @@ def make_engine(spec: dict) -> FSDPEngine:
     cfg.actor.optimizer.eps = spec.get("eps", 1e-8)
     cfg.actor.optimizer.grad_clip = spec.get("grad_clip", 1.0)
     cfg.trainer.total_steps = 10
-    engine = FSDPEngine(Context(config=cfg, options=FSDPEngineConfig(**spec.get("options", {})),
+    placement = None
+    if spec.get("allocation"):
+        from areal_core.config.allocation import parse_allocation
+
+        (placement,) = parse_allocation(spec["allocation"]).components
+    engine = FSDPEngine(Context(config=cfg, options=FSDPEngineConfig(**spec.get("options", {})), placement=placement,
                                 extras={"role": spec.get("role", "actor")}))
     engine.initialize()
     return engine
@@ -96,6 +101,10 @@ def main(spec_path: str) -> int:
             dist.all_gather_object(seen["n_buckets_per_rank"], seen["n_buckets"])
         else:
             seen = scenario(engine, spec["batch"], spec["out"], spec.get("resume_from"))
+        layer = engine.lm.get_decoder().layers[0]
+        seen["layout"] = {name: str(getattr(module.weight, "placements", None)) for name, module in (
+            ("q_proj", layer.self_attn.q_proj), ("o_proj", layer.self_attn.o_proj),
+            ("embed", engine.lm.get_input_embeddings()))}
         if dist.get_rank() == 0:
             torch.save(seen, os.path.join(spec["out"], "result.pt"))
         engine.close()

@@ -368,7 +368,7 @@ def test_tensor_and_context_parallel_placements_are_refused_not_ignored(models):
 
     (placement,) = parse_allocation("fsdp:d2t2c2").components
     e = FSDPEngine.create(Context(config=config(models["llama"]), placement=placement))
-    with pytest.raises(NotImplementedError, match="t2, c2 .*data parallel only.*d8"):
+    with pytest.raises(NotImplementedError, match="t2, c2 with d2 .*not context parallel nor tensor x data.*d8"):
         e.initialize()
 
 
@@ -535,6 +535,37 @@ def test_two_ranks_export_tensors_like_one(models, tmp_path):
     assert max(worst(state2[k], on_disk[k]) for k in on_disk) == 0.0
     lm = fresh_from_tensors(tmp_path / "world2" / "export", two["buckets"])
     assert worst(hf_logprobs(lm, batch), two["lp1"]) < 1e-5
+
+
+@pytest.mark.slow
+def test_two_ranks_of_tensor_parallel_train_save_and_export_like_one(models, tmp_path):
+    """t2 over gloo: heads and MLP columns split (DTensor), the same losses, weights and checkpoints as one process."""
+    batch = make_batch(LENGTHS + [4])
+    spec = {"model": str(models["llama"]), "batch": batch, "mb_max_tokens": 16, "lr": 1.0, "eps": 1.0,
+            "grad_clip": 1.0, "allocation": "fsdp:t2@cpu"}
+    two = run_ranks(spec, tmp_path / "t2")
+    one = worker.scenario(worker.make_engine({**spec, "allocation": None}), batch, str(tmp_path / "world1"))
+    # Column-parallel q, row-parallel o, the embedding whole (not FSDP-sharded).
+    assert two["layout"] == {"q_proj": "(Shard(dim=0),)", "o_proj": "(Shard(dim=1),)", "embed": "None"}
+    assert two["stats1"]["grad_norm"] > 1.0  # grad_clip 1.0 acted
+    assert worst(two["lp0"]["logprobs"], one["lp0"]["logprobs"]) < 1e-5
+    assert two["stats1"]["loss"] == pytest.approx(one["stats1"]["loss"], rel=1e-6)
+    assert two["stats1"]["grad_norm"] == pytest.approx(one["stats1"]["grad_norm"], rel=1e-5)
+    for key in ("lp1", "lp2"):
+        assert worst(two[key], one[key]) < 1e-4, key
+    exported = [load_file(tmp_path / w / "export" / "model.safetensors") for w in ("t2", "world1")]
+    assert max(worst(exported[0][k], exported[1][k]) for k in exported[1]) < 1e-5
+    assert two["loaded_version"] == 1 and worst(two["lp_loaded"], two["lp1"]) == 0.0
+    assert worst(two["lp2_after_load"], two["lp2"]) < 1e-6
+
+
+def test_tensor_parallel_needs_t_ranks_and_divisible_heads(models):
+    from areal_core.config.allocation import parse_allocation
+
+    (placement,) = parse_allocation("fsdp:t2@cpu").components
+    e = FSDPEngine.create(Context(config=config(models["llama"]), placement=placement))
+    with pytest.raises(RuntimeError, match="asks for t2 but 1 rank.*exactly t ranks"):
+        e.initialize()
 
 
 # ---------------------------------------------------------------------- the conformance kit
