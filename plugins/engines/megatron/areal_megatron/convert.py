@@ -87,8 +87,12 @@ def padded_vocab(vocab: int, tp: int) -> int:
 
 def transformer_config(cfg: Any, *, tp: int = 1, params_dtype: torch.dtype = torch.float32,
                        compute_dtype: torch.dtype | None = None, cpu: bool = True,
-                       recompute: bool = False) -> Any:
-    """A Megatron ``TransformerConfig`` equal to the HF config ``cfg`` (Llama / Qwen2)."""
+                       recompute: bool = False, sum_data_parallel_grads: bool = False) -> Any:
+    """A Megatron ``TransformerConfig`` equal to the HF config ``cfg`` (Llama / Qwen2).
+
+    ``sum_data_parallel_grads``: Megatron's DistributedDataParallel sums gradients over data-parallel ranks
+    instead of averaging them (``calculate_per_token_loss``): the engine's loss weights already sum to 1
+    over the whole batch."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -108,6 +112,7 @@ def transformer_config(cfg: Any, *, tp: int = 1, params_dtype: torch.dtype = tor
         # megatron-core wheel does not ship, and the packed rows' block-diagonal mask is not one it handles.
         bias_activation_fusion=not cpu, masked_softmax_fusion=False, persist_layer_norm=not cpu,
         bias_dropout_fusion=not cpu, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        calculate_per_token_loss=sum_data_parallel_grads,
     )
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -123,16 +128,43 @@ def layer_spec(cfg: Any, *, transformer_engine: bool) -> Any:
 
 
 def gpt_model(cfg: Any, tf_config: Any, *, transformer_engine: bool = False) -> Any:
-    """A Megatron ``GPTModel`` (uninitialised weights) of the HF config ``cfg`` for this tensor-parallel rank."""
+    """A Megatron ``GPTModel`` (uninitialised weights, shards marked) of the HF config ``cfg`` for this rank."""
     from megatron.core.models.gpt import GPTModel
 
-    return GPTModel(
+    model = GPTModel(
         tf_config, layer_spec(cfg, transformer_engine=transformer_engine),
         vocab_size=padded_vocab(cfg.vocab_size, tf_config.tensor_model_parallel_size),
         max_sequence_length=int(_hf(cfg, "max_position_embeddings", 4096)), position_embedding_type="rope",
         rotary_base=int(rope_base(cfg)) if float(rope_base(cfg)).is_integer() else rope_base(cfg),
         share_embeddings_and_output_weights=bool(_hf(cfg, "tie_word_embeddings", False)),
     )
+    mark_tensor_parallel_shards(model)
+    return model
+
+
+def mark_tensor_parallel_shards(model: Any) -> int:
+    """Set Megatron's ``tensor_model_parallel`` / ``partition_dim`` on the sharded parameters of ``model``
+    where they are unset; returns how many were marked.
+
+    The parallel layers mark their weights inside their random-init routines, which
+    ``perform_initialization=False`` skips (the weights come from the HF folder); without the marks a
+    gradient norm would count a shard as a replicated tensor."""
+    from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                               set_tensor_model_parallel_attributes)
+
+    marked = 0
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            shards = [(getattr(module, "weight", None), 0), (getattr(module, "bias", None), 0)]
+        elif isinstance(module, RowParallelLinear):
+            shards = [(getattr(module, "weight", None), 1)]  # the bias of a row-parallel layer is replicated
+        else:
+            continue
+        for param, dim in shards:
+            if isinstance(param, torch.nn.Parameter) and not getattr(param, "tensor_model_parallel", False):
+                set_tensor_model_parallel_attributes(param, True, dim, 1)
+                marked += 1
+    return marked
 
 
 def model_names(canonical: dict[str, Any], model_param_names: set[str]) -> dict[str, Any]:

@@ -8,7 +8,7 @@ three points assume CUDA (../shared/FEASIBILITY.md):
    tensors: the rotary embedding moves ``inv_freq`` there on its first call,
    and the attention's scratch buffer (``get_global_memory_buffer``) is
    allocated there. :func:`cuda_device_reads_cpu` makes that one function
-   return ``"cpu"`` for the duration of a forward (and backward) on CPU.
+   return ``"cpu"`` for the duration of a forward on CPU.
 2. The RNG tracker (``get_cuda_rng_tracker``), which attention forks around
    its dropout, stores CUDA generator states. :func:`install_cpu_rng_tracker`
    installs :class:`CPURNGStatesTracker`, the same tracker over CPU generator
@@ -17,11 +17,6 @@ three points assume CUDA (../shared/FEASIBILITY.md):
    uses ``torch.optim.AdamW`` and reduces gradients itself
    (:mod:`areal_megatron.engine`); on GPU it uses Megatron's own
    ``DistributedDataParallel`` and ``DistributedOptimizer``.
-
-4. With ``use_cpu_initialization`` and no random init, the parallel layers
-   never mark their weights as tensor-parallel shards (the marking happens
-   inside the CPU init routine). :func:`mark_tensor_parallel_shards` marks
-   them as the GPU path does, so that gradient norms count each shard once.
 
 The fused CUDA kernels (softmax, bias-activation, rope) are switched off by the
 config on CPU (:func:`areal_megatron.convert.transformer_config`). Nothing here
@@ -32,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 from typing import Any, Iterator
-from unittest import mock
 
 import torch
 
@@ -43,8 +37,12 @@ _SEED_OFFSETS = {"data-parallel-rng": 0, "model-parallel-rng": 2718, "expert-par
 @contextlib.contextmanager
 def cuda_device_reads_cpu() -> Iterator[None]:
     """While inside, ``torch.cuda.current_device()`` returns ``"cpu"`` (point 1 above; CPU runs only)."""
-    with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"):
+    original = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
         yield
+    finally:
+        torch.cuda.current_device = original
 
 
 def _tracker_base() -> type:
@@ -86,23 +84,3 @@ def install_cpu_rng_tracker(seed: int, tp_rank: int = 0) -> CPURNGStatesTracker:
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     return tracker
 
-
-def mark_tensor_parallel_shards(model: Any) -> int:
-    """Set Megatron's ``tensor_model_parallel`` / ``partition_dim`` on the sharded parameters of ``model``
-    where the CPU build left them unset (point 4 above); returns how many were marked."""
-    from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                               set_tensor_model_parallel_attributes)
-
-    marked = 0
-    for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
-            shards = [(getattr(module, "weight", None), 0), (getattr(module, "bias", None), 0)]
-        elif isinstance(module, RowParallelLinear):
-            shards = [(getattr(module, "weight", None), 1)]  # the bias of a row-parallel layer is replicated
-        else:
-            continue
-        for param, dim in shards:
-            if isinstance(param, torch.nn.Parameter) and not getattr(param, "tensor_model_parallel", False):
-                set_tensor_model_parallel_attributes(param, True, dim, 1)
-                marked += 1
-    return marked

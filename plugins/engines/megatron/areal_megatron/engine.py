@@ -136,16 +136,13 @@ class MegatronEngine(TrainEngine):
                 f"set model.dtype: float32 on CPU, or run on GPU")
         recompute = self.role == "actor" and bool(cfg.actor.gradient_checkpointing)
         tf_config = convert.transformer_config(self.hf_config, tp=self.tp, params_dtype=master, cpu=self.cpu,
-                                               recompute=recompute and not self.cpu)
+                                               recompute=recompute and not self.cpu,
+                                               sum_data_parallel_grads=self.role == "actor" and not self.cpu)
         if recompute and self.cpu:
             raise NotImplementedError("MegatronEngine: activation recomputation uses Megatron's CUDA RNG "
                                       "checkpointing; set actor.gradient_checkpointing: false on CPU")
         self._te = self._use_te()
         model = convert.gpt_model(self.hf_config, tf_config, transformer_engine=self._te)
-        if self.cpu:
-            from areal_megatron.cpu import mark_tensor_parallel_shards
-
-            mark_tensor_parallel_shards(model)
         for param in model.parameters():  # the torch norms are created float32 whatever params_dtype says;
             if param.dtype != master:  # Module.to would drop Megatron's attributes (tensor_model_parallel)
                 param.data = param.data.to(master)

@@ -485,3 +485,19 @@ class TestMegatronConformance(TrainEngineConformance):
 
     def make_batch(self) -> dict:
         return make_batch()
+
+
+def test_built_models_mark_their_tensor_parallel_shards(models):
+    """Without random init Megatron leaves the shard marks off; the gradient norm depends on them."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    e = engine(config(models["llama"]))
+    marks = {n: (getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", None))
+             for n, p in e.inner.named_parameters()}
+    assert marks["decoder.layers.0.self_attention.linear_qkv.weight"] == (True, 0)
+    assert marks["decoder.layers.0.mlp.linear_fc2.weight"] == (True, 1)
+    assert marks["embedding.word_embeddings.weight"] == (True, 0)
+    assert marks["decoder.layers.0.input_layernorm.weight"][0] is False
+    parallel = [m for m in e.inner.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    assert parallel and convert.mark_tensor_parallel_shards(e.inner) == 0  # nothing left unmarked
+    e.close()
