@@ -1,5 +1,5 @@
 """areal-plugin-sglang: the SGLang inference engine (backend ``sglang``).
 
-For now the plugin declares the backend's placement and checks plans; the
-engine itself lands with issue 9.
+``hooks`` declares the backend's placement and checks plans; ``engine`` is the
+client of SGLang servers (entry point ``areal.engines.inference: sglang``).
 """

@@ -1,5 +1,5 @@
 """areal-plugin-vllm: the vLLM inference engine (backend ``vllm``).
 
-For now the plugin declares the backend's placement and checks plans; the
-engine itself lands with issue 9.
+``hooks`` declares the backend's placement and checks plans; ``engine`` is the
+client of vLLM servers (entry point ``areal.engines.inference: vllm``).
 """

@@ -21,6 +21,7 @@ checked at start against :data:`SUPPORTED`, the range this plugin is tested on.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import sys
@@ -182,7 +183,8 @@ class VLLMEngine(RemoteEngine):
         folder = tempfile.mkdtemp(prefix="areal-vllm-weights-", dir=root)
         try:
             tensors = {name: t.detach().contiguous().cpu() for name, t in named_tensors}
-            save_file(tensors, str(Path(folder) / "model.safetensors"))
+            # off the event loop: other servers' requests keep being served while this one writes
+            await asyncio.to_thread(save_file, tensors, str(Path(folder) / "model.safetensors"))
             await self.update_weights_from_disk(folder, version)
         finally:
             shutil.rmtree(folder, ignore_errors=True)

@@ -181,7 +181,7 @@ def test_elastic_kill_one_of_two_then_add_a_third(servers):
     a, b = servers.fleet.servers[:2]
     engines = [RecordingVLLMEngine(None, s.address, ignore_eos=True, log_path=s.log_path) for s in (a, b)]
     data = [{"id": i, "length": 24 + (i * 7) % 40} for i in range(400)]
-    elastic = ElasticConfig(interval_s=0.5, failure_threshold=2, cooldown_s=1.0)
+    elastic = ElasticConfig(enabled=True, interval_s=0.5, failure_threshold=2, cooldown_s=1.0)
     batches = []
     with RolloutController(engines, TokenWorkflowDouble(2), batch_size=4, max_head_offpolicyness=1,
                            max_concurrent_rollouts=8, elastic=elastic, request_timeout_s=120) as ctrl:
