@@ -20,11 +20,21 @@ from areal_core.testing.distributions import install_fake_distribution  # noqa: 
 DOUBLES = Path(__file__).resolve().parents[4] / "tests" / "doubles"
 AREAL = str(Path(sys.executable).with_name("areal"))
 
+GRPO_WITH_KL = ("algorithm.name=grpo", "algorithm.decoupled=true", "algorithm.prox_approx=recompute",
+                "algorithm.kl_coef=0.01")
+
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (DOUBLES / "rl_doubles.py").exists(), reason="needs the repository's tests/doubles")
-@pytest.mark.parametrize(("placement", "weight_sync"), [("megatron:cpu", "disk"), ("megatron:t2@cpu", "tensors")])
-def test_megatron_trains_against_the_embedded_engine(tmp_path, placement, weight_sync):
+@pytest.mark.parametrize(("placement", "weight_sync", "algorithm"), [
+    ("megatron:cpu", "disk", ("algorithm.name=rl_pg_double",)),
+    ("megatron:t2@cpu", "tensors", ("algorithm.name=rl_pg_double",)),
+    # the PPO plugin's grpo: proximal logprobs recomputed, KL to a megatron reference engine (role reference)
+    ("megatron:t2@cpu", "disk", GRPO_WITH_KL),
+], ids=["t1-disk", "t2-tensors", "t2-grpo-kl"])
+def test_megatron_trains_against_the_embedded_engine(tmp_path, placement, weight_sync, algorithm):
+    if algorithm is GRPO_WITH_KL:
+        pytest.importorskip("areal_ppo")
     from areal_local.models import tiny_model
 
     sys.path.insert(0, str(DOUBLES))
@@ -42,7 +52,7 @@ def test_megatron_trains_against_the_embedded_engine(tmp_path, placement, weight
         proc = subprocess.run(
             [AREAL, "run", str(config), f"output_dir={tmp_path / 'runs'}", "trial=megatron",
              f"allocation=local:cpu+{placement}", f"rollout.weight_sync={weight_sync}", "rollout.backend=local", "actor.backend=megatron",
-             "algorithm.name=rl_pg_double", f"model.path={model}", "model.dtype=float32", "actor.optimizer.lr=1e-3",
+             *algorithm, f"model.path={model}", "model.dtype=float32", "actor.optimizer.lr=1e-3",
              "rollout.max_head_offpolicyness=1", "trainer.total_steps=3", "rollout.dynamic_filtering=true",
              "trainer.save_every=1"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
@@ -51,6 +61,10 @@ def test_megatron_trains_against_the_embedded_engine(tmp_path, placement, weight
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert all(m["train/grad_norm"] > 0 for m in metrics)
+    if algorithm is GRPO_WITH_KL:
+        assert all(0.0 < m["train/behav_weight_mean"] < 5.0 for m in metrics)
+        kl = [k for k in metrics[-1] if "kl" in k.lower()]
+        assert kl, f"no KL metric among {sorted(metrics[-1])}"
     latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     assert (latest / "actor" / "model.safetensors").exists()
     assert "weights v3" in (run_dir / "logs" / "rollout-0.log").read_text()
