@@ -1,0 +1,119 @@
+"""areal_core.remote: server lifecycle (launch, readiness with the log's last lines, attach, kill) and the
+HTTP client's errors, against real processes and a real HTTP server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import sys
+import threading
+
+import pytest
+
+from areal_core.api import ServerProcess
+from areal_core.remote import RemoteEngine, RemoteError, ServerFleet, check_server_version, http_ready
+
+
+class PlainRemote(RemoteEngine):
+    backend = "test server"
+
+    async def agenerate(self, request):  # not used: these tests call request() directly
+        raise NotImplementedError
+
+
+def never_ready(index: int, port: int) -> ServerProcess:
+    argv = [sys.executable, "-c", "print('loading weights 3/7', flush=True); import time; time.sleep(60)"]
+    return ServerProcess(argv, lambda: False, f"the never-ready server {index}", startup_timeout_s=1.5)
+
+
+def test_readiness_timeout_names_the_wait_and_quotes_the_log(tmp_path):
+    with ServerFleet(tmp_path) as fleet:
+        with pytest.raises(TimeoutError) as info:
+            fleet.launch(never_ready, 1)
+    message = str(info.value)
+    assert "the never-ready server 0" in message and "loading weights 3/7" in message
+
+
+def test_launch_serves_on_a_free_port_and_kill_stops_it(tmp_path):
+    def recipe(index: int, port: int) -> ServerProcess:
+        argv = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
+        return ServerProcess(argv, http_ready(port, "/"), f"http.server {index}", startup_timeout_s=30)
+
+    with ServerFleet(tmp_path) as fleet:
+        a, b = fleet.launch(recipe, 2)
+        assert a.address != b.address and a.address.startswith("127.0.0.1:")
+        assert a.alive and b.alive and a.log_path.is_file()
+        fleet.kill(b)
+        assert not b.alive and a.alive
+
+
+def test_attach_checks_the_address(tmp_path):
+    fleet = ServerFleet(tmp_path)
+    assert fleet.attach("127.0.0.1:8001").managed is None
+    with pytest.raises(ValueError, match="host:port"):
+        fleet.attach("localhost")
+    with pytest.raises(ValueError, match="attached, not started here"):
+        fleet.kill(fleet.servers[0])
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        status = {"/bad": 400, "/boom": 500}.get(self.path, 200)
+        body = b'{"ok": true}' if status == 200 else b'{"error": "no"}'
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_error_statuses_name_the_server_and_quote_its_log(tmp_path):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    log = tmp_path / "server.log"
+    log.write_text("started\nCUDA out of memory in layer 3\n")
+    engine = PlainRemote(None, f"127.0.0.1:{server.server_address[1]}", log_path=log)
+
+    async def body():
+        try:
+            assert await engine.request("GET", "/fine") == {"ok": True}
+            assert await engine.health()
+            with pytest.raises(ValueError, match="refused GET /bad"):
+                await engine.request("GET", "/bad")
+            with pytest.raises(RemoteError) as info:
+                await engine.request("GET", "/boom")
+            return str(info.value)
+        finally:
+            await engine.aclose()
+
+    try:
+        message = asyncio.run(body())
+    finally:
+        server.shutdown()
+    assert "HTTP 500" in message and "CUDA out of memory in layer 3" in message and engine.address in message
+
+
+def test_wait_ready_times_out_naming_the_endpoint(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("compiling kernels\n")
+    engine = PlainRemote(None, "127.0.0.1:9", log_path=log)
+
+    async def body():
+        try:
+            await engine.wait_ready(timeout_s=0.6)
+        finally:
+            await engine.aclose()
+
+    with pytest.raises(TimeoutError) as info:
+        asyncio.run(body())
+    assert "/health endpoint of the test server at 127.0.0.1:9" in str(info.value)
+    assert "compiling kernels" in str(info.value)
+
+
+def test_version_check_names_found_and_supported():
+    check_server_version("x server", "1.2.3", ">=1.2,<1.3", "install 1.2")
+    with pytest.raises(RuntimeError, match=r"'1.3.0'.*>=1.2,<1.3.*install 1.2"):
+        check_server_version("x server", "1.3.0", ">=1.2,<1.3", "install 1.2")
