@@ -29,7 +29,7 @@ import tempfile
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from areal_core.api import GenerationRequest, GenerationResponse, ServerProcess
 from areal_core.remote import RemoteEngine, check_server_version, http_ready
@@ -68,6 +68,8 @@ class VLLMEngineConfig:
                                           "help": "share of GPU memory a server may take (GPU only)"})
     ignore_eos: bool = field(default=False, metadata={"help": "sample past the end-of-sequence token (fixed "
                              "lengths for benchmarks and tests; never for training)"})
+    weight_bucket_mb: int = field(default=512, metadata={"ge": 1, "help": "size of the buckets "
+                                  "update_weights_from_tensors sends (whole layers, through /dev/shm), in MiB"})
     retries: int = field(default=2, metadata={"ge": 0, "help": "retries of a request after a connection error"})
     extra_args: list = field(default_factory=list, metadata={"help": "more vLLM server arguments, e.g. "
                              "['--enable-prefix-caching']"})
@@ -113,11 +115,14 @@ class VLLMEngine(RemoteEngine):
     @classmethod
     def create(cls, context: Any) -> VLLMEngine:
         options = context.options or VLLMEngineConfig()
-        return cls.from_context(context, options, ignore_eos=options.ignore_eos)
+        return cls.from_context(context, options, ignore_eos=options.ignore_eos,
+                                weight_bucket_mb=options.weight_bucket_mb)
 
-    def __init__(self, context: Any = None, address: str = "", *, ignore_eos: bool = False, **kwargs: Any) -> None:
+    def __init__(self, context: Any = None, address: str = "", *, ignore_eos: bool = False,
+                 weight_bucket_mb: float = 512, **kwargs: Any) -> None:
         super().__init__(context, address, **kwargs)
         self.ignore_eos = ignore_eos
+        self.weight_bucket_mb = weight_bucket_mb
         self.server_version = ""
         self.model = ""
         self._attempts = count()
@@ -176,15 +181,75 @@ class VLLMEngine(RemoteEngine):
         self._version = version
 
     async def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
-        """Write the tensors as safetensors into /dev/shm (memory, not disk) and reload from there."""
+        """Send the tensors in buckets of whole layers (about ``weight_bucket_mb`` each) through /dev/shm.
+
+        Each bucket is written as safetensors into shared memory and reloaded
+        by the server (``reload_weights``) while the next bucket is written:
+        the CPU route, since NCCL transfer is CUDA-only. vLLM reloads a module
+        only when the bucket holds all its tensors (q/k/v and gate/up are fused
+        there), so a bucket never splits a decoder layer.
+        """
         from safetensors.torch import save_file
 
         root = "/dev/shm" if Path("/dev/shm").is_dir() else None
-        folder = tempfile.mkdtemp(prefix="areal-vllm-weights-", dir=root)
+        workdir = Path(tempfile.mkdtemp(prefix="areal-vllm-weights-", dir=root))
+        loading: asyncio.Future | None = None
         try:
-            tensors = {name: t.detach().contiguous().cpu() for name, t in named_tensors}
-            # off the event loop: other servers' requests keep being served while this one writes
-            await asyncio.to_thread(save_file, tensors, str(Path(folder) / "model.safetensors"))
-            await self.update_weights_from_disk(folder, version)
+            for k, bucket in enumerate(layer_buckets(named_tensors, int(self.weight_bucket_mb * 2**20))):
+                folder = workdir / f"bucket-{k}"
+                folder.mkdir()
+                await asyncio.to_thread(save_file, bucket, str(folder / "model.safetensors"))
+                if loading is not None:
+                    await loading  # the previous bucket, loaded while this one was written
+                loading = asyncio.ensure_future(self._reload_bucket(folder))
+            if loading is not None:
+                await loading
+                loading = None
         finally:
-            shutil.rmtree(folder, ignore_errors=True)
+            if loading is not None:
+                loading.cancel()
+                await asyncio.gather(loading, return_exceptions=True)
+            shutil.rmtree(workdir, ignore_errors=True)
+        self._version = version
+
+    async def _reload_bucket(self, folder: Path) -> None:
+        await self.request("POST", "/collective_rpc",
+                           json={"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _layer_of(name: str) -> str:
+    """The unit a bucket keeps whole: ``model.layers.<n>`` for a decoder layer's tensors, else the tensor."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part in ("layers", "h", "blocks") and parts[i + 1].isdigit():
+            return ".".join(parts[: i + 2])
+    return name
+
+
+def layer_buckets(named_tensors: Iterable[tuple[str, Any]], limit_bytes: int) -> Iterator[dict[str, Any]]:
+    """Group tensors into buckets of about ``limit_bytes``, cutting only between layers.
+
+    A layer bigger than the limit is a bucket of its own. The tensors of one
+    layer must arrive together (as a state dict lists them); a tensor of a
+    layer already sent raises ValueError, since vLLM would reload that layer
+    from a partial set.
+    """
+    bucket: dict[str, Any] = {}
+    size, unit, done = 0, None, set()
+    for name, tensor in named_tensors:
+        layer = _layer_of(name)
+        if layer in done:
+            raise ValueError(f"update_weights_from_tensors: tensor {name!r} arrived after the rest of {layer!r} was "
+                             "sent; give each layer's tensors together (in state-dict order)")
+        if layer != unit and unit is not None:
+            if size >= limit_bytes:
+                done.update(_layer_of(n) for n in bucket)
+                yield bucket
+                bucket, size = {}, 0
+        unit = layer
+        t = tensor.detach().contiguous().cpu()
+        bucket[name] = t
+        size += t.numel() * t.element_size()
+    if bucket:
+        yield bucket

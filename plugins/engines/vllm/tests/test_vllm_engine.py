@@ -82,3 +82,38 @@ def test_unreachable_server_names_its_address_and_attempts():
 
 def test_entry_point_resolves():
     assert resolve("inference_engine", "vllm") is VLLMEngine
+
+
+def state(layers: int = 3, width: int = 64):
+    import torch
+
+    tensors = [("model.embed_tokens.weight", torch.zeros(32, width))]
+    for i in range(layers):
+        for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            tensors.append((f"model.layers.{i}.{part}.weight", torch.zeros(width, width)))
+    tensors.append(("model.norm.weight", torch.zeros(width)))
+    return tensors
+
+
+def test_buckets_are_bounded_and_never_split_a_layer():
+    from areal_vllm.engine import _layer_of, layer_buckets
+
+    tensors = state()
+    layer_bytes = 5 * 64 * 64 * 4
+    buckets = list(layer_buckets(iter(tensors), limit_bytes=layer_bytes))
+    assert [name for b in buckets for name in b] == [name for name, _ in tensors]  # all, once, in order
+    seen = {}
+    for k, bucket in enumerate(buckets):
+        for name in bucket:
+            assert seen.setdefault(_layer_of(name), k) == k, f"layer of {name} split across buckets"
+    assert len(buckets) == 4  # embed+layer0, layer1, layer2, norm: cut once a bucket reaches the limit
+    assert len(list(layer_buckets(iter(tensors), limit_bytes=10**9))) == 1
+
+
+def test_a_layer_tensor_after_its_layer_was_sent_is_refused():
+    from areal_vllm.engine import layer_buckets
+
+    tensors = state(layers=2)
+    late = tensors.pop(1)  # a tensor of layer 0, moved to the end
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj.weight.*model.layers.0"):
+        list(layer_buckets(iter(tensors + [late]), limit_bytes=1))
