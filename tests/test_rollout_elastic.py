@@ -224,3 +224,26 @@ def test_join_before_any_weights_on_disk_at_a_later_version_is_refused():
         with pytest.raises(RuntimeError, match="could not join"):
             ctrl.add_engine(late)
         assert ctrl.topology.members == ("a:1",)
+
+
+class PoisonEngineDouble(DyingEngineDouble):
+    """Test double: a healthy server that fails (HTTP-500 style) on the item with id 7 only."""
+
+    async def agenerate(self, request):
+        if request.rid.startswith("7-"):
+            from areal_core.remote import RemoteError
+
+            raise RemoteError(f"{self.address} crashed on request {request.rid}")
+        return await super().agenerate(request)
+
+
+def test_a_request_failing_everywhere_is_an_error_not_an_outage():
+    data = items(40, seed=4, max_length=4)
+    engines = [PoisonEngineDouble(f"p{i}:1") for i in range(3)]
+    elastic = ElasticConfig(enabled=True, interval_s=0.02, failure_threshold=5, cooldown_s=0.0)
+    with controller(engines, elastic=elastic, eta=0) as ctrl:
+        with pytest.raises(RolloutError, match="request 7-.* failed on 4 inference servers in turn"):
+            for _ in range(4):
+                step(ctrl, data)
+        survivors = ctrl.topology.size
+    assert survivors >= 2  # a probe succeeds between failures: the servers stay

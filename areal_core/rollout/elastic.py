@@ -117,6 +117,7 @@ class EnginePool:
         self.changed = asyncio.Event()  # set whenever routing may have gained an engine
         self.last_rebuild = time.monotonic()
         self.events: list[tuple[float, str, str]] = []  # (time, "left" / "joined", name): for logs and tests
+        self._closing: set[asyncio.Task] = set()  # clients of servers that left, being closed
 
     # -------------------------------------------------------------- routing
     @property
@@ -166,7 +167,12 @@ class EnginePool:
                     member.name, why, member.in_flight)
         if was_member:
             self.topology = Topology(self.topology.version + 1, tuple(m.name for m in self.active()))
-        asyncio.get_running_loop().create_task(_close_quietly(member.engine))
+        self._close_later(member.engine)
+
+    def _close_later(self, engine: InferenceEngine) -> None:
+        task = asyncio.get_running_loop().create_task(_close_quietly(engine))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def wait_for_engine(self, timeout_s: float, what: str) -> Member:
         """A routable engine, waiting (up to ``timeout_s``) while none is."""
@@ -212,7 +218,7 @@ class EnginePool:
             if isinstance(result, BaseException):
                 member.state = DOWN
                 log.error("inference server %s could not join: %s: %s", member.name, type(result).__name__, result)
-                asyncio.get_running_loop().create_task(_close_quietly(member.engine))
+                self._close_later(member.engine)
                 continue
             member.state = ACTIVE
             self.events.append((time.monotonic(), "joined", member.name))

@@ -23,6 +23,8 @@ from areal_core.rollout.elastic import EngineLost, EnginePool, Member
 # An engine answering "abort" while generation is open, with no new token,
 # this many times in a row is broken rather than interrupted.
 MAX_IDLE_ABORTS = 3
+# A request moved to another server this many times (its server failed or left each time) is given up.
+MAX_MOVES = 3
 # What an engine raises when its server is gone or failing (not a refused request).
 ENGINE_FAILURES = (ConnectionError, RemoteError)
 
@@ -105,6 +107,7 @@ class InterruptibleEngine(InferenceEngine):
         logprobs: list[float] = []
         versions: list[int] = []
         idle_aborts = 0
+        moves = 0
         while True:
             await self._open.wait()
             try:
@@ -113,8 +116,15 @@ class InterruptibleEngine(InferenceEngine):
                     input_ids=request.input_ids + out_ids,
                     sampling=replace(request.sampling, max_new_tokens=budget - len(out_ids)),
                 ))
-            except EngineLost:
-                continue  # its server left: the same continuation goes to another one
+            except EngineLost as lost:
+                # Its server left: the same continuation goes to another one. A request that fails
+                # on server after server is the problem itself; it must not take every server down.
+                moves += 1
+                if moves > MAX_MOVES:
+                    raise RuntimeError(f"request {request.rid} failed on {moves} inference servers in turn (the "
+                                       f"last: {lost}); the request, not the servers, is probably at fault: "
+                                       f"{lost.__cause__}") from lost.__cause__
+                continue
             out_ids += part.output_ids
             logprobs += part.output_logprobs
             versions += part.output_versions
