@@ -47,7 +47,10 @@ def build(run: ValidatedRun, section: str, **extras: Any) -> Any:
     cls = run.components[section]
     if not isinstance(cls, type):
         return cls
-    return cls.create(Context(config=run.config, options=run.options.get(section), extras=extras))
+    # A train engine gets its slice of the allocation (its d / t / ... ranks and device), as servers do.
+    placement = run.placement("actor") if section == "actor" else None
+    return cls.create(Context(config=run.config, options=run.options.get(section), placement=placement,
+                              extras=extras))
 
 
 def data_stream(dataset: Any, epochs: int) -> Iterator[Any]:

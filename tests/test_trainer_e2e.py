@@ -203,6 +203,26 @@ def test_fsdp_trains_against_the_embedded_engine(rl_run, tmp_path):
     assert "weights v3" in (run_dir / "logs" / "rollout-0.log").read_text()
 
 
+@pytest.mark.slow
+def test_fsdp_tensor_parallel_trains_through_areal_run(rl_run, tmp_path):
+    """fsdp:t2@cpu: the launcher starts two ranks, the trainer hands the engine its placement, the weights
+    are split over the two ranks (the engine's own tests compare the numbers with one process)."""
+    pytest.importorskip("areal_fsdp")
+    from areal_local.models import tiny_model
+
+    model = tiny_model(tmp_path / "tiny", seed=0)
+    start, runs = rl_run
+    finish(start("trial=fsdp-t2", "allocation=local:cpu+fsdp:t2@cpu", "rollout.backend=local", "actor.backend=fsdp",
+                 "algorithm.name=rl_pg_double", f"model.path={model}", "model.dtype=float32",
+                 "actor.optimizer.lr=1e-3", "rollout.max_head_offpolicyness=1", "trainer.total_steps=2",
+                 "rollout.dynamic_filtering=true", "trainer.save_every=1"), timeout=600)
+    run_dir = runs / "fsdp-t2"
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2] and all(m["train/grad_norm"] > 0 for m in metrics)
+    assert "tensor parallel t2" in (run_dir / "logs" / "actor-rank1.log").read_text()
+    assert "weights v2" in (run_dir / "logs" / "rollout-0.log").read_text()
+
+
 def test_a_critic_is_built_trained_saved_and_resumed_when_the_algorithm_asks_for_values(rl_run):
     start, runs = rl_run
     args = ("trial=critic", "algorithm.name=rl_value_double", "trainer.total_steps=4", "trainer.save_every=1")

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import sys
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -191,6 +192,10 @@ class FSDPEngine(TrainEngine):
         self._autocast = (self.world == 1 or self.tp > 1) and master != self.dtype
         if self.role == "actor":
             self._build_optimizer(cfg)
+        layout = f"tensor parallel t{self.tp}" if self.tp > 1 else \
+            (f"FSDP data parallel d{self.world}" if self.world > 1 else "one process")
+        print(f"areal-plugin-fsdp: {self.role} rank {self.rank}/{self.world} on {self.device}, {layout}, "
+              f"{cfg.model.dtype}, attention {self.lm.config._attn_implementation}", file=sys.stderr, flush=True)
 
     def _refuse_unbuilt_parallelism(self) -> None:
         parallel = getattr(self.context.placement, "parallel", None)

@@ -19,10 +19,7 @@ BACKEND = "fsdp"
 
 # Dimensions only wired on GPU here: ring-attention context parallel needs
 # NCCL kernels (not gloo), and DTensor tensor parallel is GPU-only in areal.
-_GPU_ONLY = {
-    "c": "context parallel needs ring-attention kernels, which gloo does not provide",
-    "t": "DTensor tensor parallel is only wired for GPU in areal",
-}
+CONTEXT_NEEDS_GPU = "context parallel needs ring-attention kernels, which gloo does not provide"
 
 
 @hookimpl
@@ -50,19 +47,15 @@ def areal_validate_parallelism(
 
 def _component_problems(comp: Component, model: ModelInfo | None) -> list[Problem]:
     par = comp.parallel
-    if comp.device == "cpu":
-        refused = [dim for dim in ("c", "t") if getattr(par, dim) > 1]
-        # Fold every refused dimension into data parallel for the suggested fix.
+    if comp.device == "cpu" and par.c > 1:
+        # Fold every dimension that cannot run here into data parallel for the suggested fix.
         folded = replace(comp, parallel=replace(par, d=par.d * par.c * par.t, c=1, t=1))
-        return [
-            Problem(
-                f"{BACKEND}.{'context' if dim == 'c' else 'tensor'}-needs-gpu",
-                f"'{comp}': {dim}{getattr(par, dim)} on cpu is not supported: {_GPU_ONLY[dim]}.",
-                f"use data parallel instead, e.g. '{folded}', or place it on gpu (drop '@cpu')",
-                key="allocation",
-            )
-            for dim in refused
-        ]
+        return [Problem(
+            f"{BACKEND}.context-needs-gpu",
+            f"'{comp}': c{par.c} on cpu is not supported: {CONTEXT_NEEDS_GPU}.",
+            f"use data parallel instead, e.g. '{folded}', or place it on gpu (drop '@cpu')",
+            key="allocation",
+        )]
     problems = _not_built_problems(comp)
     problem = heads_problem(f"{BACKEND}.tensor-heads", comp, par.t, model)
     return problems + ([problem] if problem else [])
@@ -70,12 +63,16 @@ def _component_problems(comp: Component, model: ModelInfo | None) -> list[Proble
 
 # What the engine of this version trains with; the declaration above is what
 # the backend will support. Reported at check time rather than at start-up.
+# Tensor parallel alone (t ranks, d1) is built too: see _not_built_problems.
 BUILT_DIMS = "d"
 
 
 def _not_built_problems(comp: Component) -> list[Problem]:
     par = comp.parallel
-    missing = [dim for dim in ("t", "c") if getattr(par, dim) > 1 and dim not in BUILT_DIMS]
+    # Tensor parallel is built alone (t ranks, d1): with data or context parallel beside it, it is not.
+    t_alone = par.t > 1 and par.d == 1 and par.c == 1
+    missing = [dim for dim in ("t", "c") if getattr(par, dim) > 1 and dim not in BUILT_DIMS
+               and not (dim == "t" and t_alone)]
     if not missing:
         return []
     folded = replace(comp, parallel=replace(par, d=par.d * par.c * par.t, c=1, t=1))
@@ -84,7 +81,7 @@ def _not_built_problems(comp: Component) -> list[Problem]:
     return [Problem(
         f"{BACKEND}.not-built",
         f"'{comp}': {what} is not built in this version of areal-plugin-fsdp, which trains with data "
-        "parallelism only.",
+        "parallelism, or tensor parallelism alone (t ranks with d1).",
         f"use data parallel instead, e.g. '{folded}'",
         key="allocation",
     )]

@@ -82,11 +82,18 @@ def test_context_parallel_needs_gpu():
     assert "'fsdp:d4@cpu'" in problem.hint
 
 
-def test_tensor_parallel_needs_gpu_and_both_are_reported():
-    problems = validate("fsdp:t2c2@cpu")
-    assert codes(problems) == ["fsdp.context-needs-gpu", "fsdp.tensor-needs-gpu"]
-    assert "t2" in problems[1].message and "'fsdp:t2c2@cpu'" in problems[1].message
-    assert all("'fsdp:d4@cpu'" in p.hint for p in problems)
+def test_context_parallel_on_cpu_folds_tensor_parallel_into_the_fix_too():
+    (problem,) = validate("fsdp:t2c2@cpu")
+    assert problem.code == "fsdp.context-needs-gpu"
+    assert "'fsdp:d4@cpu'" in problem.hint
+
+
+def test_tensor_parallel_alone_runs_on_cpu_and_beside_data_parallel_is_not_built():
+    assert validate("fsdp:t2@cpu", with_not_built=True) == []
+    (problem,) = validate("fsdp:d2t2@cpu", with_not_built=True)
+    assert problem.code == "fsdp.not-built"
+    assert "tensor parallel (t2)" in problem.message and "t ranks with d1" in problem.message
+    assert "'fsdp:d4@cpu'" in problem.hint
 
 
 def test_only_fsdp_components_are_judged():
@@ -113,5 +120,5 @@ def test_core_rejects_undeclared_dimensions():
 def test_tensor_and_context_parallel_are_refused_until_built(text, fix):
     (problem,) = validate(text, with_not_built=True)
     assert problem.code == "fsdp.not-built"
-    assert "trains with data parallelism only" in problem.message and fix in problem.hint
+    assert "trains with data parallelism, or tensor parallelism alone" in problem.message and fix in problem.hint
     assert validate("fsdp:d8", with_not_built=True) == []
