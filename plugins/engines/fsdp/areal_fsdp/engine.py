@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from areal_core.api import TrainEngine
+from areal_core.train_batches import as_list, combine_stats, cumsum, scalar_stats, to_tensor
 from areal_fsdp import attention
 from areal_fsdp.hf_folder import checkpoint_names, write_hf_files, write_hf_folder, write_json_atomic
 from areal_fsdp.lora import (add_lora, export_items, is_adapter, lora_layers, module_names, read_adapter,
@@ -330,8 +331,8 @@ class FSDPEngine(TrainEngine):
     # ------------------------------------------------------------------ batches
     def _plan(self, batch: dict) -> list[list[int]]:
         """This rank's micro-batches (lists of sequence indices; [] = a weight-0 filler) and their count."""
-        lengths = [int(n) for n in _as_list(batch["seq_lens"])] if "seq_lens" in batch else \
-            [b - a for a, b in zip(_as_list(batch["cu_seqlens"])[:-1], _as_list(batch["cu_seqlens"])[1:])]
+        lengths = [int(n) for n in as_list(batch["seq_lens"])] if "seq_lens" in batch else \
+            [b - a for a, b in zip(as_list(batch["cu_seqlens"])[:-1], as_list(batch["cu_seqlens"])[1:])]
         if not lengths:
             raise ValueError("FSDPEngine: the batch holds no sequences")
         mine = karmarkar_karp(lengths, self.dp)[self.dp_rank] if self.dp > 1 else list(range(len(lengths)))
@@ -350,12 +351,12 @@ class FSDPEngine(TrainEngine):
 
     def _tensors(self, batch: dict) -> tuple[dict, list[int], int]:
         """The batch as tensors (CPU), sequence offsets and the token count T."""
-        cu = [int(c) for c in _as_list(batch["cu_seqlens"])]
+        cu = [int(c) for c in as_list(batch["cu_seqlens"])]
         T = cu[-1]
-        n_ids = len(_as_list(batch["input_ids"]))
+        n_ids = len(as_list(batch["input_ids"]))
         if n_ids != T:
             raise ValueError(f"FSDPEngine: the batch has {n_ids} input_ids but cu_seqlens ends at {T}")
-        return {k: _to_tensor(k, v) for k, v in batch.items() if k != "cu_seqlens"}, cu, T
+        return {k: to_tensor(k, v) for k, v in batch.items() if k != "cu_seqlens"}, cu, T
 
     def _micro_batch(self, tensors: dict, cu: list[int], T: int, seqs: list[int]) -> dict:
         """The per-token and per-sequence tensors of sequences ``seqs``, packed in that order."""
@@ -372,7 +373,7 @@ class FSDPEngine(TrainEngine):
                 mb[key] = value
         lens = [cu[s + 1] - cu[s] for s in seqs]
         mb["seq_lens"] = torch.tensor(lens, dtype=torch.long)
-        mb["cu_seqlens"] = torch.tensor([0] + list(_cumsum(lens)), dtype=torch.long)
+        mb["cu_seqlens"] = torch.tensor([0] + list(cumsum(lens)), dtype=torch.long)
         mb["token_index"] = token_idx
         if "position_ids" not in mb:
             mb["position_ids"] = torch.cat([torch.arange(n) for n in lens])
@@ -483,7 +484,7 @@ class FSDPEngine(TrainEngine):
                 if not scaled.requires_grad:
                     scaled = scaled + logprobs.sum() * 0.0
                 scaled.backward()
-                records.append((n_loss, float(loss.detach()), _scalars(stats)))
+                records.append((n_loss, float(loss.detach()), scalar_stats(stats)))
         finally:
             self.model.eval()
         grad_norm = self._clip()
@@ -500,7 +501,7 @@ class FSDPEngine(TrainEngine):
             gathered: list[Any] = [None] * self.world
             dist.all_gather_object(gathered, records)
             records = [r for rank_records in gathered for r in rank_records]
-        out = _combine(records, total_loss_tokens)
+        out = combine_stats(records, total_loss_tokens)
         out.update(grad_norm=grad_norm, lr=lr, n_tokens=float(T), n_loss_tokens=float(total_loss_tokens),
                    n_micro_batches=float(len(plan)), update_skipped=float(skipped))
         return out
@@ -804,58 +805,9 @@ def _no_dropout(lm: nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
-def _as_list(value: Any) -> list:
-    return value.tolist() if hasattr(value, "tolist") else list(value)
 
-
-def _to_tensor(key: str, value: Any) -> Any:
-    """Lists of numbers as CPU tensors: ``loss_mask`` bool, floats float32, ints int64; anything else as is."""
-    if isinstance(value, torch.Tensor):
-        t = value.detach().cpu()
-    elif isinstance(value, (list, tuple)) and all(isinstance(v, (int, float, bool)) for v in value):
-        t = torch.tensor(value)
-    else:
-        return value
-    if key == "loss_mask":
-        return t.bool()
-    if t.is_floating_point():
-        return t.float()
-    return t.long() if t.dtype != torch.bool else t
-
-
-def _cumsum(values: list[int]):
-    total = 0
-    for v in values:
-        total += v
-        yield total
 
 
 def _shortest(cu: list[int]) -> int:
     lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     return min(range(len(lens)), key=lambda i: (lens[i], i))
-
-
-def _scalars(stats: Any) -> dict[str, float]:
-    """The loss_fn's stats that are single numbers (tensors of one element included), as floats."""
-    out: dict[str, float] = {}
-    for key, value in (stats or {}).items():
-        try:
-            out[key] = float(value.detach()) if hasattr(value, "detach") else float(value)
-        except (TypeError, ValueError, RuntimeError):
-            continue
-    return out
-
-
-def _combine(records: list[tuple[int, float, dict]], total_loss_tokens: int) -> dict:
-    """The batch's token-mean loss and loss-token-weighted means of the loss_fn's stats."""
-    out: dict[str, float] = {"loss": sum(n * loss for n, loss, _ in records) / max(1, total_loss_tokens)}
-    sums: dict[str, float] = {}
-    weights: dict[str, int] = {}
-    for n, _, stats in records:
-        for key, value in stats.items():
-            sums[key] = sums.get(key, 0.0) + n * value
-            weights[key] = weights.get(key, 0) + n
-    for key in sums:
-        if key not in out:
-            out[key] = sums[key] / max(1, weights[key])
-    return out

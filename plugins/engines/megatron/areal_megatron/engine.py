@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 from areal_core.api import TrainEngine
+from areal_core.train_batches import as_list, combine_stats, cumsum, scalar_stats, to_tensor
 from areal_megatron import convert
 from areal_megatron.logprobs import vocab_parallel_logprobs
 
@@ -322,7 +323,7 @@ class MegatronEngine(TrainEngine):
         dev = self.device
         T = int(ids.numel())
         pos = torch.arange(T, device=dev)
-        cu = torch.tensor([0, *_cumsum(lens)], device=dev, dtype=torch.int32)
+        cu = torch.tensor([0, *cumsum(lens)], device=dev, dtype=torch.int32)
         starts = torch.zeros(T, dtype=torch.bool, device=dev)
         starts[cu[:-1].long()] = True
         ids = ids.to(dev, torch.long)
@@ -404,7 +405,7 @@ class MegatronEngine(TrainEngine):
                 if not scaled.requires_grad:
                     scaled = scaled + logprobs.sum() * 0.0
                 scaled.backward()
-                records.append((n_loss, float(loss.detach()), _scalars(stats)))
+                records.append((n_loss, float(loss.detach()), scalar_stats(stats)))
         finally:
             self.model.eval()
         lr = self._apply_lr()
@@ -416,7 +417,7 @@ class MegatronEngine(TrainEngine):
             gathered: list[Any] = [None] * self.world
             dist.all_gather_object(gathered, records if self.tp_rank == 0 else [])
             records = [r for rank_records in gathered for r in rank_records]
-        out = _combine(records, total)
+        out = combine_stats(records, total)
         out.update(grad_norm=grad_norm, lr=lr, n_tokens=float(packed.T), n_loss_tokens=float(total),
                    n_micro_batches=float(len(plan)), update_skipped=float(skipped))
         return out
@@ -639,13 +640,13 @@ class Packed:
 
     @classmethod
     def of(cls, batch: dict) -> "Packed":
-        cu = [int(c) for c in _as_list(batch["cu_seqlens"])]
+        cu = [int(c) for c in as_list(batch["cu_seqlens"])]
         if len(cu) < 2:
             raise ValueError("MegatronEngine: the batch holds no sequences (cu_seqlens has fewer than 2 entries)")
-        n_ids = len(_as_list(batch["input_ids"]))
+        n_ids = len(as_list(batch["input_ids"]))
         if n_ids != cu[-1]:
             raise ValueError(f"MegatronEngine: the batch has {n_ids} input_ids but cu_seqlens ends at {cu[-1]}")
-        return cls({k: _to_tensor(k, v) for k, v in batch.items() if k != "cu_seqlens"}, cu)
+        return cls({k: to_tensor(k, v) for k, v in batch.items() if k != "cu_seqlens"}, cu)
 
     def lens(self, seqs: list[int]) -> list[int]:
         return [self.lengths[s] for s in seqs]
@@ -667,7 +668,7 @@ class Packed:
                 mb[key] = value
         lens = self.lens(seqs)
         mb["seq_lens"] = torch.tensor(lens)
-        mb["cu_seqlens"] = torch.tensor([0, *_cumsum(lens)])
+        mb["cu_seqlens"] = torch.tensor([0, *cumsum(lens)])
         mb["token_index"] = tokens
         return mb
 
@@ -710,52 +711,3 @@ def write_hf(folder: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
         if file.is_file() and file.suffix in SIDE_SUFFIXES and file.name not in NOT_SIDE \
                 and not (folder / file.name).exists():
             shutil.copy2(file, folder / file.name)
-
-
-def _as_list(value: Any) -> list:
-    return value.tolist() if hasattr(value, "tolist") else list(value)
-
-
-def _to_tensor(key: str, value: Any) -> Any:
-    """Lists of numbers as CPU tensors: ``loss_mask`` bool, floats float32, ints int64; anything else as is."""
-    if isinstance(value, torch.Tensor):
-        t = value.detach().cpu()
-    elif isinstance(value, (list, tuple)) and all(isinstance(v, (int, float, bool)) for v in value):
-        t = torch.tensor(value)
-    else:
-        return value
-    if key == "loss_mask":
-        return t.bool()
-    if t.is_floating_point():
-        return t.float()
-    return t.long() if t.dtype != torch.bool else t
-
-
-def _cumsum(values: list[int]) -> Iterator[int]:
-    total = 0
-    for v in values:
-        total += v
-        yield total
-
-
-def _scalars(stats: Any) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for key, value in (stats or {}).items():
-        try:
-            out[key] = float(value.detach()) if hasattr(value, "detach") else float(value)
-        except (TypeError, ValueError, RuntimeError):
-            continue
-    return out
-
-
-def _combine(records: list[tuple[int, float, dict]], total_loss_tokens: int) -> dict:
-    """The batch's token-mean loss and the loss-token-weighted means of the loss_fn's stats."""
-    out: dict[str, float] = {"loss": sum(n * loss for n, loss, _ in records) / max(1, total_loss_tokens)}
-    sums: dict[str, list[float]] = {}
-    for n, _, stats in records:
-        for key, value in stats.items():
-            acc = sums.setdefault(key, [0.0, 0.0])
-            acc[0] += n * value
-            acc[1] += n
-    out.update({k: s / max(1.0, w) for k, (s, w) in sums.items() if k not in out})
-    return out
