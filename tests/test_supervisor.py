@@ -347,3 +347,13 @@ def test_two_ranks_rendezvous_with_gloo(tmp_path):
         ]
         sup.watch(timeout_s=60)
     assert [m.tail()[-1] for m in ranks] == ["sum 2.0", "sum 2.0"]
+
+
+def test_thread_plan_splits_cores_when_both_sides_run_at_once_and_gives_each_all_when_they_take_turns():
+    from areal_core.launch.local import thread_plan
+
+    assert thread_plan(1, 1, eta=4, cpu_count=2) == ([1], [1])
+    assert thread_plan(1, 2, eta=1, cpu_count=8) == ([3], [3, 2])
+    assert thread_plan(1, 1, eta=0, cpu_count=2) == ([2], [2])  # synchronous: generate, then train
+    assert thread_plan(2, 2, eta=0, cpu_count=8) == ([4, 4], [4, 4])
+    assert thread_plan(0, 1, eta=0, cpu_count=2) == ([], [2])

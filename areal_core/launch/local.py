@@ -5,7 +5,8 @@ Inference servers first (engines that run their own server process, see
 its own timeout; then the train ranks, ``python -m areal_core.trainer``,
 with a torch.distributed rendezvous on 127.0.0.1. Cores are split between
 all of them (``OMP_NUM_THREADS`` and friends) so processes do not fight over
-them. The launcher shows a live progress bar from the run's metrics, and on
+them; at ``max_head_offpolicyness: 0``, where generation and training take
+turns, each side gets every core (:func:`thread_plan`). The launcher shows a live progress bar from the run's metrics, and on
 exit, Ctrl-C, SIGTERM or a crash it stops every process it started (see
 :mod:`areal_core.launch.supervisor`); a crash is reported with the process's
 own last log lines.
@@ -26,6 +27,23 @@ from areal_core.launch.supervisor import (
 )
 
 console = Console(stderr=True, highlight=False, markup=False, soft_wrap=True)
+
+
+def thread_plan(n_servers: int, world_size: int, eta: int, cpu_count: int | None = None) -> tuple[list[int], list[int]]:
+    """Threads for each inference server and each train rank on this machine.
+
+    With ``eta`` > 0 generation and training run at the same time, so every
+    process gets its own share of the cores. At ``eta`` = 0 they take turns
+    (a batch is generated, then trained on, then the next is generated), so
+    the servers share all the cores among themselves and so do the train
+    ranks: a synchronous run uses the whole machine in each phase instead of
+    leaving half of it idle, which is the honest baseline for what the
+    asynchronous mode gains.
+    """
+    if eta == 0:
+        return split_threads(n_servers, cpu_count), split_threads(world_size, cpu_count)
+    threads = split_threads(n_servers + world_size, cpu_count)
+    return threads[:n_servers], threads[n_servers:]
 
 
 class MetricsTail:
@@ -101,7 +119,7 @@ class LocalLauncher(Launcher):
         servers = [engine_cls.server_process(Context(config=cfg, options=run.options.get("rollout"), placement=rollout),
                                              i, port) for i, port in enumerate(ports)]
         servers = [(i, s) for i, s in enumerate(servers) if s is not None]
-        threads = split_threads(len(servers) + actor.world_size)
+        server_threads, rank_threads = thread_plan(len(servers), actor.world_size, cfg.rollout.max_head_offpolicyness)
         master_port = free_port()
         progress = MetricsTail(run_dir, cfg.trainer.total_steps)
         try:
@@ -109,14 +127,14 @@ class LocalLauncher(Launcher):
                 sup.install_signal_handlers()
                 addresses = {}
                 started = []
-                for (i, server), n in zip(servers, threads):
+                for (i, server), n in zip(servers, server_threads):
                     started.append((sup.start(ProcessSpec(f"rollout-{i}", server.argv, env=server.env, threads=n)),
                                     server))
                     addresses[f"AREAL_ROLLOUT_{i}_ADDRESS"] = f"127.0.0.1:{ports[i]}"
                 for managed, server in started:
                     sup.wait_ready(managed, server.ready, server.startup_timeout_s, server.what)
                 ranks = []
-                for rank, n in zip(range(actor.world_size), threads[len(servers):]):
+                for rank, n in zip(range(actor.world_size), rank_threads):
                     argv = [sys.executable, "-m", "areal_core.trainer", str(run_dir)] + (["--resume"] if resume else [])
                     env = {**rendezvous_env(rank, actor.world_size, master_port), **addresses,
                            "PYTHONUNBUFFERED": "1"}

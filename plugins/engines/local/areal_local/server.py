@@ -24,6 +24,7 @@ touches the model happens between two decode steps of one thread:
 # annotations of routes defined inside build_app, which must be real classes.
 import argparse
 import asyncio
+import faulthandler
 import logging
 import queue
 import sys
@@ -272,6 +273,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--max-batch", type=int, default=64)
     args = parser.parse_args(argv)
+    # A native crash (a signal in a torch kernel) leaves its stack in the log the launcher reports.
+    faulthandler.enable()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from areal_core.config.dtype import resolve_dtype
 
