@@ -163,7 +163,7 @@ def run_areal(eta: int, steps: int, val: list[dict], out_dir: Path, dtype: str) 
                  "algorithm.name=grpo", "algorithm.eps_clip=0.2", "algorithm.kl_coef=0.0",
                  # TRL trains on every group, all-equal-reward ones included: so does areal here, so both
                  # generate exactly the samples they train on (the demo itself filters such groups out).
-                 "rollout.dynamic_filtering=false",
+                 "rollout.dynamic_filtering=false", "rollout.weight_sync=tensors",
                  f"trainer.total_steps={steps}", "trainer.save_every=0", "trainer.seed=1", "eval.size=0"]
     began = time.perf_counter()
     proc = subprocess.run([AREAL, "run", *overrides], capture_output=True, text=True,
