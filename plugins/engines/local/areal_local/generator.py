@@ -78,6 +78,8 @@ import torch
 from transformers.cache_utils import Cache
 
 from areal_core.api.inference import SamplingParams
+from areal_local.lean_decode import SUPPORTED_MODEL_TYPES, LeanDecoder
+from areal_local.lean_decode import supports as lean_supports
 from areal_local.packed import PackedLinears, packing_available
 
 __all__ = ["Finished", "Generator", "RequestError", "SlotCache"]
@@ -253,6 +255,10 @@ class Generator:
     weights (:mod:`areal_local.packed`; default: whenever the model is on CPU
     and torch has oneDNN). Logits then differ from a plain forward by float
     rounding (~1e-4 on SmolLM2 in float32); ``False`` keeps torch's own kernels.
+    ``lean_decode``: decode steps of Llama-family models through
+    :mod:`areal_local.lean_decode` (fused projections, one attention call per
+    layer on the cache; default: whenever the model qualifies); prefill always
+    uses the model's own forward.
     """
 
     def __init__(
@@ -266,6 +272,7 @@ class Generator:
         max_prefill_tokens: int = 4096,
         seed: int | None = None,
         packed_linears: bool | None = None,
+        lean_decode: bool | None = None,
     ) -> None:
         config = model.config
         if max_batch < 1:
@@ -295,6 +302,12 @@ class Generator:
         if packed_linears is None:
             packed_linears = packing_available(model)
         self._packed = PackedLinears(model) if packed_linears else None
+        if lean_decode is None:
+            lean_decode = lean_supports(model)
+        elif lean_decode and not lean_supports(model):
+            raise ValueError(f"Generator: lean_decode=True but {type(model).__name__} is not a Llama-family model "
+                             f"with full attention ({', '.join(SUPPORTED_MODEL_TYPES)}); leave lean_decode unset")
+        self._lean = LeanDecoder(model, packed=self._packed is not None) if lean_decode else None
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_batch = max_batch
@@ -516,8 +529,11 @@ class Generator:
         if self._sliding_window is not None:
             sliding = mask & (end[:, None] - col < self._sliding_window)
         self._cache.plan_decode(n, end, length)
-        sliding = None if sliding is None else sliding[:, None, None]
-        logits = self._forward(ids, position_ids, mask[:, None, None], sliding)
+        if self._lean is not None:  # sliding windows never reach it (lean_decode.supports)
+            logits = self._lean.step(ids[:, 0], position_ids[:, 0], self._cache, mask)
+        else:
+            sliding = None if sliding is None else sliding[:, None, None]
+            logits = self._forward(ids, position_ids, mask[:, None, None], sliding)
         self._end = [e + 1 for e in self._end]
         return self._advance(range(n), logits)
 
@@ -630,6 +646,8 @@ class Generator:
                 own[name].copy_(tensor)
         if self._packed is not None:
             self._packed.refresh()
+        if self._lean is not None:
+            self._lean.refresh()
         self._requeue_running()
 
     def load_safetensors_dir(self, path: str | Path, *, strict: bool = True) -> None:

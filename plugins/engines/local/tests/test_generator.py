@@ -412,3 +412,37 @@ def test_packed_linears_are_the_default_and_agree_with_torchs_own_kernels(folder
     for rid in plain:
         assert packed[rid].output_ids == plain[rid].output_ids
         assert max(abs(a - b) for a, b in zip(packed[rid].logprobs, plain[rid].logprobs)) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_lean_decode_is_the_default_and_gives_the_plain_forwards_tokens_and_logprobs(folders, arch):
+    model = load(folders[arch], seed=5)
+    with torch.no_grad():  # qwen2: nonzero q/k/v biases, so the fused bias is exercised
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.5)
+    schedule = {0: [(f"a{i}", p, SamplingParams(max_new_tokens=10, seed=i)) for i, p in enumerate(PROMPTS[:3])],
+                3: [(f"b{i}", p, SamplingParams(max_new_tokens=6, seed=10 + i)) for i, p in enumerate(PROMPTS[3:])]}
+    lean_gen = Generator(model, eos_token_ids=[])
+    assert lean_gen._lean is not None
+    lean, _ = drain(lean_gen, schedule)
+    plain_gen = Generator(model, eos_token_ids=[], lean_decode=False)
+    assert plain_gen._lean is None
+    plain, _ = drain(plain_gen, schedule)
+    assert sorted(lean) == sorted(plain)
+    for rid in plain:
+        assert lean[rid].output_ids == plain[rid].output_ids
+        assert max(abs(a - b) for a, b in zip(lean[rid].logprobs, plain[rid].logprobs)) < 1e-4
+
+
+def test_lean_decode_refuses_what_it_cannot_reproduce():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from areal_local.lean_decode import supports
+
+    windowed = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                            num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True,
+                                            sliding_window=4, max_window_layers=0))
+    assert not supports(windowed)
+    with pytest.raises(ValueError, match="lean_decode=True but Qwen2ForCausalLM is not a Llama-family model"):
+        Generator(windowed, eos_token_ids=[], lean_decode=True)
