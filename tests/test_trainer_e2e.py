@@ -263,3 +263,28 @@ def test_grpo_with_decoupled_ppo_trains_fsdp_against_the_embedded_engine(rl_run,
     # Decoupled PPO ran: the behaviour weight pi_prox / pi_behav was measured on every step.
     assert all(0.0 < m["train/behav_weight_mean"] < 5.0 for m in metrics)
     assert all(m["train/behav_kept_frac"] > 0.5 for m in metrics)
+
+
+@pytest.mark.slow
+def test_ppo_with_a_critic_trains_fsdp_against_the_embedded_engine(rl_run, tmp_path):
+    """The PPO plugin's ppo: the fsdp engine builds the critic (value head), GAE advantages, a clipped value loss;
+    the critic is checkpointed beside the actor (exact resume: plugins/engines/fsdp/tests/test_fsdp_critic.py)."""
+    pytest.importorskip("areal_fsdp")
+    pytest.importorskip("areal_ppo")
+    from areal_local.models import tiny_model
+
+    model = tiny_model(tmp_path / "tiny", seed=0)
+    start, runs = rl_run
+    args = ("trial=ppo", "allocation=local:cpu+fsdp:cpu", "rollout.backend=local", "actor.backend=fsdp",
+            "algorithm.name=ppo", f"model.path={model}", "model.dtype=float32", "actor.optimizer.lr=1e-3",
+            "rollout.max_head_offpolicyness=1", "trainer.save_every=1", "rollout.dynamic_filtering=true")
+    finish(start(*args, "trainer.total_steps=2"), timeout=600)
+    metrics = read_jsonl(runs / "ppo" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(math.isfinite(m["critic/loss"]) and m["critic/grad_norm"] > 0 for m in metrics)
+    latest = runs / "ppo" / "checkpoints" / (runs / "ppo" / "checkpoints" / "latest").read_text().strip()
+    assert (latest / "critic" / "model.safetensors").exists()
+    from safetensors.torch import load_file
+
+    head = load_file(str(latest / "critic" / "model.safetensors"))["lm_head.weight"]
+    assert tuple(head.shape)[0] == 1  # the value head, not the vocabulary projection

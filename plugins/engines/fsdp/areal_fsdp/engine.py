@@ -114,18 +114,48 @@ class _LogprobModel(nn.Module):
                               is_start, temperature=temperature, chunk=self.chunk, softcap=self.softcap, only=only)
 
 
+class _ValueModel(_LogprobModel):
+    """The critic's FSDP root: the same backbone with ``lm_head`` a ``[1, H]`` value head.
+
+    Returns ``(values [T], zeros [T])`` float32 so the engine's micro-batching,
+    sharding, training and checkpointing serve it unchanged: ``values[t]`` is
+    the value of the state in which token ``t`` was chosen, read from the
+    hidden state of token ``t - 1`` (0.0 at each sequence's first token).
+    """
+
+    def forward(self, input_ids, position_ids, attention_mask, is_start, temperature: float = 1.0,
+                only=None, **attention_kwargs):
+        out = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids,
+                                    attention_mask=attention_mask, use_cache=False, **attention_kwargs)
+        v = self.lm.get_output_embeddings()(out.last_hidden_state[0]).squeeze(-1).float()  # [T]
+        values = torch.where(is_start, 0.0, torch.cat([v.new_zeros(1), v[:-1]]))
+        return values, torch.zeros_like(values)
+
+
+def _attach_value_head(lm: nn.Module, seed: int) -> None:
+    """Replace the LM head by a scalar value head (untied; small random weights, the same on every rank)."""
+    hidden = lm.get_input_embeddings().embedding_dim
+    dtype = lm.get_input_embeddings().weight.dtype
+    head = nn.Linear(hidden, 1, dtype=dtype)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(1, hidden, generator=torch.Generator().manual_seed(seed)) / math.sqrt(hidden))
+        head.bias.zero_()
+    lm.config.tie_word_embeddings = False
+    lm.set_output_embeddings(head)
+
+
 class FSDPEngine(TrainEngine):
     """Train engine on PyTorch FSDP2 (``actor.backend: fsdp``). See the module docstring."""
 
     config_class = FSDPEngineConfig
-    capabilities = frozenset({"save_load", "export_disk", "export_tensors", "reference"})
+    capabilities = frozenset({"save_load", "export_disk", "export_tensors", "reference", "critic"})
 
     def __init__(self, context: Any = None) -> None:
         super().__init__(context)
         self.options: FSDPEngineConfig = self.context.options or FSDPEngineConfig()
         self.role: str = self.context.extras.get("role", "actor")
-        if self.role not in ("actor", "reference"):
-            raise ValueError(f"FSDPEngine: role {self.role!r} is not 'actor' or 'reference'")
+        if self.role not in ("actor", "reference", "critic"):
+            raise ValueError(f"FSDPEngine: role {self.role!r} is not 'actor', 'reference' or 'critic'")
         self._version = 0
         self.model: _LogprobModel | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -164,7 +194,8 @@ class FSDPEngine(TrainEngine):
         self.dtype = getattr(torch, cfg.model.dtype)
         self.source = self._model_path(cfg.model.path, cfg.model.dtype)
         self.mb_max_tokens = int(cfg.actor.mb_max_tokens)
-        master = torch.float32 if self.role == "actor" else self.dtype
+        trained = self.role in ("actor", "critic")
+        master = torch.float32 if trained else self.dtype
         lm = self._load_lm(self.source, master)
         if self.role == "actor" and cfg.actor.gradient_checkpointing:
             if not getattr(lm, "supports_gradient_checkpointing", False):
@@ -180,8 +211,14 @@ class FSDPEngine(TrainEngine):
         self._peft = add_lora(lm, o.lora_rank, o.lora_alpha, o.lora_dropout, o.lora_target_modules, cfg.trainer.seed) \
             if o.lora_rank > 0 and self.role == "actor" else None
         self._lora_layers = lora_layers(lm) if self._peft is not None else {}
+        if self.role == "critic":
+            if self.tp > 1:
+                raise NotImplementedError("FSDPEngine: a critic with tensor parallel is not built; place the critic's "
+                                          "engine with data parallel (d) only")
+            _attach_value_head(lm, cfg.trainer.seed)
         self._aliases = _tied_aliases(lm)
-        model = _LogprobModel(lm, self.options.logits_chunk_tokens)
+        model_cls = _ValueModel if self.role == "critic" else _LogprobModel
+        model = model_cls(lm, self.options.logits_chunk_tokens)
         if self.tp > 1:
             self._tensor_parallel(model)
         elif self.world > 1:
@@ -191,7 +228,7 @@ class FSDPEngine(TrainEngine):
         self.model = model.eval()
         # Autocast when nothing else casts: bf16 compute over float32 parameters without FSDP.
         self._autocast = (self.world == 1 or self.tp > 1) and master != self.dtype
-        if self.role == "actor":
+        if trained:
             self._build_optimizer(cfg)
         layout = f"tensor parallel t{self.tp}" if self.tp > 1 else \
             (f"FSDP data parallel d{self.world}" if self.world > 1 else "one process")
@@ -439,6 +476,21 @@ class FSDPEngine(TrainEngine):
             logprobs, entropy = both.cpu()
         return {"logprobs": logprobs.tolist(), "entropy": entropy.tolist()}
 
+    def forward_values(self, batch: dict) -> dict:
+        """Critic: per-token ``values`` (list of T floats; ``values[t]`` read from token ``t - 1``, 0.0 at starts)."""
+        self._require_role("critic", "forward_values")
+        return {"values": self.forward_logprobs(batch)["logprobs"]}  # the value model returns values there
+
+    def train_values(self, batch: dict, loss_fn: Any) -> dict:
+        """Critic: one optimizer step, ``loss_fn(values, mb) -> (token-mean loss, stats)``, weighted as train_batch."""
+        self._require_role("critic", "train_values")
+        return self.train_batch(batch, lambda values, _entropy, mb: loss_fn(values, mb))
+
+    def _require_role(self, role: str, what: str) -> None:
+        self._require_model(what)
+        if self.role != role:
+            raise RuntimeError(f"FSDPEngine.{what}: this engine has role {self.role!r}; build it with role {role!r}")
+
     def train_batch(self, batch: dict, loss_fn: Any, temperature: float = 1.0) -> dict:
         """One optimizer step on ``batch``; ``loss_fn(logprobs, entropy, mb) -> (loss, stats)``.
 
@@ -458,7 +510,7 @@ class FSDPEngine(TrainEngine):
         self._require_model("train_batch")
         if self.optimizer is None:
             raise RuntimeError(f"FSDPEngine.train_batch: this engine has role {self.role!r} (a frozen copy with no "
-                               f"optimizer); only an engine built with role 'actor' trains")
+                               f"optimizer); only engines built with role 'actor' or 'critic' train")
         tensors, cu, T = self._tensors(batch)
         plan = self._plan(batch)
         mask = tensors.get("loss_mask")
@@ -718,9 +770,16 @@ class FSDPEngine(TrainEngine):
         state_file = folder / STATE_FILE
         meta = json.loads(state_file.read_text()) if state_file.is_file() else None
         master = next(self.lm.parameters()).dtype
-        fresh = AutoModelForCausalLM.from_pretrained(str(folder), dtype=master)
-        state = dict(fresh.state_dict())
-        del fresh
+        if self.role == "critic":  # a value head transformers would not load into a causal LM: the files as written
+            from safetensors.torch import load_file
+
+            state = {}
+            for file in sorted(folder.glob("*.safetensors")):
+                state.update({name: t.to(master) for name, t in load_file(str(file)).items()})
+        else:
+            fresh = AutoModelForCausalLM.from_pretrained(str(folder), dtype=master)
+            state = dict(fresh.state_dict())
+            del fresh
         if self._peft is not None:
             own = list(self.lm.state_dict())
             state = {**module_names(state, own), **read_adapter(folder / ADAPTER_DIR)}
