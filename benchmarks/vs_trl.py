@@ -154,7 +154,7 @@ def run_trl(model_dir: Path, steps: int, val: list[dict], out_dir: Path, dtype: 
 
 
 # --------------------------------------------------------------------- areal
-def run_areal(eta: int, steps: int, val: list[dict], out_dir: Path, dtype: str) -> dict:
+def run_areal(eta: int, steps: int, val: list[dict], out_dir: Path, dtype: str, extra: list[str]) -> dict:
     trial = f"eta{eta}"
     overrides = [f"output_dir={out_dir}", f"trial={trial}", f"model.dtype={dtype}",
                  f"rollout.max_head_offpolicyness={eta}", f"rollout.group_size={GROUP}",
@@ -164,7 +164,7 @@ def run_areal(eta: int, steps: int, val: list[dict], out_dir: Path, dtype: str) 
                  # TRL trains on every group, all-equal-reward ones included: so does areal here, so both
                  # generate exactly the samples they train on (the demo itself filters such groups out).
                  "rollout.dynamic_filtering=false", "rollout.weight_sync=tensors",
-                 f"trainer.total_steps={steps}", "trainer.save_every=0", "trainer.seed=1", "eval.size=0"]
+                 f"trainer.total_steps={steps}", "trainer.save_every=0", "trainer.seed=1", "eval.size=0", *extra]
     began = time.perf_counter()
     proc = subprocess.run([AREAL, "run", *overrides], capture_output=True, text=True,
                           env={**os.environ, "TERM": "dumb"})
@@ -189,6 +189,8 @@ def main() -> None:
     parser.add_argument("--eval-size", type=int, default=64)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="training dtype of both sides (bfloat16: TRL bf16 autocast, areal model.dtype)")
+    parser.add_argument("--areal", action="append", default=[], metavar="KEY=VALUE",
+                        help="an extra override for the areal runs (repeatable), e.g. dataset.stop_at_newline=false")
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--skip-sync", action="store_true", help="skip areal at eta = 0")
     args = parser.parse_args()
@@ -211,10 +213,10 @@ def main() -> None:
         if not args.skip_trl:
             results["TRL GRPOTrainer"] = run_trl(model_dir, args.steps, val, Path(tmp) / "trl", args.dtype)
             print("TRL done", flush=True)
-        results["areal eta=4"] = run_areal(4, args.steps, val, Path(tmp) / "areal", args.dtype)
+        results["areal eta=4"] = run_areal(4, args.steps, val, Path(tmp) / "areal", args.dtype, args.areal)
         print("areal eta=4 done", flush=True)
         if not args.skip_sync:
-            results["areal eta=0"] = run_areal(0, args.steps, val, Path(tmp) / "areal", args.dtype)
+            results["areal eta=0"] = run_areal(0, args.steps, val, Path(tmp) / "areal", args.dtype, args.areal)
     print(f"\n{'':<16} {'wall s':>8} {'s/step':>7} {'samples/s':>10} {'gen tok/s':>10} {'acc before':>10} "
           f"{'acc after':>10}")
     for name, r in results.items():

@@ -47,6 +47,8 @@ class ArithmeticConfig:
                        help="> 0: each operand has 1..digits digits, drawn per operand (graded difficulty); "
                             "0: operands in [min_value, max_value]")
     few_shot_prefix: str = spec(ISSUE_PREFIX, help="solved examples before the problem in the few_shot style")
+    stop_at_newline: bool = spec(True, help="few_shot: end each completion at its first newline (the answer "
+                                            "line); false lets it run on to max_new_tokens, as TRL does")
     instruction: str = spec(CHAT_INSTRUCTION, help="the chat style's user message; {expression} is the problem")
     size: int = spec(0, ge=0, help="train problems; 0 = an endless stream")
     validation_size: int = spec(64, ge=0, help="held-out problems, never in the train split")
@@ -94,7 +96,8 @@ class ArithmeticDataset(SyntheticDataset):
                                 "level": max(len(str(v)) for v in values)}
         if o.style == "few_shot":
             item["prompt"] = f"{o.few_shot_prefix}{expression}="
-            item["stop"] = ["\n"]
+            if o.stop_at_newline:
+                item["stop"] = ["\n"]
         else:
             item["messages"] = [{"role": "user", "content": o.instruction.format(expression=expression)}]
         return expression, item

@@ -27,6 +27,9 @@ def test_default_arithmetic_is_the_issue_8_few_shot_prompt():
         assert item["prompt"] == f"3+4=7\n10+5=15\n8+9=17\n{a}+{b}="
         assert item["answer"] == str(a + b) and item["stop"] == ["\n"] and "messages" not in item
     assert len({i["expression"] for i in items}) > 150  # spread over the 441 problems
+    unstopped = take(ArithmeticDataset(Context(options=ArithmeticConfig(stop_at_newline=False))), 5)
+    assert [i["prompt"] for i in unstopped] == [i["prompt"] for i in items[:5]]
+    assert all("stop" not in i for i in unstopped)
 
 
 def test_chat_style_grades_difficulty_by_digits_and_computes_answers():
