@@ -235,10 +235,16 @@ def test_elastic_kill_one_of_two_then_add_a_third(servers):
         assert joining.version == join_version  # brought to the current weights before any traffic
         step()
         step()
+        # Episodes admitted before the join (up to eta + 1 batches ahead) still run on the first server;
+        # a busy machine can push the first request on the new one a few steps further.
+        for _ in range(8):
+            if joining.served:
+                break
+            step()
         members = {m.name: m for m in ctrl.members()}
     ids = [g.item["id"] for batch in batches for g in batch]
-    assert len(ids) == len(set(ids)) == 20, "a group was lost or trained twice"
-    assert sorted(ids) == list(range(20))
+    assert len(ids) == len(set(ids)) == 4 * len(batches) >= 20, "a group was lost or trained twice"
+    assert sorted(ids) == list(range(len(ids)))
     for batch in batches:
         for group in batch:
             for traj in group.trajectories:
