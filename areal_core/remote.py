@@ -39,7 +39,7 @@ def log_tail(path: str | Path | None, lines: int = 15) -> str:
         text = Path(path).read_text(errors="replace").splitlines()
     except OSError:
         return ""
-    return f"\nlast lines of its log ({path}):\n  " + "\n  ".join(text[-lines:]) if text else ""
+    return f"\nlast lines of its log: {path}\n  " + "\n  ".join(text[-lines:]) if text else ""
 
 
 def run_log_path(config: Any, index: int) -> Path | None:

@@ -21,7 +21,6 @@ continues with no sample trained twice or skipped.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
 import os
 import shutil
@@ -319,13 +318,7 @@ class Trainer:
         """
         if self.cfg.rollout.weight_sync == "tensors":
             named = [pair for bucket in self.actor.export_tensors(WEIGHT_BUCKET_BYTES) for pair in bucket]
-            if self.rank != 0:
-                return 0.0
-
-            async def apply() -> None:
-                await asyncio.gather(*(e.update_weights_from_tensors(named, version) for e in self.controller.engines))
-
-            return self.controller.update_weights(apply, version)
+            return self.controller.update_weights_from_tensors(named, version) if self.rank == 0 else 0.0
         weights = self.run_dir / "weights" / f"v{version:06d}"
         self.actor.export_to_disk(str(weights))  # collective: every rank takes part in the gather
         if self.rank != 0:
@@ -340,8 +333,9 @@ class Trainer:
             return
         refusing = [f"actor.backend {self.cfg.actor.backend!r} does not declare 'export_tensors'"] \
             if "export_tensors" not in self.actor.capabilities else []
-        refusing += [f"rollout.backend {self.cfg.rollout.backend!r} does not declare 'update_weights_from_tensors'"
-                     for e in engines[:1] if "update_weights_from_tensors" not in e.capabilities]
+        if engines and "update_weights_from_tensors" not in engines[0].capabilities:  # one backend for all
+            refusing.append(f"rollout.backend {self.cfg.rollout.backend!r} does not declare "
+                            "'update_weights_from_tensors'")
         if refusing:
             raise ValueError(f"rollout.weight_sync: 'tensors' cannot be used: {'; '.join(refusing)}. "
                              "Fix: rollout.weight_sync=disk (the default)")

@@ -426,6 +426,15 @@ class RolloutController:
 
         return self.update_weights(apply, version)
 
+    def update_weights_from_tensors(self, named_tensors: list, version: int) -> float:
+        """Hand ``named_tensors`` ((name, tensor) pairs, full weights) to every routed engine; see
+        :meth:`update_weights`. Elastic: an engine that fails leaves routing, as with disk updates."""
+        async def apply() -> None:
+            await self._on_members(lambda e: e.update_weights_from_tensors(named_tensors, version),
+                                   "update_weights_from_tensors")
+
+        return self.update_weights(apply, version)
+
     # ------------------------------------------------------------ elastic topology
     @property
     def engines(self) -> list[InferenceEngine]:

@@ -27,10 +27,13 @@ masked ``sdpa`` path (:func:`supports` says which).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from functools import lru_cache
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 PACKED_SDPA = "areal_packed_sdpa"
 CU_SEQLENS = "areal_cu_seqlens"
@@ -59,6 +62,21 @@ def buckets(lens: list[int], slack: float = PADDING_SLACK) -> list[list[int]]:
     return groups
 
 
+@lru_cache(maxsize=8)
+def _gather_plan(cu: tuple[int, ...]) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """Per bucket: (sequences, longest, src, dst). Token j of the bucket's r-th sequence i is row cu[i] + j of
+    the packed tensors and row r * longest + j of the padded ones. Every layer of a forward (and its backward)
+    shares one row layout, so this is computed once per micro-batch, not once per layer."""
+    lens = [e - s for s, e in zip(cu[:-1], cu[1:])]
+    plan = []
+    for group in buckets(lens):
+        longest = lens[group[0]]
+        src = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in group])
+        dst = torch.cat([torch.arange(lens[i]) + r * longest for r, i in enumerate(group)])
+        plan.append((len(group), longest, src, dst))
+    return plan
+
+
 def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
                 **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -72,22 +90,17 @@ def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     gqa = query.shape[1] != key.shape[1]
     drop = dropout if module.training else 0.0
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
-    lens = [e - s for s, e in zip(cu[:-1], cu[1:])]
     out = q.new_empty(q.shape)
-    for group in buckets(lens):
-        longest = lens[group[0]]
-        # Token j of the group's r-th sequence: row cu[i] + j of the packed tensors, row r * longest + j padded.
-        src = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in group])
-        dst = torch.cat([torch.arange(lens[i]) + r * longest for r, i in enumerate(group)])
+    for count, longest, src, dst in _gather_plan(tuple(cu)):
 
         def padded(x: torch.Tensor) -> torch.Tensor:
-            flat = x.new_zeros((len(group) * longest,) + x.shape[1:]).index_copy(0, dst, x[src])
-            return flat.view(len(group), longest, *x.shape[1:]).transpose(1, 2)  # [n, heads, longest, D]
+            flat = x.new_zeros((count * longest,) + x.shape[1:]).index_copy(0, dst, x[src])
+            return flat.view(count, longest, *x.shape[1:]).transpose(1, 2)  # [n, heads, longest, D]
 
         with _kernel_for(q, longest):
             o = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), dropout_p=drop, is_causal=True,
                                                scale=scaling, enable_gqa=gqa)
-        o = o.transpose(1, 2).reshape(len(group) * longest, *o.shape[1:2], o.shape[-1])
+        o = o.transpose(1, 2).reshape(count * longest, *o.shape[1:2], o.shape[-1])
         out = out.index_copy(0, src, o[dst])
     return out[None], None
 
@@ -100,10 +113,6 @@ SHORT_LOW_PRECISION = 128
 
 
 def _kernel_for(q: torch.Tensor, longest: int):
-    from contextlib import nullcontext
-
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and longest <= SHORT_LOW_PRECISION:
         return sdpa_kernel(SDPBackend.MATH)
     return nullcontext()

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from areal_core.api import TrainEngine
+from areal_core.lr_schedule import lr_factor
 from areal_core.train_batches import as_list, combine_stats, cumsum, scalar_stats, to_tensor
 from areal_fsdp import attention
 from areal_fsdp.hf_folder import checkpoint_names, write_hf_files, write_hf_folder, write_json_atomic
@@ -56,7 +57,6 @@ from areal_fsdp.lora import (add_lora, export_items, is_adapter, lora_layers, mo
                               write_adapter)
 from areal_fsdp.logprobs import packed_attention_mask, token_logprobs
 from areal_fsdp.packing import first_fit_decreasing, karmarkar_karp, micro_batches
-from areal_fsdp.schedule import lr_factor
 
 ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 STATE_FILE = "engine_state.json"

@@ -28,7 +28,7 @@ from areal_core.testing import TrainEngineConformance  # noqa: E402
 from areal_fsdp.engine import FSDPEngine, FSDPEngineConfig  # noqa: E402
 from areal_fsdp.logprobs import packed_attention_mask  # noqa: E402
 from areal_fsdp.packing import first_fit_decreasing, karmarkar_karp, micro_batches  # noqa: E402
-from areal_fsdp.schedule import lr_factor  # noqa: E402
+from areal_core.lr_schedule import lr_factor  # noqa: E402
 from areal_local.models import tiny_model  # noqa: E402
 
 WORKER = Path(__file__).with_name("dist_worker.py")

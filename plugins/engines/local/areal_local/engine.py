@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from areal_core.api import GenerationRequest, GenerationResponse, InferenceEngine, ServerProcess
+from areal_core.remote import log_tail, run_log_path
 
 
 @dataclass
@@ -26,14 +27,9 @@ def _model_arg(config: Any) -> str:
     return config.model.path or "demo"
 
 
-def _log_tail(config: Any, index: int, lines: int = 15) -> str:
+def _log_tail(config: Any, index: int) -> str:
     """The server's own last log lines, for errors seen from the trainer."""
-    try:
-        run_dir = Path(config.output_dir).expanduser() / config.experiment / config.trial
-        text = (run_dir / "logs" / f"rollout-{index}.log").read_text(errors="replace").splitlines()
-    except (OSError, AttributeError):
-        return ""
-    return "\nlast lines of its log:\n  " + "\n  ".join(text[-lines:]) if text else ""
+    return log_tail(run_log_path(config, index))
 
 
 class LocalEngine(InferenceEngine):

@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 from areal_core.api import TrainEngine
+from areal_core.lr_schedule import lr_factor
 from areal_core.train_batches import as_list, combine_stats, cumsum, scalar_stats, to_tensor
 from areal_megatron import convert
 from areal_megatron.logprobs import vocab_parallel_logprobs
@@ -591,13 +592,8 @@ class Schedule:
     step: int = 0
 
     def lr_at(self, s: int) -> float:
-        if self.kind not in ("constant", "linear", "cosine"):
-            raise ValueError(f"actor.optimizer.lr_schedule {self.kind!r} is not constant, linear or cosine")
-        if s < self.warmup_steps:
-            return self.lr * (s + 1) / self.warmup_steps
-        done = min(1.0, max(0.0, (s - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)))
-        factor = {"constant": 1.0, "linear": 1.0 - done, "cosine": 0.5 * (1.0 + math.cos(math.pi * done))}
-        return self.lr * factor[self.kind]
+        return self.lr * lr_factor(s, warmup_steps=self.warmup_steps, total_steps=self.total_steps,
+                                   schedule=self.kind)
 
 
 def balanced_split(lengths: list[int], k: int) -> list[list[int]]:

@@ -4,7 +4,8 @@
     then p = (s - W) / max(1, S - W)  clamped to [0, 1]  (S = total steps)
         constant: 1     linear: 1 - p     cosine: (1 + cos(pi p)) / 2
 
-The last of ``S`` steps still has a positive rate for linear and cosine.
+The last of ``S`` steps still has a positive rate for linear and cosine. The formula behind
+``actor.optimizer.lr_schedule``, shared by every train engine.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ SCHEDULES = ("constant", "linear", "cosine")
 
 def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str) -> float:
     if schedule not in SCHEDULES:
-        raise ValueError(f"lr schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
+        raise ValueError(f"actor.optimizer.lr_schedule {schedule!r} is not constant, linear or cosine")
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     p = min(1.0, max(0.0, (step - warmup_steps) / max(1, total_steps - warmup_steps)))
