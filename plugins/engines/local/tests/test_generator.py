@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from areal_core.api.inference import SamplingParams
@@ -414,19 +414,25 @@ def test_packed_linears_are_the_default_and_agree_with_torchs_own_kernels(folder
         assert max(abs(a - b) for a, b in zip(packed[rid].logprobs, plain[rid].logprobs)) < 1e-4
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_lean_decode_is_the_default_and_gives_the_plain_forwards_tokens_and_logprobs(folders, arch):
-    model = load(folders[arch], seed=5)
-    with torch.no_grad():  # qwen2: nonzero q/k/v biases, so the fused bias is exercised
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "torch-linears"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-all-biases"])
+def test_lean_decode_is_the_default_and_gives_the_plain_forwards_tokens_and_logprobs(folders, arch, packed):
+    if arch == "llama-all-biases":  # every projection biased: the post-op matmuls carry biases too
+        config = AutoConfig.from_pretrained(folders["llama"])
+        config.attention_bias = config.mlp_bias = True
+        model = redraw(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"), 5)
+    else:
+        model = load(folders[arch], seed=5)
+    with torch.no_grad():  # nonzero biases (qwen2: q/k/v), so the fused biases are exercised
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.5)
     schedule = {0: [(f"a{i}", p, SamplingParams(max_new_tokens=10, seed=i)) for i, p in enumerate(PROMPTS[:3])],
                 3: [(f"b{i}", p, SamplingParams(max_new_tokens=6, seed=10 + i)) for i, p in enumerate(PROMPTS[3:])]}
-    lean_gen = Generator(model, eos_token_ids=[])
-    assert lean_gen._lean is not None
+    lean_gen = Generator(model, eos_token_ids=[], packed_linears=packed)
+    assert lean_gen._lean is not None and lean_gen._lean.packed == packed
     lean, _ = drain(lean_gen, schedule)
-    plain_gen = Generator(model, eos_token_ids=[], lean_decode=False)
+    plain_gen = Generator(model, eos_token_ids=[], lean_decode=False, packed_linears=packed)
     assert plain_gen._lean is None
     plain, _ = drain(plain_gen, schedule)
     assert sorted(lean) == sorted(plain)
