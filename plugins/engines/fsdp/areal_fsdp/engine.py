@@ -1,8 +1,12 @@
 """The ``fsdp`` train engine: any HF causal LM, sharded with FSDP2 over the data-parallel ranks.
 
 One engine per rank. With ``torch.distributed`` initialized (gloo on CPU,
-nccl on GPU) the world is the data-parallel group: every decoder layer and
-then the root are ``fully_shard``-ed; otherwise the world is this process.
+nccl on GPU) the world is a ``(dp, tp)`` device mesh, ``tp`` the inner
+dimension (rank = dp_rank * tp + tp_rank; ``tp`` is the allocation's ``t``,
+1 by default). Tensor parallel first splits each decoder layer's heads and
+MLP columns over the ``tp`` ranks (DTensor); then, when ``dp > 1``, every
+decoder layer and the root are ``fully_shard``-ed over the ``dp`` ranks (the
+FSDP2 + TP recipe). Without a process group the world is this process.
 
 Precision: parameters (the optimizer's master copy) are float32 for the
 actor. ``model.dtype: bfloat16`` computes in bfloat16: through FSDP2's
@@ -12,7 +16,8 @@ A reference engine (frozen, no optimizer) keeps its parameters in
 ``model.dtype``.
 
 Batches are the trainer's packed lists (see ``areal_core.rollout.pack_groups``).
-Sequences are shared among ranks with balanced token counts, then packed into
+Sequences are shared among data-parallel ranks (the ranks of one tensor-parallel
+group get the same ones) with balanced token counts, then packed into
 as many micro-batches as the fullest rank needs under ``actor.mb_max_tokens``
 (agreed with an all-reduce); each micro-batch is one row with a
 block-diagonal causal mask (:mod:`areal_fsdp.logprobs`). A rank with fewer
@@ -219,52 +224,65 @@ class FSDPEngine(TrainEngine):
         self._aliases = _tied_aliases(lm)
         model_cls = _ValueModel if self.role == "critic" else _LogprobModel
         model = model_cls(lm, self.options.logits_chunk_tokens)
+        if self.world > 1:
+            self.mesh = self._device_mesh()
         if self.tp > 1:
             self._tensor_parallel(model)
-        elif self.world > 1:
+        if self.dp > 1:
             self._shard(model)
-        else:
+        if self.world == 1:
             model.to(self.device)
         self.model = model.eval()
         # Autocast when nothing else casts: bf16 compute over float32 parameters without FSDP.
-        self._autocast = (self.world == 1 or self.tp > 1) and master != self.dtype
+        self._autocast = self.dp == 1 and master != self.dtype
         if trained:
             self._build_optimizer(cfg)
-        layout = f"tensor parallel t{self.tp}" if self.tp > 1 else \
-            (f"FSDP data parallel d{self.world}" if self.world > 1 else "one process")
+        layout = " x ".join([f"tensor parallel t{self.tp}"] * (self.tp > 1)
+                            + [f"FSDP data parallel d{self.dp}"] * (self.dp > 1)) or "one process"
         print(f"areal-plugin-fsdp: {self.role} rank {self.rank}/{self.world} on {self.device}, {layout}, "
               f"{cfg.model.dtype}, attention {self.lm.config._attn_implementation}", file=sys.stderr, flush=True)
 
     def _refuse_unbuilt_parallelism(self) -> None:
         parallel = getattr(self.context.placement, "parallel", None)
         d, t, c = (getattr(parallel, dim, 1) for dim in ("d", "t", "c"))
-        unbuilt = {"t": t} if t > 1 and (d > 1 or c > 1) else {}  # tensor parallel alone is built
-        unbuilt.update({"c": c} if c > 1 else {})
-        if unbuilt:
-            dims = ", ".join(f"{dim}{n}" for dim, n in unbuilt.items())
+        if c > 1:
+            keep = f"t{t}" if t > 1 else ""
             raise NotImplementedError(
-                f"FSDPEngine: the allocation asks for {dims} with d{d} ('{self.context.placement}'); this version "
-                f"of areal-plugin-fsdp implements data parallel, and tensor parallel alone (d1), not context "
-                f"parallel nor tensor x data parallel yet. Use d instead, e.g. d{d * math.prod(unbuilt.values())}")
+                f"FSDPEngine: the allocation asks for c{c} with d{d}{keep} ('{self.context.placement}'); this "
+                f"version of areal-plugin-fsdp implements data and tensor parallel, not context parallel yet. "
+                f"Use d instead, e.g. d{d * c}{keep}")
 
     def _tensor_parallel_size(self) -> int:
-        t = int(getattr(getattr(self.context.placement, "parallel", None), "t", 1) or 1)
-        if t > 1 and t != self.world:
-            raise RuntimeError(f"FSDPEngine: the allocation asks for t{t} but {self.world} rank(s) were started; "
-                               f"tensor parallel (d1) needs exactly t ranks")
+        parallel = getattr(self.context.placement, "parallel", None)
+        t = int(getattr(parallel, "t", 1) or 1)
+        d = int(getattr(parallel, "d", 1) or 1)
+        if t > 1 and d * t != self.world:
+            raise RuntimeError(f"FSDPEngine: the allocation asks for d{d}t{t} but {self.world} rank(s) were "
+                               f"started; tensor parallel needs exactly d x t = {d * t} ranks")
         if t > 1 and self.options.lora_rank > 0:
             raise NotImplementedError(f"FSDPEngine: LoRA (actor.lora_rank={self.options.lora_rank}) with tensor "
-                                      f"parallel (t{t}) is not built; use d{t} or actor.lora_rank=0")
+                                      f"parallel (t{t}) is not built; use d{d * t} or actor.lora_rank=0")
         return t
 
+    def _device_mesh(self) -> Any:
+        """The ranks as a ``("dp", "tp")`` grid, ``tp`` inner (a dimension of size 1 is left out)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dims = {name: n for name, n in (("dp", self.dp), ("tp", self.tp)) if n > 1}
+        return init_device_mesh(self.device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+
+    def _dp_group(self) -> Any:
+        """The process group of this rank's data-parallel peers (the same tensor-parallel rank); None = the world."""
+        return self.mesh["dp"].get_group() if self.tp > 1 else None
+
     def _tensor_parallel(self, model: _LogprobModel) -> None:
-        """Megatron-style tensor parallel through DTensor: attention heads and MLP columns split over the ranks.
+        """Megatron-style tensor parallel through DTensor: attention heads and MLP columns split over the tp ranks.
 
         q/k/v and gate/up are column-parallel, o and down row-parallel (their
         outputs all-reduced), so each rank runs its share of the heads;
-        embeddings, norms and the output head stay whole on every rank.
+        embeddings, norms and the output head stay whole on every tp rank
+        (FSDP shards them over the dp ranks when there are several).
         """
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         config = model.lm.config
@@ -274,7 +292,6 @@ class FSDPEngine(TrainEngine):
             raise ValueError(f"FSDPEngine: t{self.tp} must divide the model's {heads} attention and {kv_heads} "
                              f"key-value heads; choose a t that divides both, or use d")
         model.to(self.device)
-        self.mesh = init_device_mesh(self.device.type, (self.tp,), mesh_dim_names=("tp",))
         plan = {**{f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")},
                 "self_attn.o_proj": RowwiseParallel(),
                 **{f"mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")},
@@ -285,7 +302,7 @@ class FSDPEngine(TrainEngine):
             if missing:
                 raise NotImplementedError(f"FSDPEngine: tensor parallel knows Llama-style layers (self_attn.q_proj "
                                           f"... mlp.down_proj); {type(layer).__name__} has no {missing}. Use d")
-            parallelize_module(layer, self.mesh, plan)
+            parallelize_module(layer, self.mesh["tp"], plan)
 
     def _pick_device(self) -> torch.device:
         wanted = getattr(self.context.placement, "device", None)
@@ -324,16 +341,16 @@ class FSDPEngine(TrainEngine):
         return lm
 
     def _shard(self, model: _LogprobModel) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
+        """FSDP2 over the dp ranks: each decoder layer, then the root (after tensor parallel, if any)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        self.mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("dp",))
+        mesh = self.mesh["dp"]
         params_dtype = next(model.parameters()).dtype
         mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32) \
             if params_dtype != self.dtype else MixedPrecisionPolicy()
         for layer in self._decoder_layers(model):
-            fully_shard(layer, mesh=self.mesh, mp_policy=mp, reshard_after_forward=self.options.reshard_after_forward)
-        fully_shard(model, mesh=self.mesh, mp_policy=mp, reshard_after_forward=self.options.reshard_after_forward)
+            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=self.options.reshard_after_forward)
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=self.options.reshard_after_forward)
 
     @staticmethod
     def _decoder_layers(model: _LogprobModel) -> list[nn.Module]:
@@ -472,7 +489,7 @@ class FSDPEngine(TrainEngine):
                     entropy[mb["token_index"]] = ent.float().cpu()
         if self.dp > 1:
             both = torch.stack([logprobs, entropy]).to(self._comm_device())
-            dist.all_reduce(both)  # each token is computed by exactly one rank; the others add 0
+            dist.all_reduce(both, group=self._dp_group())  # one dp rank computes each token; the others add 0
             logprobs, entropy = both.cpu()
         return {"logprobs": logprobs.tolist(), "entropy": entropy.tolist()}
 
@@ -550,8 +567,8 @@ class FSDPEngine(TrainEngine):
         self.scheduler.step()
         self._version += 1
         if self.dp > 1:
-            gathered: list[Any] = [None] * self.world
-            dist.all_gather_object(gathered, records)
+            gathered: list[Any] = [None] * self.dp
+            dist.all_gather_object(gathered, records, group=self._dp_group())
             records = [r for rank_records in gathered for r in rank_records]
         out = combine_stats(records, total_loss_tokens)
         out.update(grad_norm=grad_norm, lr=lr, n_tokens=float(T), n_loss_tokens=float(total_loss_tokens),
@@ -571,20 +588,27 @@ class FSDPEngine(TrainEngine):
         return float(norm)
 
     def _clip_tensor_parallel(self, params: list[nn.Parameter], max_norm: float) -> float:
-        """Global grad norm over split (DTensor) and whole parameters, clipped as ``clip_grad_norm_`` does."""
+        """Global grad norm over parameters split on any dims of the mesh (or whole), clipped as ``clip_grad_norm_``.
+
+        Each local piece is held by ``world / (sizes of the mesh dims it is
+        split over)`` ranks (a whole tensor by all of them), so every rank adds
+        its squares divided by that count and one all-reduce over the world
+        counts each element once: tp-split q_proj, dp-sharded norms and
+        (tp x dp)-split layers alike.
+        """
         from torch.distributed.tensor import DTensor
 
-        split = torch.zeros((), dtype=torch.float32, device=self.device)
-        whole = torch.zeros((), dtype=torch.float32, device=self.device)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
         for p in params:
-            g = p.grad
-            if isinstance(g, DTensor) and any(pl.is_shard() for pl in g.placements):
-                split += g.to_local().float().pow(2).sum()
-            else:  # the same on every rank: counted once
-                whole += (g.to_local() if isinstance(g, DTensor) else g).float().pow(2).sum()
-        box = split.to(self._comm_device())
+            g, holders = p.grad, self.world
+            if isinstance(g, DTensor):
+                for size, placement in zip(g.device_mesh.shape, g.placements):
+                    holders //= 1 if placement.is_replicate() else size  # Shard or _StridedShard
+                g = g.to_local()
+            total += g.float().pow(2).sum() / holders
+        box = total.to(self._comm_device())
         dist.all_reduce(box)
-        norm = float((box.to(whole.device) + whole).sqrt())
+        norm = float(box.sqrt())
         if math.isfinite(norm):
             coef = min(1.0, max_norm / (norm + 1e-6))
             if coef < 1.0:

@@ -6,6 +6,7 @@ this module on every call, on machines without torch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -17,8 +18,8 @@ from areal_core.parallelism_rules import heads_problem
 
 BACKEND = "fsdp"
 
-# Dimensions only wired on GPU here: ring-attention context parallel needs
-# NCCL kernels (not gloo), and DTensor tensor parallel is GPU-only in areal.
+# Context parallel only makes sense on GPU here: ring attention needs NCCL
+# kernels, which gloo does not provide. Data and tensor parallel run on both.
 CONTEXT_NEEDS_GPU = "context parallel needs ring-attention kernels, which gloo does not provide"
 
 
@@ -61,27 +62,26 @@ def _component_problems(comp: Component, model: ModelInfo | None) -> list[Proble
     return problems + ([problem] if problem else [])
 
 
-# What the engine of this version trains with; the declaration above is what
-# the backend will support. Reported at check time rather than at start-up.
-# Tensor parallel alone (t ranks, d1) is built too: see _not_built_problems.
-BUILT_DIMS = "d"
+# What the engine of this version trains with (data, tensor, and tensor x data
+# parallel); the declaration above is what the backend will support. Reported
+# at check time rather than at start-up.
+BUILT_DIMS = "dt"
 
 
 def _not_built_problems(comp: Component) -> list[Problem]:
     par = comp.parallel
-    # Tensor parallel is built alone (t ranks, d1): with data or context parallel beside it, it is not.
-    t_alone = par.t > 1 and par.d == 1 and par.c == 1
-    missing = [dim for dim in ("t", "c") if getattr(par, dim) > 1 and dim not in BUILT_DIMS
-               and not (dim == "t" and t_alone)]
+    missing = [dim for dim in ("t", "c") if getattr(par, dim) > 1 and dim not in BUILT_DIMS]
     if not missing:
         return []
-    folded = replace(comp, parallel=replace(par, d=par.d * par.c * par.t, c=1, t=1))
+    # Fold what is not built into data parallel; what is built stays as asked.
+    folded = replace(comp, parallel=replace(par, d=par.d * math.prod(getattr(par, dim) for dim in missing),
+                                            **{dim: 1 for dim in missing}))
     what = " and ".join(f"{'tensor' if dim == 't' else 'context'} parallel ({dim}{getattr(par, dim)})"
                         for dim in missing)
     return [Problem(
         f"{BACKEND}.not-built",
         f"'{comp}': {what} is not built in this version of areal-plugin-fsdp, which trains with data "
-        "parallelism, or tensor parallelism alone (t ranks with d1).",
+        "and tensor parallelism.",
         f"use data parallel instead, e.g. '{folded}'",
         key="allocation",
     )]

@@ -363,12 +363,13 @@ def test_a_missing_model_folder_is_named(tmp_path):
         engine(config(tmp_path / "nowhere"))
 
 
-def test_tensor_and_context_parallel_placements_are_refused_not_ignored(models):
+def test_context_parallel_placements_are_refused_not_ignored(models):
     from areal_core.config.allocation import parse_allocation
 
     (placement,) = parse_allocation("fsdp:d2t2c2").components
     e = FSDPEngine.create(Context(config=config(models["llama"]), placement=placement))
-    with pytest.raises(NotImplementedError, match="t2, c2 with d2 .*not context parallel nor tensor x data.*d8"):
+    with pytest.raises(NotImplementedError, match="c2 with d2t2 .*data and tensor parallel, not context parallel"
+                                                  ".*e.g. d4t2"):
         e.initialize()
 
 
@@ -440,13 +441,15 @@ def test_two_ranks_with_fewer_sequences_than_ranks(models, tmp_path):
     assert two["stats"]["loss"] == pytest.approx(one["stats"]["loss"], rel=1e-6)
 
 
-def test_two_ranks_in_bfloat16_with_activation_checkpointing(models, tmp_path):
-    """FSDP2 mixed precision (bf16 compute, fp32 reduce) against autocast at world size 1: bf16-close."""
+@pytest.mark.parametrize(("allocation", "world"), [(None, 2), ("fsdp:d2t2@cpu", 4)], ids=["d2", "d2t2"])
+def test_sharded_ranks_in_bfloat16_with_activation_checkpointing(models, tmp_path, allocation, world):
+    """FSDP2 mixed precision (bf16 compute, fp32 reduce; over tensor-parallel layers too) against autocast at
+    world size 1: bf16-close."""
     batch = make_batch(LENGTHS + [4])
     spec = {"model": str(models["llama"]), "batch": batch, "mb_max_tokens": 16, "dtype": "bfloat16",
-            "gradient_checkpointing": True, "scenario": "short"}
-    two = run_ranks(spec, tmp_path / "world2")
-    one = worker.short_scenario(worker.make_engine(spec), batch)
+            "gradient_checkpointing": True, "scenario": "short", "allocation": allocation}
+    two = run_ranks(spec, tmp_path / "world2", world=world)
+    one = worker.short_scenario(worker.make_engine({**spec, "allocation": None}), batch)
     assert worst(two["lp0"], one["lp0"]) < 0.05
     assert two["stats"]["loss"] == pytest.approx(one["stats"]["loss"], abs=0.01)
     assert worst(two["lp1"], one["lp1"]) < 0.05
@@ -537,35 +540,69 @@ def test_two_ranks_export_tensors_like_one(models, tmp_path):
     assert worst(hf_logprobs(lm, batch), two["lp1"]) < 1e-5
 
 
+def train_on_ranks_and_in_one_process(models, tmp_path, allocation: str, world: int) -> tuple[dict, dict, dict]:
+    """The full scenario on ``world`` ranks placed as ``allocation`` (in ``tmp_path / "many"``) and in one
+    process (``tmp_path / "world1"``): what each saw, and the spec."""
+    batch = make_batch(LENGTHS + [4])
+    spec = {"model": str(models["llama"]), "batch": batch, "mb_max_tokens": 16, "lr": 1.0, "eps": 1.0,
+            "grad_clip": 1.0, "allocation": allocation}
+    many = run_ranks(spec, tmp_path / "many", world=world)
+    one = worker.scenario(worker.make_engine({**spec, "allocation": None}), batch, str(tmp_path / "world1"))
+    return many, one, spec
+
+
+def assert_trained_like_one(many: dict, one: dict, tmp_path) -> None:
+    """Losses, clipped grad norm, logprobs, exported weights and a save / load as in one process."""
+    assert many["stats1"]["grad_norm"] > 1.0  # grad_clip 1.0 acted
+    assert worst(many["lp0"]["logprobs"], one["lp0"]["logprobs"]) < 1e-5
+    assert worst(many["lp0"]["entropy"], one["lp0"]["entropy"]) < 1e-5
+    assert many["stats1"]["loss"] == pytest.approx(one["stats1"]["loss"], rel=1e-6)
+    assert many["stats1"]["entropy"] == pytest.approx(one["stats1"]["entropy"], rel=1e-6)
+    assert many["stats1"]["grad_norm"] == pytest.approx(one["stats1"]["grad_norm"], rel=1e-5)
+    for key in ("lp1", "lp2"):
+        assert worst(many[key], one[key]) < 1e-4, key
+    exported = [load_file(tmp_path / w / "export" / "model.safetensors") for w in ("many", "world1")]
+    assert sorted(exported[0]) == sorted(exported[1])
+    assert max(worst(exported[0][k], exported[1][k]) for k in exported[1]) < 1e-5
+    assert many["loaded_version"] == 1 and worst(many["lp_loaded"], many["lp1"]) == 0.0
+    assert worst(many["lp2_after_load"], many["lp2"]) < 1e-6
+
+
 @pytest.mark.slow
 def test_two_ranks_of_tensor_parallel_train_save_and_export_like_one(models, tmp_path):
     """t2 over gloo: heads and MLP columns split (DTensor), the same losses, weights and checkpoints as one process."""
-    batch = make_batch(LENGTHS + [4])
-    spec = {"model": str(models["llama"]), "batch": batch, "mb_max_tokens": 16, "lr": 1.0, "eps": 1.0,
-            "grad_clip": 1.0, "allocation": "fsdp:t2@cpu"}
-    two = run_ranks(spec, tmp_path / "t2")
-    one = worker.scenario(worker.make_engine({**spec, "allocation": None}), batch, str(tmp_path / "world1"))
+    two, one, _ = train_on_ranks_and_in_one_process(models, tmp_path, "fsdp:t2@cpu", world=2)
     # Column-parallel q, row-parallel o, the embedding whole (not FSDP-sharded).
     assert two["layout"] == {"q_proj": "(Shard(dim=0),)", "o_proj": "(Shard(dim=1),)", "embed": "None"}
-    assert two["stats1"]["grad_norm"] > 1.0  # grad_clip 1.0 acted
-    assert worst(two["lp0"]["logprobs"], one["lp0"]["logprobs"]) < 1e-5
-    assert two["stats1"]["loss"] == pytest.approx(one["stats1"]["loss"], rel=1e-6)
-    assert two["stats1"]["grad_norm"] == pytest.approx(one["stats1"]["grad_norm"], rel=1e-5)
-    for key in ("lp1", "lp2"):
-        assert worst(two[key], one[key]) < 1e-4, key
-    exported = [load_file(tmp_path / w / "export" / "model.safetensors") for w in ("t2", "world1")]
-    assert max(worst(exported[0][k], exported[1][k]) for k in exported[1]) < 1e-5
-    assert two["loaded_version"] == 1 and worst(two["lp_loaded"], two["lp1"]) == 0.0
-    assert worst(two["lp2_after_load"], two["lp2"]) < 1e-6
+    assert_trained_like_one(two, one, tmp_path)
 
 
-def test_tensor_parallel_needs_t_ranks_and_divisible_heads(models):
+def test_four_ranks_of_tensor_x_data_parallel_train_save_and_export_like_one(models, tmp_path):
+    """d2t2 over gloo: heads split over tp, then FSDP over dp (tp groups share micro-batches); the same losses,
+    weights and checkpoints as one process, and the checkpoint resumes in one process."""
+    four, one, spec = train_on_ranks_and_in_one_process(models, tmp_path, "fsdp:d2t2@cpu", world=4)
+    # (dp, tp) placements: q split over tp (dim 0), then FSDP-sharded over dp; the embedding FSDP-sharded only.
+    layout = four["layout"]
+    assert layout["q_proj"].startswith("(_StridedShard(dim=0") and layout["q_proj"].endswith(", Shard(dim=0))")
+    assert (layout["o_proj"], layout["embed"]) == ("(Shard(dim=0), Shard(dim=1))", "(Shard(dim=0),)")
+    assert_trained_like_one(four, one, tmp_path)
+    saved = load_file(tmp_path / "many" / "ckpt" / "model.safetensors")
+    exported = load_file(tmp_path / "many" / "export" / "model.safetensors")
+    assert max(worst(saved[k], exported[k]) for k in exported) == 0.0  # float32 both: the same full tensors
+    resumed = worker.scenario(worker.make_engine({**spec, "allocation": None}), spec["batch"],
+                              str(tmp_path / "resume"), resume_from=str(tmp_path / "many" / "ckpt"))
+    assert resumed["resumed_version"] == 1
+    assert worst(resumed["after_resume"], four["lp2"]) < 1e-4
+
+
+def test_tensor_parallel_needs_d_x_t_ranks(models):
     from areal_core.config.allocation import parse_allocation
 
-    (placement,) = parse_allocation("fsdp:t2@cpu").components
-    e = FSDPEngine.create(Context(config=config(models["llama"]), placement=placement))
-    with pytest.raises(RuntimeError, match="asks for t2 but 1 rank.*exactly t ranks"):
-        e.initialize()
+    for text in ("fsdp:t2@cpu", "fsdp:d2t2@cpu"):
+        (placement,) = parse_allocation(text).components
+        e = FSDPEngine.create(Context(config=config(models["llama"]), placement=placement))
+        with pytest.raises(RuntimeError, match=f"asks for d\\d+t2 but 1 rank.*exactly d x t = {placement.world_size}"):
+            e.initialize()
 
 
 # ---------------------------------------------------------------------- the conformance kit

@@ -19,8 +19,8 @@ INFERENCE = BackendSupport("gen", "inference", dims="d", devices=("gpu", "cpu"))
 
 
 def validate(text: str, model: ModelInfo | None = MODEL, *, with_not_built: bool = False):
-    """The plan problems; by default without `fsdp.not-built` (t / c are declared but not built yet),
-    so the rules for when they are stay tested."""
+    """The plan problems; by default without `fsdp.not-built` (c is declared but not built yet),
+    so the rules for when it is stay tested."""
     problems = areal_validate_parallelism(config=RunConfig(), allocation=parse_allocation(text), model=model)
     return problems if with_not_built else [p for p in problems if p.code != "fsdp.not-built"]
 
@@ -88,12 +88,16 @@ def test_context_parallel_on_cpu_folds_tensor_parallel_into_the_fix_too():
     assert "'fsdp:d4@cpu'" in problem.hint
 
 
-def test_tensor_parallel_alone_runs_on_cpu_and_beside_data_parallel_is_not_built():
-    assert validate("fsdp:t2@cpu", with_not_built=True) == []
-    (problem,) = validate("fsdp:d2t2@cpu", with_not_built=True)
-    assert problem.code == "fsdp.not-built"
-    assert "tensor parallel (t2)" in problem.message and "t ranks with d1" in problem.message
-    assert "'fsdp:d4@cpu'" in problem.hint
+@pytest.mark.parametrize("text", ["fsdp:t2@cpu", "fsdp:d2t2@cpu", "fsdp:d2t4", "fsdp:d4t8",
+                                  "fsdp[actor]:d2t2+fsdp[ref]:t4"])
+def test_tensor_parallel_alone_and_beside_data_parallel_is_built_on_gpu_and_cpu(text):
+    assert validate(text, with_not_built=True) == []
+
+
+def test_tensor_x_data_parallel_still_needs_t_to_divide_the_heads():
+    (problem,) = validate("fsdp:d2t16@cpu", with_not_built=True)
+    assert problem.code == "fsdp.tensor-heads"
+    assert problem.hint == "choose t from 1, 2, 4, 8, e.g. 'fsdp:d2t8@cpu'"
 
 
 def test_only_fsdp_components_are_judged():
@@ -116,9 +120,11 @@ def test_core_rejects_undeclared_dimensions():
     assert "p2" in problems[0].message and "e4" in problems[1].message
 
 
-@pytest.mark.parametrize(("text", "fix"), [("fsdp:d2t4", "'fsdp:d8'"), ("fsdp:d2t2c2", "'fsdp:d8'")])
-def test_tensor_and_context_parallel_are_refused_until_built(text, fix):
+@pytest.mark.parametrize(("text", "fix"), [("fsdp:d2c2", "'fsdp:d4'"), ("fsdp:d2t2c2", "'fsdp:d4t2'"),
+                                          ("fsdp:t4c2", "'fsdp:d2t4'")])
+def test_context_parallel_is_refused_until_built_keeping_the_tensor_parallel_in_the_fix(text, fix):
     (problem,) = validate(text, with_not_built=True)
     assert problem.code == "fsdp.not-built"
-    assert "trains with data parallelism, or tensor parallelism alone" in problem.message and fix in problem.hint
+    assert "context parallel (c2)" in problem.message and "tensor parallel (" not in problem.message
+    assert "trains with data and tensor parallelism" in problem.message and fix in problem.hint
     assert validate("fsdp:d8", with_not_built=True) == []

@@ -23,9 +23,13 @@ def score(prompt, completion, item):
 '''
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_a_run_syncs_weights_as_tensors_through_shared_memory(tmp_path, lora):
+@pytest.mark.parametrize(("actor", "lora"), [
+    pytest.param("fsdp:cpu", False, id="full", marks=pytest.mark.slow),
+    pytest.param("fsdp:cpu", True, id="lora", marks=pytest.mark.slow),
+    # Four train ranks, tensor x data parallel: about 15 s on 2 CPU cores.
+    pytest.param("fsdp:d2t2@cpu", False, id="d2t2"),
+])
+def test_a_run_syncs_weights_as_tensors_through_shared_memory(tmp_path, actor, lora):
     from safetensors.torch import load_file
 
     from areal_local.models import tiny_model
@@ -35,7 +39,7 @@ def test_a_run_syncs_weights_as_tensors_through_shared_memory(tmp_path, lora):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     runs = tmp_path / "runs"
-    cmd = [AREAL, "run", f"output_dir={runs}", "experiment=sync", "trial=tensors", "allocation=local:cpu+fsdp:cpu",
+    cmd = [AREAL, "run", f"output_dir={runs}", "experiment=sync", "trial=tensors", f"allocation=local:cpu+{actor}",
            f"model.path={model}", "model.dtype=float32", "rollout.weight_sync=tensors", "trainer.total_steps=3",
            "rollout.batch_size=2", "rollout.group_size=4", "rollout.sampling.max_new_tokens=8", "eval.size=0",
            "rollout.max_head_offpolicyness=1", "actor.optimizer.lr=1e-3", "reward.name=function",
@@ -51,6 +55,9 @@ def test_a_run_syncs_weights_as_tensors_through_shared_memory(tmp_path, lora):
     assert all(m["time/weight_sync_s"] > 0 for m in metrics)
     # No weight folder in the run: each version went through /dev/shm, and the server took every one.
     assert not (run_dir / "weights").exists()
+    if actor == "fsdp:d2t2@cpu":  # the launcher started d x t ranks and the engine built the (dp, tp) mesh
+        assert "rank 3/4 on cpu, tensor parallel t2 x FSDP data parallel d2" in (
+            run_dir / "logs" / "actor-rank3.log").read_text()
     server_log = (run_dir / "logs" / "rollout-0.log").read_text()
     for version in (1, 2, 3):
         assert f"weights v{version} from /dev/shm/areal-weights-" in server_log, server_log[-2000:]
