@@ -1,19 +1,23 @@
 """areal against TRL's GRPOTrainer on the same model, task, prompts and budget, on CPU, side by side.
 
     .venv/bin/pip install "trl==1.16.0"          # once; not a dependency of areal
-    .venv/bin/python benchmarks/vs_trl.py [--steps 30] [--eval-size 64] [--dtype float32|bfloat16]
-                                          [--skip-trl] [--skip-sync]
+    .venv/bin/python benchmarks/vs_trl.py [--steps 30] [--eval-size 64] [--dtype auto|float32|bfloat16]
+                                          [--trl-dtypes float32,bfloat16] [--skip-trl] [--skip-sync]
 
 What runs, one after the other in this invocation:
 
 1. TRL ``GRPOTrainer`` (trl 1.16) configured the way its docs say for CPU:
    ``use_cpu=True``, no vLLM, fp32 (``bf16=False``), ``gradient_checkpointing=False``;
-   ``--dtype bfloat16`` turns on its ``bf16=True`` (autocast over float32 weights) instead.
-2. ``areal run`` with the built-in demo config at η = 4 (``rollout.max_head_offpolicyness=4``).
+   and again with ``bf16=True`` (autocast over float32 weights), which is faster
+   on CPUs with bf16 units (AMX / AVX512-BF16): ``--trl-dtypes`` picks which
+   (default both). Ratios are taken against the faster TRL run, so areal is
+   compared with TRL's best on this machine.
+2. ``areal run`` with the built-in demo config at η = 4 (``rollout.max_head_offpolicyness=4``),
+   in ``--dtype`` (default ``auto``, the demo's own: bfloat16 where the CPU has
+   bf16 units, else float32).
 3. The same at η = 0 (synchronous), unless ``--skip-sync``.
 
-Matched settings (printed by the script): SmolLM2-135M-Instruct in ``--dtype``
-(float32 by default, as TRL's CPU docs run it; areal gets the same ``model.dtype``), the
+Matched settings (printed by the script): SmolLM2-135M-Instruct, the
 few-shot addition task (``3+4=7\\n10+5=15\\n8+9=17\\n{a}+{b}=``, a, b in
 0..20) from the ``arithmetic`` dataset with the same seed, so both see the
 same prompts in the same order; reward 1 when the completion starts with the
@@ -187,8 +191,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--eval-size", type=int, default=64)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="training dtype of both sides (bfloat16: TRL bf16 autocast, areal model.dtype)")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="areal's model.dtype (auto: the demo's choice for this CPU)")
+    parser.add_argument("--trl-dtypes", default="float32,bfloat16",
+                        help="TRL runs, comma-separated: float32 (its CPU docs), bfloat16 (bf16 autocast)")
     parser.add_argument("--areal", action="append", default=[], metavar="KEY=VALUE",
                         help="an extra override for the areal runs (repeatable), e.g. dataset.stop_at_newline=false")
     parser.add_argument("--skip-trl", action="store_true")
@@ -204,19 +210,28 @@ def main() -> None:
     acc_before = greedy_accuracy(base, tokenizer, val, reward_fn())
     del base
     samples = args.steps * PER_STEP
-    print(f"model {model_dir.name} {args.dtype} | task few-shot a+b, a,b in 0..20 | {args.steps} steps x {PER_STEP} "
+    from areal_core.config.dtype import resolve_dtype
+
+    areal_dtype = resolve_dtype(args.dtype)
+    trl_dtypes = [d.strip() for d in args.trl_dtypes.split(",") if d.strip()]
+    unknown = [d for d in trl_dtypes if d not in ("float32", "bfloat16")]
+    if unknown:
+        raise SystemExit(f"vs_trl.py: --trl-dtypes {args.trl_dtypes!r} names {unknown}; use float32 and/or bfloat16")
+    print(f"model {model_dir.name} (areal {areal_dtype}, TRL {' and '.join(trl_dtypes)}) | task few-shot a+b, "
+          f"a,b in 0..20 | {args.steps} steps x {PER_STEP} "
           f"completions ({GROUP} per prompt), {NEW_TOKENS} new tokens, lr {LR}, GRPO seq-mean-token-mean, "
           f"clip 0.2, no KL | greedy accuracy on {len(val)} held-out problems | torch threads "
           f"{torch.get_num_threads()}", flush=True)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="areal-vs-trl-") as tmp:
         if not args.skip_trl:
-            results["TRL GRPOTrainer"] = run_trl(model_dir, args.steps, val, Path(tmp) / "trl", args.dtype)
-            print("TRL done", flush=True)
-        results["areal eta=4"] = run_areal(4, args.steps, val, Path(tmp) / "areal", args.dtype, args.areal)
+            for dtype in trl_dtypes:
+                results[f"TRL {dtype}"] = run_trl(model_dir, args.steps, val, Path(tmp) / f"trl-{dtype}", dtype)
+                print(f"TRL {dtype} done", flush=True)
+        results["areal eta=4"] = run_areal(4, args.steps, val, Path(tmp) / "areal", areal_dtype, args.areal)
         print("areal eta=4 done", flush=True)
         if not args.skip_sync:
-            results["areal eta=0"] = run_areal(0, args.steps, val, Path(tmp) / "areal", args.dtype, args.areal)
+            results["areal eta=0"] = run_areal(0, args.steps, val, Path(tmp) / "areal", areal_dtype, args.areal)
     print(f"\n{'':<16} {'wall s':>8} {'s/step':>7} {'samples/s':>10} {'gen tok/s':>10} {'acc before':>10} "
           f"{'acc after':>10}")
     for name, r in results.items():
@@ -231,11 +246,15 @@ def main() -> None:
                   f"accuracy after {x['acc_after']:.3f} vs {y['acc_after']:.3f}")
 
     print()
-    ratio("areal eta=4", "TRL GRPOTrainer")
-    ratio("areal eta=0", "TRL GRPOTrainer")
+    trl_runs = [name for name in results if name.startswith("TRL")]
+    best_trl = min(trl_runs, key=lambda name: results[name]["wall_s"], default=None)
+    if best_trl:
+        print(f"TRL's faster run here: {best_trl}; areal is compared with it")
+        ratio("areal eta=4", best_trl)
+        ratio("areal eta=0", best_trl)
     ratio("areal eta=4", "areal eta=0")
-    if "TRL GRPOTrainer" in results:
-        print(f"TRL spent {results['TRL GRPOTrainer']['gen_share']:.0%} of its wall time generating")
+    for name in trl_runs:
+        print(f"{name} spent {results[name]['gen_share']:.0%} of its wall time generating")
 
 
 if __name__ == "__main__":
