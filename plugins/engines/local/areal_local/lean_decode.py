@@ -81,15 +81,21 @@ class LeanDecoder:
         self.scaling = attention.scaling
         self.n_heads = model.config.num_attention_heads
         self.n_kv = model.config.num_key_value_heads
-        self.packed = packed is not None
         self._packs = packed
+        # rotate_half(t) = cat(-t2, t1) = flip of t's halves, the first negated: the sign is folded into sin.
+        self._sign = torch.ones(self.head_dim, dtype=next(model.parameters()).dtype)
+        self._sign[: self.head_dim // 2] = -1
         Weight = tuple[torch.Tensor, torch.Tensor | None]
         self._qkv: list[Weight] = []
         self._gate_up: list[Weight] = []  # plain path: one matmul for gate and up
         self._mlp: list[tuple[Weight, Weight, Weight]] = []  # packed path: gate, up, down with post-ops
         self._o: list[Weight] = []
-        self._head: Weight | None = None
         self.refresh()
+
+    @property
+    def packed(self) -> bool:
+        """Whether the linears run on oneDNN-packed weights (the generator's PackedLinears)."""
+        return self._packs is not None
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -100,7 +106,6 @@ class LeanDecoder:
             self._mlp = [(self._packed(layer.mlp.gate_proj), self._packed(layer.mlp.up_proj),
                           self._packed(layer.mlp.down_proj)) for layer in self.layers]
             self._o = [self._packed(layer.self_attn.o_proj) for layer in self.layers]
-            self._head = self._packed(self.head)
         else:
             self._gate_up = [self._fuse(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in self.layers]
 
@@ -146,10 +151,7 @@ class LeanDecoder:
         half = d // 2
         x = self.embed(ids[:, None])  # [B, 1, H]
         cos, sin = self.rotary(x, positions[:, None])  # [B, 1, d]
-        # rotate_half(t) = cat(-t2, t1) = flip of t's halves, the first negated: fold the sign into sin.
-        sign = torch.ones(d, dtype=sin.dtype)
-        sign[:half] = -1
-        cos, sin = cos[:, :, None, :], (sin * sign)[:, :, None, :]  # [B, 1, 1, d]
+        cos, sin = cos[:, :, None, :], (sin * self._sign.to(sin.dtype))[:, :, None, :]  # [B, 1, 1, d]
         attn_mask = mask[:, None, None, :]
         q_size, kv_size = self.n_heads * d, self.n_kv * d
         heads = self.n_heads + self.n_kv  # q and k heads, rotated together
@@ -177,6 +179,4 @@ class LeanDecoder:
                 h = layer.post_attention_layernorm(x)
                 gate, up = self._linear(h, self._gate_up[i]).chunk(2, dim=-1)
                 x = x + layer.mlp.down_proj(F.silu(gate) * up)
-        x = self.norm(x)
-        logits = self._linear(x, self._head) if self.packed else self.head(x)
-        return logits[:, -1].float()
+        return self.head(self.norm(x))[:, -1].float()  # packed through PackedLinears' forward when packed
