@@ -127,3 +127,33 @@ def test_buckets_cover_every_sequence_once_and_bound_the_padding():
         assert len(g) * longest ** 2 <= attention.PADDING_SLACK * sum(lens[i] ** 2 for i in g)
     assert [lens[i] for i in groups[0]] == [900]  # the long one is not padded against the short ones
     assert {50, 48, 52, 47, 49} <= {lens[i] for g in groups for i in g if len(g) > 1}
+
+
+def _graph_names(tensor) -> set[str]:
+    seen, todo, names = set(), [tensor.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        todo.extend(n for n, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_short_low_precision_sequences_take_the_math_kernel_under_autocast_too(autocast):
+    # Under bf16 autocast q and k arrive in float32 (HF's rotary tables follow the float32 embeddings); the
+    # kernel still runs in bf16, where the CPU flash backward is ~3x slower than the math path on short rows.
+    g = torch.Generator().manual_seed(0)
+    dtype = torch.float32 if autocast else torch.bfloat16
+    q, k, v = (torch.randn(1, 4, 26, 8, generator=g).to(dtype).requires_grad_() for _ in range(3))
+    cu = [0, 9, 26]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out, _ = attention.packed_sdpa(torch.nn.Module().eval(), q, k, v, None, **{attention.CU_SEQLENS: cu})
+    names = _graph_names(out)
+    assert not any("Flash" in n for n in names), names
+    # float32 without autocast keeps the flash kernel (faster there)
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    out32, _ = attention.packed_sdpa(torch.nn.Module().eval(), q32, k32, v32, None, **{attention.CU_SEQLENS: cu})
+    assert any("Flash" in n for n in _graph_names(out32))
