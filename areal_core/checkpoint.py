@@ -99,7 +99,8 @@ def _write_text_atomic(path: Path, text: str) -> None:
     _fsync_path(path.parent)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one owned by another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -199,7 +200,7 @@ class CheckpointStore:
             if not mark:
                 continue
             digits = tail.rpartition("-")[2]
-            if digits.isdigit() and int(digits) != os.getpid() and not _pid_alive(int(digits)):
+            if digits.isdigit() and int(digits) != os.getpid() and not pid_alive(int(digits)):
                 if child.is_dir():
                     shutil.rmtree(child, ignore_errors=True)
                 else:

@@ -30,6 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
+from areal_core.allocator import retain_freed_memory
 from areal_core.api import Context
 from areal_core.checkpoint import CheckpointStore, load_pickle, rng_state, save_pickle_atomic, set_rng_state
 from areal_core.config.validate import ValidatedRun, validate_run
@@ -443,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_problems(run.problems, str(config_path)), file=sys.stderr)
         return 2
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    print(f"areal trainer rank {rank}: {retain_freed_memory()}", file=sys.stderr, flush=True)
     if world > 1:
         import datetime
 

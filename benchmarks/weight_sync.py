@@ -16,7 +16,10 @@ weights in ``--dtype`` (what ``model.dtype`` makes it send), three ways:
 - tensors: ``export_tensors(bucket)`` consumed into a list (the gather and
   cast, what ``rollout.weight_sync: tensors`` does before the pause);
 - tensors + shm: the same, then the hand-over the embedded engine
-  (``areal_local``) makes of them: one safetensors file in ``/dev/shm``.
+  (``areal_local``) makes of them: one safetensors file in ``/dev/shm``,
+  rewritten in place per version (``areal_local.shm.WeightStage``), and, for
+  comparison, the way it was done before: a fresh folder and ``save_file``
+  per version.
 
 Each line is the median of ``--repeats`` runs after one warm-up; the ratio is
 disk / that way. The receiving side (the server loading the weights) is the
@@ -77,6 +80,7 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, default=256)
     args = parser.parse_args()
     from safetensors.torch import save_file
+    from areal_local.shm import WeightStage
 
     with tempfile.TemporaryDirectory(prefix="areal-weight-sync-") as tmp:
         tmp = Path(tmp)
@@ -94,10 +98,16 @@ def main() -> None:
         def tensors() -> list:
             return [pair for b in engine.export_tensors(bucket) for pair in b]
 
-        def tensors_shm() -> None:
+        def tensors_shm_fresh() -> None:
+            # What areal_local did before its in-place stage: a new /dev/shm folder and save_file per version.
             root = "/dev/shm" if Path("/dev/shm").is_dir() else None
             with tempfile.TemporaryDirectory(prefix="areal-weights-", dir=root) as folder:
                 save_file({n: t.contiguous() for n, t in tensors()}, str(Path(folder) / "model.safetensors"))
+
+        shm_stage = WeightStage()
+
+        def tensors_shm() -> None:
+            shm_stage.write(tensors(), next(counter))
 
         sizes = [sum(t.numel() * t.element_size() for _, t in b) for b in engine.export_tensors(bucket)]
         print(f"model: {'--model ' + str(path) if args.model else 'random SmolLM2-135M-shaped Llama'}, "
@@ -106,9 +116,11 @@ def main() -> None:
               f"{torch.get_num_threads()} threads; median of {args.repeats}")
         base = timed(disk, args.repeats)
         print(f"  disk (export_to_disk)          {base:7.3f} s")
-        for name, fn in (("tensors (export_tensors)", tensors), ("tensors + /dev/shm hand-over", tensors_shm)):
+        for name, fn in (("tensors (export_tensors)", tensors), ("tensors + /dev/shm, fresh file", tensors_shm_fresh),
+                         ("tensors + /dev/shm, in place", tensors_shm)):
             t = timed(fn, args.repeats)
             print(f"  {name:30s} {t:7.3f} s   disk / this = {base / t:5.2f}x")
+        shm_stage.close()
         engine.close()
 
 

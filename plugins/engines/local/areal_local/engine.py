@@ -5,7 +5,6 @@ of one embedded server process (see :mod:`areal_local.server`) over HTTP on
 from __future__ import annotations
 
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -143,14 +142,11 @@ class LocalEngine(InferenceEngine):
         self._version = health["version"]
 
     async def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
-        """Hand tensors over through shared memory: a safetensors file in /dev/shm the server maps."""
-        from safetensors.torch import save_file
+        """Hand tensors over through shared memory: a safetensors file in /dev/shm the server maps, rewritten in
+        place for every version and written once for all the engines of this process (:mod:`areal_local.shm`)."""
+        from areal_local.shm import stage
 
-        root = "/dev/shm" if Path("/dev/shm").is_dir() else None
-        with tempfile.TemporaryDirectory(prefix="areal-weights-", dir=root) as folder:
-            tensors = {name: t.detach().contiguous().cpu() for name, t in named_tensors}
-            save_file(tensors, str(Path(folder) / "model.safetensors"))
-            await self.update_weights_from_disk(folder, version)
+        await self.update_weights_from_disk(str(stage().write(named_tensors, version)), version)
 
     async def aclose(self) -> None:
         if self._client is not None:

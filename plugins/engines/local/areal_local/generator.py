@@ -179,6 +179,14 @@ class SlotCache(Cache):
                 if buf is not None:
                     buf[dst, :, :columns] = buf[src, :, :columns]
 
+    def copy_rows(self, first: int, source: list[int], columns: int) -> None:
+        """Rows ``first + j`` become copies of rows ``first + source[j]`` (first ``columns`` columns)."""
+        src = torch.tensor(source) + first
+        for store in (self.keys, self.values):
+            for buf in store:
+                if buf is not None:
+                    buf[first:first + len(source), :, :columns] = buf[src, :, :columns]  # gathers before writing
+
     # -- what the next forward writes -----------------------------------------
     def plan_prefill(self, first_row: int, n: int, length: int) -> None:
         self._plan = ("prefill", first_row, n, length)
@@ -491,8 +499,17 @@ class Generator:
         return groups + [group] if group else groups
 
     def _prefill(self, group: list[_Request]) -> torch.Tensor:
-        """Write the group's prompts (+ output so far) into new rows; their last logits ``[n, vocab]``."""
-        seqs = [r.input_ids + r.output_ids for r in group]
+        """Write the group's prompts (+ output so far) into new rows; their last logits ``[n, vocab]``.
+
+        Identical sequences are computed once: GRPO-style workflows send every
+        prompt ``group_size`` times, so the forward runs on the distinct ones
+        and their K/V rows are copied to the repeats (8 samples per prompt: an
+        eighth of the prefill work). Each request still samples on its own.
+        """
+        everyone = [r.input_ids + r.output_ids for r in group]
+        index: dict[tuple[int, ...], int] = {}
+        source = [index.setdefault(tuple(s), len(index)) for s in everyone]  # request -> its distinct sequence
+        seqs = [list(key) for key in index]
         n, length = len(seqs), max(len(s) for s in seqs)
         first = len(self._rows)
         starts = [length - len(s) for s in seqs]
@@ -507,12 +524,15 @@ class Generator:
         sliding = None
         if self._sliding_window is not None:
             sliding = causal & ((q - k) < self._sliding_window)[None]
-        self._cache.reserve(first + n, length, self.max_batch, self._reach(group, length))
+        self._cache.reserve(first + len(group), length, self.max_batch, self._reach(group, length))
         self._cache.plan_prefill(first, n, length)
         logits = self._forward(ids, position_ids, causal[:, None], None if sliding is None else sliding[:, None])
+        if n < len(group):
+            self._cache.copy_rows(first, source, length)
+            logits = logits[torch.tensor(source)]
         self._rows += group
-        self._start += starts
-        self._end += [length] * n
+        self._start += [starts[i] for i in source]
+        self._end += [length] * len(group)
         return logits
 
     def _decode(self) -> list[Finished]:

@@ -275,6 +275,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     # A native crash (a signal in a torch kernel) leaves its stack in the log the launcher reports.
     faulthandler.enable()
+    from areal_core.allocator import retain_freed_memory
+
+    print(f"areal_local.server: {retain_freed_memory()}", file=sys.stderr, flush=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from areal_core.config.dtype import resolve_dtype
 

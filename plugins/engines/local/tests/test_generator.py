@@ -183,6 +183,24 @@ def test_same_seed_same_tokens_alone_or_in_any_batch(llama):
     assert other_seed["x"].output_ids != alone["x"].output_ids
 
 
+def test_repeated_prompts_are_prefilled_once_and_sample_like_separate_ones(llama):
+    # A GRPO group: the same prompt several times with different seeds, mixed with other prompts and a
+    # repeat that arrives later (a continuation shares nothing with its prompt's first prefill).
+    group = [(f"g{i}", PROMPTS[1], SamplingParams(max_new_tokens=10, seed=i)) for i in range(4)]
+    others = [("a", PROMPTS[2], SamplingParams(max_new_tokens=10, seed=7)), ("b", PROMPTS[2], greedy(10))]
+    shared_gen = Generator(llama, eos_token_ids=[])
+    rows = []
+    original = shared_gen._forward
+    shared_gen._forward = lambda ids, *a: rows.append(ids.shape[0]) or original(ids, *a)
+    shared, _ = drain(shared_gen, {0: group + others, 3: [("late", PROMPTS[1], greedy(10))]})
+    assert rows[0] == 2  # the first forward prefilled two distinct prompts for six requests
+    for rid, prompt, sampling in group + others + [("late", PROMPTS[1], greedy(10))]:
+        alone, _ = drain(Generator(llama, eos_token_ids=[]), {0: [(rid, prompt, sampling)]})
+        assert shared[rid].output_ids == alone[rid].output_ids, rid
+        assert shared[rid].logprobs == pytest.approx(alone[rid].logprobs, abs=1e-5), rid
+    assert len({tuple(shared[f"g{i}"].output_ids) for i in range(4)}) > 1  # seeds still differ per request
+
+
 # ---------------------------------------------------------------------------
 # Stops
 # ---------------------------------------------------------------------------
