@@ -1,12 +1,15 @@
 """The ``fsdp`` train engine: any HF causal LM, sharded with FSDP2 over the data-parallel ranks.
 
 One engine per rank. With ``torch.distributed`` initialized (gloo on CPU,
-nccl on GPU) the world is a ``(dp, tp)`` device mesh, ``tp`` the inner
-dimension (rank = dp_rank * tp + tp_rank; ``tp`` is the allocation's ``t``,
-1 by default). Tensor parallel first splits each decoder layer's heads and
-MLP columns over the ``tp`` ranks (DTensor); then, when ``dp > 1``, every
-decoder layer and the root are ``fully_shard``-ed over the ``dp`` ranks (the
-FSDP2 + TP recipe). Without a process group the world is this process.
+nccl on GPU) the world is a ``(dp, cp, tp)`` device mesh, ``tp`` the inner
+dimension (rank = (dp_rank * cp + cp_rank) * tp + tp_rank; ``tp`` and ``cp``
+are the allocation's ``t`` and ``c``, 1 by default, not both above 1).
+Tensor parallel first splits each decoder layer's heads and MLP columns over
+the ``tp`` ranks (DTensor); then, when ``dp x cp > 1``, every decoder layer
+and the root are ``fully_shard``-ed over the ``dp`` (and ``cp``) ranks (the
+FSDP2 + TP recipe). Context parallel gives each cp rank a share of every
+packed row (:mod:`areal_fsdp.context`). Without a process group the world is
+this process.
 
 Precision: parameters (the optimizer's master copy) are float32 for the
 actor. ``model.dtype: bfloat16`` computes in bfloat16: through FSDP2's
@@ -16,8 +19,8 @@ A reference engine (frozen, no optimizer) keeps its parameters in
 ``model.dtype``.
 
 Batches are the trainer's packed lists (see ``areal_core.rollout.pack_groups``).
-Sequences are shared among data-parallel ranks (the ranks of one tensor-parallel
-group get the same ones) with balanced token counts, then packed into
+Sequences are shared among data-parallel ranks (the ranks of one tensor- or
+context-parallel group get the same ones) with balanced token counts, then packed into
 as many micro-batches as the fullest rank needs under ``actor.mb_max_tokens``
 (agreed with an all-reduce); each micro-batch is one row with a
 block-diagonal causal mask (:mod:`areal_fsdp.logprobs`). A rank with fewer
@@ -51,16 +54,17 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from areal_core.api import TrainEngine
 from areal_core.lr_schedule import lr_factor
 from areal_core.train_batches import as_list, combine_stats, cumsum, scalar_stats, to_tensor
-from areal_fsdp import attention
+from areal_fsdp import attention, context
 from areal_fsdp.hf_folder import checkpoint_names, write_hf_files, write_hf_folder, write_json_atomic
 from areal_fsdp.lora import (add_lora, export_items, is_adapter, lora_layers, module_names, read_adapter,
                               write_adapter)
-from areal_fsdp.logprobs import packed_attention_mask, token_logprobs
+from areal_fsdp.logprobs import next_token_logprobs, packed_attention_mask, sequence_ids, token_logprobs
 from areal_fsdp.packing import first_fit_decreasing, karmarkar_karp, micro_batches
 
 ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
@@ -111,12 +115,20 @@ class _LogprobModel(nn.Module):
         self.softcap = getattr(lm.config, "final_logit_softcapping", None)
 
     def forward(self, input_ids, position_ids, attention_mask, is_start, temperature: float = 1.0,
-                only=None, **attention_kwargs):
+                only=None, targets=None, **attention_kwargs):
+        """Token ``t``'s values from ``h_{t-1}``; with ``targets`` [T] (context parallel: a rank's share of a row,
+        not contiguous), position ``p``'s values score ``targets[p]`` from ``h_p``, and ``is_start`` / ``only``
+        describe that target token."""
         out = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                     attention_mask=attention_mask, use_cache=False, **attention_kwargs)
         head = self.lm.get_output_embeddings()
-        return token_logprobs(out.last_hidden_state[0], head.weight, getattr(head, "bias", None), input_ids[0],
-                              is_start, temperature=temperature, chunk=self.chunk, softcap=self.softcap, only=only)
+        weight, bias, hidden = head.weight, getattr(head, "bias", None), out.last_hidden_state[0]
+        if targets is None:
+            return token_logprobs(hidden, weight, bias, input_ids[0], is_start, temperature=temperature,
+                                  chunk=self.chunk, softcap=self.softcap, only=only)
+        wanted = ~is_start if only is None else ~is_start & only.bool()
+        return next_token_logprobs(hidden, weight, bias, targets, wanted, temperature=temperature, chunk=self.chunk,
+                                   softcap=self.softcap)
 
 
 class _ValueModel(_LogprobModel):
@@ -129,10 +141,12 @@ class _ValueModel(_LogprobModel):
     """
 
     def forward(self, input_ids, position_ids, attention_mask, is_start, temperature: float = 1.0,
-                only=None, **attention_kwargs):
+                only=None, targets=None, **attention_kwargs):
         out = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                     attention_mask=attention_mask, use_cache=False, **attention_kwargs)
         v = self.lm.get_output_embeddings()(out.last_hidden_state[0]).squeeze(-1).float()  # [T]
+        if targets is not None:  # context parallel: position p holds the value for its target token
+            return torch.where(is_start, 0.0, v), torch.zeros_like(v)
         values = torch.where(is_start, 0.0, torch.cat([v.new_zeros(1), v[:-1]]))
         return values, torch.zeros_like(values)
 
@@ -193,8 +207,10 @@ class FSDPEngine(TrainEngine):
         self._refuse_unbuilt_parallelism()
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
-        self.tp = self._tensor_parallel_size()
-        self.dp, self.dp_rank = self.world // self.tp, self.rank // self.tp  # data-parallel ranks, this one's
+        self.tp, self.cp = self._model_parallel_sizes()
+        # rank = (dp_rank * cp + cp_rank) * tp + tp_rank: the ranks of one context / tensor group share micro-batches
+        self.dp, self.dp_rank = self.world // (self.cp * self.tp), self.rank // (self.cp * self.tp)
+        self.cp_rank = self.rank // self.tp % self.cp
         self.device = self._pick_device()
         self.dtype = getattr(torch, cfg.model.dtype)
         self.source = self._model_path(cfg.model.path, cfg.model.dtype)
@@ -228,52 +244,60 @@ class FSDPEngine(TrainEngine):
             self.mesh = self._device_mesh()
         if self.tp > 1:
             self._tensor_parallel(model)
-        if self.dp > 1:
+        if self.dp * self.cp > 1:
             self._shard(model)
         if self.world == 1:
             model.to(self.device)
         self.model = model.eval()
         # Autocast when nothing else casts: bf16 compute over float32 parameters without FSDP.
-        self._autocast = self.dp == 1 and master != self.dtype
+        self._autocast = self.dp * self.cp == 1 and master != self.dtype
         if trained:
             self._build_optimizer(cfg)
         layout = " x ".join([f"tensor parallel t{self.tp}"] * (self.tp > 1)
+                            + [f"context parallel c{self.cp}"] * (self.cp > 1)
                             + [f"FSDP data parallel d{self.dp}"] * (self.dp > 1)) or "one process"
+        if self.cp > 1:
+            layout += f" (FSDP shards over d{self.dp} x c{self.cp})"
         print(f"areal-plugin-fsdp: {self.role} rank {self.rank}/{self.world} on {self.device}, {layout}, "
               f"{cfg.model.dtype}, attention {self.lm.config._attn_implementation}", file=sys.stderr, flush=True)
 
     def _refuse_unbuilt_parallelism(self) -> None:
         parallel = getattr(self.context.placement, "parallel", None)
         d, t, c = (getattr(parallel, dim, 1) for dim in ("d", "t", "c"))
-        if c > 1:
-            keep = f"t{t}" if t > 1 else ""
+        if c > 1 and t > 1:
             raise NotImplementedError(
-                f"FSDPEngine: the allocation asks for c{c} with d{d}{keep} ('{self.context.placement}'); this "
-                f"version of areal-plugin-fsdp implements data and tensor parallel, not context parallel yet. "
-                f"Use d instead, e.g. d{d * c}{keep}")
+                f"FSDPEngine: the allocation asks for c{c} together with t{t} ('{self.context.placement}'); this "
+                f"version of areal-plugin-fsdp builds context parallel beside data parallel only, not with tensor "
+                f"parallel. Use d{d}c{c * t} (context parallel) or d{d * c}t{t} (tensor parallel)")
 
-    def _tensor_parallel_size(self) -> int:
+    def _model_parallel_sizes(self) -> tuple[int, int]:
+        """The allocation's (t, c), checked against the ranks started and the options."""
         parallel = getattr(self.context.placement, "parallel", None)
-        t = int(getattr(parallel, "t", 1) or 1)
-        d = int(getattr(parallel, "d", 1) or 1)
-        if t > 1 and d * t != self.world:
-            raise RuntimeError(f"FSDPEngine: the allocation asks for d{d}t{t} but {self.world} rank(s) were "
-                               f"started; tensor parallel needs exactly d x t = {d * t} ranks")
+        d, t, c = (int(getattr(parallel, dim, 1) or 1) for dim in ("d", "t", "c"))
+        layout = f"d{d}" + (f"t{t}" if t > 1 else "") + (f"c{c}" if c > 1 else "")
+        if c > 1 and self.options.attn_implementation != "sdpa":
+            raise ValueError(f"FSDPEngine: actor.attn_implementation={self.options.attn_implementation!r} cannot "
+                             f"run context parallel (c{c}), which attends through its own all-gather sdpa; set "
+                             f"actor.attn_implementation=sdpa or use d{d * c}")
+        if t * c > 1 and d * t * c != self.world:
+            raise RuntimeError(f"FSDPEngine: the allocation asks for {layout} but {self.world} rank(s) were "
+                               f"started; it needs exactly d x t x c = {d * t * c} ranks")
         if t > 1 and self.options.lora_rank > 0:
             raise NotImplementedError(f"FSDPEngine: LoRA (actor.lora_rank={self.options.lora_rank}) with tensor "
                                       f"parallel (t{t}) is not built; use d{d * t} or actor.lora_rank=0")
-        return t
+        return t, c
 
     def _device_mesh(self) -> Any:
-        """The ranks as a ``("dp", "tp")`` grid, ``tp`` inner (a dimension of size 1 is left out)."""
+        """The ranks as a ``("dp", "cp", "tp")`` grid, ``tp`` inner (a dimension of size 1 is left out)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        dims = {name: n for name, n in (("dp", self.dp), ("tp", self.tp)) if n > 1}
+        dims = {name: n for name, n in (("dp", self.dp), ("cp", self.cp), ("tp", self.tp)) if n > 1}
         return init_device_mesh(self.device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
 
     def _dp_group(self) -> Any:
-        """The process group of this rank's data-parallel peers (the same tensor-parallel rank); None = the world."""
-        return self.mesh["dp"].get_group() if self.tp > 1 else None
+        """The process group of this rank's data-parallel peers (the same context and tensor-parallel rank);
+        None = the world."""
+        return self.mesh["dp"].get_group() if self.dp < self.world else None
 
     def _tensor_parallel(self, model: _LogprobModel) -> None:
         """Megatron-style tensor parallel through DTensor: attention heads and MLP columns split over the tp ranks.
@@ -335,16 +359,31 @@ class FSDPEngine(TrainEngine):
                                f"{self.options.attn_implementation!r}: {exc}") from exc
         lm.config.use_cache = False
         _no_dropout(lm)
-        if self.options.attn_implementation == "sdpa" and attention.supports(lm.config):
+        if self.cp > 1:
+            if not attention.supports(lm.config):
+                raise NotImplementedError(f"FSDPEngine: context parallel (c{self.cp}) attends with a causal "
+                                          f"same-sequence mask only; {type(lm).__name__} has sliding-window layers "
+                                          f"or attention-logit soft-capping. Use d instead of c")
+            context.register()  # local queries against all-gathered keys (see areal_fsdp.context)
+            lm.set_attn_implementation(context.CP_SDPA)
+        elif self.options.attn_implementation == "sdpa" and attention.supports(lm.config):
             attention.register()  # the same kernel, one packed sequence at a time (see areal_fsdp.attention)
             lm.set_attn_implementation(attention.PACKED_SDPA)
         return lm
 
     def _shard(self, model: _LogprobModel) -> None:
-        """FSDP2 over the dp ranks: each decoder layer, then the root (after tensor parallel, if any)."""
+        """FSDP2 over the dp x cp ranks: each decoder layer, then the root (after tensor parallel, if any).
+
+        The cp ranks of a group hold the same weights, so they shard them like
+        data-parallel peers (as torchtitan does): each keeps 1 / (dp x cp) of
+        every weight, and gradients are reduced over dp and cp together.
+        """
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = self.mesh["dp"]
+        if self.dp > 1 and self.cp > 1:
+            mesh = self.mesh["dp", "cp"]._flatten("dp_cp")
+        else:
+            mesh = self.mesh["dp" if self.dp > 1 else "cp"]
         params_dtype = next(model.parameters()).dtype
         mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32) \
             if params_dtype != self.dtype else MixedPrecisionPolicy()
@@ -436,6 +475,8 @@ class FSDPEngine(TrainEngine):
     def _forward(self, mb: dict, temperature: float,
                  only: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprobs [T_mb], entropy [T_mb]) float32 of one packed micro-batch (``only``: just those tokens)."""
+        if self.cp > 1:
+            return self._forward_context(mb, temperature, only)
         lens = mb["seq_lens"].tolist()
         dev = self.device
         starts = torch.zeros(sum(lens), dtype=torch.bool)
@@ -455,6 +496,44 @@ class FSDPEngine(TrainEngine):
         cast = torch.autocast(dev.type, dtype=self.dtype) if self._autocast else nullcontext()
         with cast:
             return self.model(ids, pos, mask, starts.to(dev), temperature, only, **extra)
+
+    def _forward_context(self, mb: dict, temperature: float,
+                         only: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_forward` of this rank's share of the row (see :mod:`areal_fsdp.context`), the whole row returned.
+
+        Targets, sequence starts and ``only`` are taken from the whole row before
+        it is split, so the last token of a chunk still scores the first token
+        of the next one; position ids restart per sequence on the whole row too.
+        The padding (up to a multiple of 2c) is a sequence of its own that
+        nothing scores. Each rank's per-position values are all-gathered
+        (differentiably: every cp rank then holds the same full row and computes
+        the same loss) and put back in row order.
+        """
+        dev = self.device
+        lens = mb["seq_lens"].tolist()
+        T = sum(lens)
+        pad = context.padded_length(T, self.cp) - T
+        ids = mb["input_ids"].to(torch.long)
+        starts = torch.zeros(T, dtype=torch.bool)
+        starts[mb["cu_seqlens"][:-1]] = True
+        # Position p scores token p + 1: its id, whether it starts a sequence (nothing to score), whether wanted.
+        targets = F.pad(ids[1:], (0, pad + 1))
+        no_target = F.pad(starts[1:], (0, pad + 1), value=True)
+        wanted = None if only is None else F.pad(only.bool().cpu()[1:], (0, pad + 1))
+        seq = torch.cat([sequence_ids(lens), torch.full((pad,), len(lens), dtype=torch.long)])
+        shard = context.ContextShard(seq.to(dev), self.cp, self.cp_rank, self.mesh["cp"].get_group())
+
+        def local(x: torch.Tensor) -> torch.Tensor:
+            return shard.split(x.to(dev))
+
+        row = (local(F.pad(ids, (0, pad)))[None], local(F.pad(mb["position_ids"].to(torch.long), (0, pad)))[None])
+        cast = torch.autocast(dev.type, dtype=self.dtype) if self._autocast else nullcontext()
+        with cast:
+            lp, ent = self.model(*row, None, local(no_target), temperature, None if wanted is None else local(wanted),
+                                 targets=local(targets), **{context.SHARD: shard})
+        both = shard.gather_row(torch.stack([lp.float(), ent.float()]), 1)[:, :T - 1]  # [2, T - 1]
+        both = F.pad(both, (1, 0))  # token t's values come from position t - 1; the row's first token gets 0.0
+        return both[0], both[1]
 
     def _mask(self, lens: list[int], impl: str) -> Any:
         additive = None if impl == "sdpa" else self.dtype  # eager adds the mask to scores in the compute dtype
@@ -548,7 +627,9 @@ class FSDPEngine(TrainEngine):
                     continue
                 loss, stats = loss_fn(logprobs, entropy, mb)
                 weight = n_loss / total_loss_tokens
-                # FSDP averages gradients over data-parallel ranks; scaling by their number makes that a sum.
+                # FSDP averages gradients over the dp x cp ranks it shards over; scaling by dp makes that a sum
+                # over dp. The cp ranks of a group compute the same loss on the same gathered row, and the
+                # gather's backward sums their cp equal gradients, which the average over cp undoes.
                 scaled = loss * (weight * self.dp)
                 if not scaled.requires_grad:
                     scaled = scaled + logprobs.sum() * 0.0

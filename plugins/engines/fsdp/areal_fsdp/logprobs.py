@@ -15,7 +15,9 @@ back. Two pieces make that row behave like separate sequences:
     logp_t = log softmax(W h_{t-1} / tau)[x_t]      (tau = temperature)
     H_t    = -sum_v p_v log p_v  of that same distribution
 
-for every token ``t`` but the first of each sequence, which gets 0.0. The
+for every token ``t`` but the first of each sequence, which gets 0.0
+(:func:`next_token_logprobs` is the same with the targets given per
+position, for rows whose positions are not contiguous). The
 logits are computed in float32 ``chunk`` positions at a time; with grad each
 chunk runs under activation checkpointing, so only ``h`` is kept and the
 [chunk, V] float32 logits are recomputed in backward: the full-vocabulary
@@ -81,14 +83,29 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     float32 work (projection, log-sum-exp, entropy) is the larger part of a
     step for a small model.
     """
-    if temperature <= 0:
-        raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
-    T = hidden.shape[0]
     wanted = ~is_start
     if only is not None:
         wanted = wanted & only.bool()
-    positions = torch.nonzero(wanted[1:], as_tuple=True)[0]  # token t = positions + 1, predicted by h_{t-1}
-    pred, labels = hidden[positions], input_ids[positions + 1]
+    # Token t is scored from h_{t-1}: position p of the shifted row scores token p + 1.
+    logp, entropy = next_token_logprobs(hidden[:-1], weight, bias, input_ids[1:], wanted[1:],
+                                        temperature=temperature, chunk=chunk, softcap=softcap)
+    return F.pad(logp, (1, 0)), F.pad(entropy, (1, 0))
+
+
+def next_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        targets: torch.Tensor, wanted: torch.Tensor, *, temperature: float = 1.0, chunk: int = 1024,
+                        softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 ``(logprobs [n], entropy [n])``: position ``p`` scores ``targets[p]`` under ``h_p``; 0.0 where
+    ``wanted`` [n] is False.
+
+    The positions need not be contiguous: context parallel passes a rank's
+    share of a row with each token's target taken from the whole row.
+    """
+    if temperature <= 0:
+        raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
+    n = hidden.shape[0]
+    positions = torch.nonzero(wanted, as_tuple=True)[0]
+    pred, labels = hidden[positions], targets[positions]
     pieces_lp, pieces_ent = [], []
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     for s in range(0, len(positions), chunk):
@@ -97,6 +114,6 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         pieces_lp.append(lp)
         pieces_ent.append(ent)
     empty = hidden.new_zeros(0, dtype=torch.float32)
-    logp = hidden.new_zeros(T, dtype=torch.float32).index_put((positions + 1,), torch.cat([empty, *pieces_lp]))
-    entropy = hidden.new_zeros(T, dtype=torch.float32).index_put((positions + 1,), torch.cat([empty, *pieces_ent]))
+    logp = hidden.new_zeros(n, dtype=torch.float32).index_put((positions,), torch.cat([empty, *pieces_lp]))
+    entropy = hidden.new_zeros(n, dtype=torch.float32).index_put((positions,), torch.cat([empty, *pieces_ent]))
     return logp, entropy

@@ -101,6 +101,8 @@ def main(spec_path: str) -> int:
             dist.all_gather_object(seen["n_buckets_per_rank"], seen["n_buckets"])
         else:
             seen = scenario(engine, spec["batch"], spec["out"], spec.get("resume_from"))
+        seen["plan"] = engine._plan(spec["batch"])  # rank 0's micro-batches (sequence indices), and their tokens
+        seen["mb_tokens"] = [sum(spec["batch"]["seq_lens"][i] for i in seqs) for seqs in seen["plan"]]
         layer = engine.lm.get_decoder().layers[0]
         seen["layout"] = {name: str(getattr(module.weight, "placements", None)) for name, module in (
             ("q_proj", layer.self_attn.q_proj), ("o_proj", layer.self_attn.o_proj),

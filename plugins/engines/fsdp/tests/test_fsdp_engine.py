@@ -363,13 +363,24 @@ def test_a_missing_model_folder_is_named(tmp_path):
         engine(config(tmp_path / "nowhere"))
 
 
-def test_context_parallel_placements_are_refused_not_ignored(models):
+def test_context_x_tensor_parallel_placements_are_refused_not_ignored(models):
     from areal_core.config.allocation import parse_allocation
 
     (placement,) = parse_allocation("fsdp:d2t2c2").components
     e = FSDPEngine.create(Context(config=config(models["llama"]), placement=placement))
-    with pytest.raises(NotImplementedError, match="c2 with d2t2 .*data and tensor parallel, not context parallel"
-                                                  ".*e.g. d4t2"):
+    with pytest.raises(NotImplementedError, match="asks for c2 together with t2 .*not with tensor parallel. "
+                                                  "Use d2c4 .* or d4t2"):
+        e.initialize()
+
+
+def test_context_parallel_needs_the_sdpa_attention_option(models):
+    from areal_core.config.allocation import parse_allocation
+
+    (placement,) = parse_allocation("fsdp:c2@cpu").components
+    e = FSDPEngine.create(Context(config=config(models["llama"]), placement=placement,
+                                  options=FSDPEngineConfig(attn_implementation="eager")))
+    with pytest.raises(ValueError, match="attn_implementation='eager' cannot run context parallel \\(c2\\).*"
+                                         "attn_implementation=sdpa or use d2"):
         e.initialize()
 
 
@@ -441,7 +452,10 @@ def test_two_ranks_with_fewer_sequences_than_ranks(models, tmp_path):
     assert two["stats"]["loss"] == pytest.approx(one["stats"]["loss"], rel=1e-6)
 
 
-@pytest.mark.parametrize(("allocation", "world"), [(None, 2), ("fsdp:d2t2@cpu", 4)], ids=["d2", "d2t2"])
+@pytest.mark.parametrize(("allocation", "world"), [
+    pytest.param(None, 2, id="d2"), pytest.param("fsdp:d2t2@cpu", 4, id="d2t2"),
+    # Checkpointed layers recompute their key / value all-gathers in backward.
+    pytest.param("fsdp:c2@cpu", 2, id="c2", marks=pytest.mark.slow)])
 def test_sharded_ranks_in_bfloat16_with_activation_checkpointing(models, tmp_path, allocation, world):
     """FSDP2 mixed precision (bf16 compute, fp32 reduce; over tensor-parallel layers too) against autocast at
     world size 1: bf16-close."""
@@ -540,11 +554,12 @@ def test_two_ranks_export_tensors_like_one(models, tmp_path):
     assert worst(hf_logprobs(lm, batch), two["lp1"]) < 1e-5
 
 
-def train_on_ranks_and_in_one_process(models, tmp_path, allocation: str, world: int) -> tuple[dict, dict, dict]:
+def train_on_ranks_and_in_one_process(models, tmp_path, allocation: str, world: int,
+                                      arch: str = "llama") -> tuple[dict, dict, dict]:
     """The full scenario on ``world`` ranks placed as ``allocation`` (in ``tmp_path / "many"``) and in one
     process (``tmp_path / "world1"``): what each saw, and the spec."""
     batch = make_batch(LENGTHS + [4])
-    spec = {"model": str(models["llama"]), "batch": batch, "mb_max_tokens": 16, "lr": 1.0, "eps": 1.0,
+    spec = {"model": str(models[arch]), "batch": batch, "mb_max_tokens": 16, "lr": 1.0, "eps": 1.0,
             "grad_clip": 1.0, "allocation": allocation}
     many = run_ranks(spec, tmp_path / "many", world=world)
     one = worker.scenario(worker.make_engine({**spec, "allocation": None}), batch, str(tmp_path / "world1"))
@@ -598,11 +613,26 @@ def test_four_ranks_of_tensor_x_data_parallel_train_save_and_export_like_one(mod
 def test_tensor_parallel_needs_d_x_t_ranks(models):
     from areal_core.config.allocation import parse_allocation
 
-    for text in ("fsdp:t2@cpu", "fsdp:d2t2@cpu"):
+    for text in ("fsdp:t2@cpu", "fsdp:d2t2@cpu", "fsdp:c2@cpu", "fsdp:d2c2@cpu"):
         (placement,) = parse_allocation(text).components
         e = FSDPEngine.create(Context(config=config(models["llama"]), placement=placement))
-        with pytest.raises(RuntimeError, match=f"asks for d\\d+t2 but 1 rank.*exactly d x t = {placement.world_size}"):
+        with pytest.raises(RuntimeError, match=f"asks for d\\d+[tc]2 but 1 rank.*exactly d x t x c = "
+                                               f"{placement.world_size}"):
             e.initialize()
+
+
+@pytest.mark.parametrize(("allocation", "world", "arch"), [("fsdp:c2@cpu", 2, "llama"), ("fsdp:d2c2@cpu", 4, "qwen2")],
+                         ids=["c2-llama", "d2c2-qwen2"])
+def test_context_parallel_ranks_train_save_and_export_like_one(models, tmp_path, allocation, world, arch):
+    """c2 and d2c2 over gloo: each cp rank holds half of every packed row and attends to all-gathered keys and
+    values; the same logprobs, entropy, losses, clipped grad norm, weights and checkpoints as one process.
+    Qwen2 brings q/k/v biases; both models have grouped-query attention (4 heads, 2 key-value heads)."""
+    many, one, spec = train_on_ranks_and_in_one_process(models, tmp_path, allocation, world, arch)
+    # Micro-batches of several sequences, some not a multiple of 2c = 4 tokens (padded, the padding unscored).
+    assert any(len(seqs) > 1 for seqs in many["plan"]) and any(n % 4 for n in many["mb_tokens"]), many["mb_tokens"]
+    # FSDP shards every weight over all d x c ranks (one flattened mesh dimension).
+    assert set(many["layout"].values()) == {"(Shard(dim=0),)"}
+    assert_trained_like_one(many, one, tmp_path)
 
 
 # ---------------------------------------------------------------------- the conformance kit

@@ -18,11 +18,9 @@ MODEL = ModelInfo(path="m", num_attention_heads=32, num_key_value_heads=8, num_h
 INFERENCE = BackendSupport("gen", "inference", dims="d", devices=("gpu", "cpu"))
 
 
-def validate(text: str, model: ModelInfo | None = MODEL, *, with_not_built: bool = False):
-    """The plan problems; by default without `fsdp.not-built` (c is declared but not built yet),
-    so the rules for when it is stay tested."""
-    problems = areal_validate_parallelism(config=RunConfig(), allocation=parse_allocation(text), model=model)
-    return problems if with_not_built else [p for p in problems if p.code != "fsdp.not-built"]
+def validate(text: str, model: ModelInfo | None = MODEL):
+    """The plan problems the fsdp hook reports."""
+    return areal_validate_parallelism(config=RunConfig(), allocation=parse_allocation(text), model=model)
 
 
 def codes(problems):
@@ -47,7 +45,9 @@ def test_hook_module_registers_cleanly():
 
 @pytest.mark.parametrize(
     "text",
-    ["fsdp:d8", "fsdp:d2t4", "fsdp:t8", "fsdp:d2t2c2", "fsdp:d4@cpu", "fsdp:cpu", "vllm:d2t16+fsdp:d8"],
+    ["fsdp:d8", "fsdp:d2t4", "fsdp:t8", "fsdp:d4@cpu", "fsdp:cpu", "vllm:d2t16+fsdp:d8",
+     # context parallel beside data parallel, on gpu and on cpu (gloo all-gathers keys and values too)
+     "fsdp:d1c2@cpu", "fsdp:d2c2@cpu", "fsdp:c4", "fsdp:d4c2", "fsdp[actor]:d2c2@cpu+fsdp[ref]:c2@cpu"],
 )
 def test_valid_plans(text):
     assert validate(text) == []
@@ -75,27 +75,14 @@ def test_unknown_model_skips_head_rules():
     assert validate("fsdp:t7", model=None) == []
 
 
-def test_context_parallel_needs_gpu():
-    (problem,) = validate("fsdp:d2c2@cpu")
-    assert problem.code == "fsdp.context-needs-gpu"
-    assert "'fsdp:d2c2@cpu'" in problem.message and "c2" in problem.message
-    assert "'fsdp:d4@cpu'" in problem.hint
-
-
-def test_context_parallel_on_cpu_folds_tensor_parallel_into_the_fix_too():
-    (problem,) = validate("fsdp:t2c2@cpu")
-    assert problem.code == "fsdp.context-needs-gpu"
-    assert "'fsdp:d4@cpu'" in problem.hint
-
-
 @pytest.mark.parametrize("text", ["fsdp:t2@cpu", "fsdp:d2t2@cpu", "fsdp:d2t4", "fsdp:d4t8",
                                   "fsdp[actor]:d2t2+fsdp[ref]:t4"])
 def test_tensor_parallel_alone_and_beside_data_parallel_is_built_on_gpu_and_cpu(text):
-    assert validate(text, with_not_built=True) == []
+    assert validate(text) == []
 
 
 def test_tensor_x_data_parallel_still_needs_t_to_divide_the_heads():
-    (problem,) = validate("fsdp:d2t16@cpu", with_not_built=True)
+    (problem,) = validate("fsdp:d2t16@cpu")
     assert problem.code == "fsdp.tensor-heads"
     assert problem.hint == "choose t from 1, 2, 4, 8, e.g. 'fsdp:d2t8@cpu'"
 
@@ -120,11 +107,18 @@ def test_core_rejects_undeclared_dimensions():
     assert "p2" in problems[0].message and "e4" in problems[1].message
 
 
-@pytest.mark.parametrize(("text", "fix"), [("fsdp:d2c2", "'fsdp:d4'"), ("fsdp:d2t2c2", "'fsdp:d4t2'"),
-                                          ("fsdp:t4c2", "'fsdp:d2t4'")])
-def test_context_parallel_is_refused_until_built_keeping_the_tensor_parallel_in_the_fix(text, fix):
-    (problem,) = validate(text, with_not_built=True)
-    assert problem.code == "fsdp.not-built"
-    assert "context parallel (c2)" in problem.message and "tensor parallel (" not in problem.message
-    assert "trains with data and tensor parallelism" in problem.message and fix in problem.hint
-    assert validate("fsdp:d8", with_not_built=True) == []
+@pytest.mark.parametrize(("text", "as_context", "as_tensor"), [
+    ("fsdp:d2t2c2", "'fsdp:d2c4'", "'fsdp:d4t2'"),
+    ("fsdp:t4c2", "'fsdp:c8'", "'fsdp:d2t4'"),
+    ("fsdp:t2c2@cpu", "'fsdp:c4@cpu'", "'fsdp:d2t2@cpu'"),
+])
+def test_context_x_tensor_parallel_is_refused_with_either_alone_as_the_fix(text, as_context, as_tensor):
+    (problem,) = validate(text)
+    assert (problem.code, problem.key) == ("fsdp.not-built", "allocation")
+    assert f"'{text}'" in problem.message
+    assert "context parallel (c2) together with tensor parallel (t" in problem.message
+    assert as_context in problem.hint and as_tensor in problem.hint
+
+
+def test_context_x_tensor_parallel_still_gets_the_heads_rule():
+    assert codes(validate("fsdp:t16c2")) == ["fsdp.not-built", "fsdp.tensor-heads"]

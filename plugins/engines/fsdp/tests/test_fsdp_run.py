@@ -28,6 +28,8 @@ def score(prompt, completion, item):
     pytest.param("fsdp:cpu", True, id="lora", marks=pytest.mark.slow),
     # Four train ranks, tensor x data parallel: about 15 s on 2 CPU cores.
     pytest.param("fsdp:d2t2@cpu", False, id="d2t2"),
+    # Two train ranks, context parallel (each holds half of every packed row): about 10 s.
+    pytest.param("fsdp:c2@cpu", False, id="c2"),
 ])
 def test_a_run_syncs_weights_as_tensors_through_shared_memory(tmp_path, actor, lora):
     from safetensors.torch import load_file
@@ -58,6 +60,9 @@ def test_a_run_syncs_weights_as_tensors_through_shared_memory(tmp_path, actor, l
     if actor == "fsdp:d2t2@cpu":  # the launcher started d x t ranks and the engine built the (dp, tp) mesh
         assert "rank 3/4 on cpu, tensor parallel t2 x FSDP data parallel d2" in (
             run_dir / "logs" / "actor-rank3.log").read_text()
+    if actor == "fsdp:c2@cpu":  # two ranks, one context group, FSDP over both
+        assert "rank 1/2 on cpu, context parallel c2 (FSDP shards over d1 x c2), float32, attention areal_cp_sdpa" in (
+            run_dir / "logs" / "actor-rank1.log").read_text()
     server_log = (run_dir / "logs" / "rollout-0.log").read_text()
     for version in (1, 2, 3):
         assert f"weights v{version} from /dev/shm/areal-weights-" in server_log, server_log[-2000:]
