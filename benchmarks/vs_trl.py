@@ -2,7 +2,8 @@
 
     .venv/bin/pip install "trl==1.16.0"          # once; not a dependency of areal
     .venv/bin/python benchmarks/vs_trl.py [--steps 30] [--eval-size 64] [--dtype auto|float32|bfloat16]
-                                          [--trl-dtypes float32,bfloat16] [--skip-trl] [--skip-sync]
+                                          [--trl-dtypes float32,bfloat16] [--seeds 1,2,3]
+                                          [--skip-trl] [--skip-sync]
 
 What runs, one after the other in this invocation:
 
@@ -105,13 +106,13 @@ def load(path: Path):
 
 
 # --------------------------------------------------------------------- TRL
-def run_trl(model_dir: Path, steps: int, val: list[dict], out_dir: Path, dtype: str) -> dict:
+def run_trl(model_dir: Path, steps: int, val: list[dict], out_dir: Path, dtype: str, seed: int) -> dict:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     reward = reward_fn()
-    train = task_items("train", steps * PER_STEP // GROUP)
+    train = task_items("train", steps * PER_STEP // GROUP, seed)
     data = Dataset.from_list([{"prompt": i["prompt"], "answer": i["answer"], "id": i["id"]} for i in train])
 
     def arithmetic_reward(prompts, completions, answer, **_):
@@ -125,7 +126,7 @@ def run_trl(model_dir: Path, steps: int, val: list[dict], out_dir: Path, dtype: 
         lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
         loss_type="grpo", scale_rewards="group", beta=0.0, epsilon=0.2, num_iterations=1,
         max_steps=steps, logging_steps=1, save_strategy="no", report_to=[], shuffle_dataset=False,
-        seed=1, dataloader_num_workers=0,
+        seed=seed, dataloader_num_workers=0,
     )
     stamps: list[float] = []
 
@@ -158,8 +159,9 @@ def run_trl(model_dir: Path, steps: int, val: list[dict], out_dir: Path, dtype: 
 
 
 # --------------------------------------------------------------------- areal
-def run_areal(eta: int, steps: int, val: list[dict], out_dir: Path, dtype: str, extra: list[str]) -> dict:
-    trial = f"eta{eta}"
+def run_areal(eta: int, steps: int, val: list[dict], out_dir: Path, dtype: str, extra: list[str],
+              seed: int) -> dict:
+    trial = f"eta{eta}-seed{seed}"
     overrides = [f"output_dir={out_dir}", f"trial={trial}", f"model.dtype={dtype}",
                  f"rollout.max_head_offpolicyness={eta}", f"rollout.group_size={GROUP}",
                  f"rollout.batch_size={PER_STEP // GROUP}", f"rollout.sampling.max_new_tokens={NEW_TOKENS}",
@@ -168,7 +170,7 @@ def run_areal(eta: int, steps: int, val: list[dict], out_dir: Path, dtype: str, 
                  # TRL trains on every group, all-equal-reward ones included: so does areal here, so both
                  # generate exactly the samples they train on (the demo itself filters such groups out).
                  "rollout.dynamic_filtering=false", "rollout.weight_sync=tensors",
-                 f"trainer.total_steps={steps}", "trainer.save_every=0", "trainer.seed=1", "eval.size=0", *extra]
+                 f"trainer.total_steps={steps}", "trainer.save_every=0", f"trainer.seed={seed}", "eval.size=0", *extra]
     began = time.perf_counter()
     proc = subprocess.run([AREAL, "run", *overrides], capture_output=True, text=True,
                           env={**os.environ, "TERM": "dumb"})
@@ -197,6 +199,9 @@ def main() -> None:
                         help="TRL runs, comma-separated: float32 (its CPU docs), bfloat16 (bf16 autocast)")
     parser.add_argument("--areal", action="append", default=[], metavar="KEY=VALUE",
                         help="an extra override for the areal runs (repeatable), e.g. dataset.stop_at_newline=false")
+    parser.add_argument("--seeds", default="1",
+                        help="comma-separated seeds (train prompts, held-out problems, sampling): every run once per "
+                             "seed, figures as mean +- std; single 30-step runs scatter by about +-0.15 in accuracy")
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--skip-sync", action="store_true", help="skip areal at eta = 0")
     args = parser.parse_args()
@@ -205,10 +210,7 @@ def main() -> None:
     from areal_core.models import resolve_model_path
 
     model_dir = resolve_model_path("", "float32")
-    val = task_items("validation", args.eval_size)
-    base, tokenizer = load(model_dir)
-    acc_before = greedy_accuracy(base, tokenizer, val, reward_fn())
-    del base
+    seeds = _seeds(args.seeds)
     samples = args.steps * PER_STEP
     from areal_core.config.dtype import resolve_dtype
 
@@ -220,41 +222,77 @@ def main() -> None:
     print(f"model {model_dir.name} (areal {areal_dtype}, TRL {' and '.join(trl_dtypes)}) | task few-shot a+b, "
           f"a,b in 0..20 | {args.steps} steps x {PER_STEP} "
           f"completions ({GROUP} per prompt), {NEW_TOKENS} new tokens, lr {LR}, GRPO seq-mean-token-mean, "
-          f"clip 0.2, no KL | greedy accuracy on {len(val)} held-out problems | torch threads "
-          f"{torch.get_num_threads()}", flush=True)
-    results: dict[str, dict] = {}
+          f"clip 0.2, no KL | greedy accuracy on {args.eval_size} held-out problems of each seed's split | "
+          f"seeds {seeds} | torch threads {torch.get_num_threads()}", flush=True)
+    # results[run name][seed]; each seed has its own train prompts and held-out problems (the dataset's split
+    # depends on the seed), shared by every run of that seed.
+    results: dict[str, dict[int, dict]] = {}
+    before: dict[int, float] = {}
     with tempfile.TemporaryDirectory(prefix="areal-vs-trl-") as tmp:
-        if not args.skip_trl:
-            for dtype in trl_dtypes:
-                results[f"TRL {dtype}"] = run_trl(model_dir, args.steps, val, Path(tmp) / f"trl-{dtype}", dtype)
-                print(f"TRL {dtype} done", flush=True)
-        results["areal eta=4"] = run_areal(4, args.steps, val, Path(tmp) / "areal", areal_dtype, args.areal)
-        print("areal eta=4 done", flush=True)
-        if not args.skip_sync:
-            results["areal eta=0"] = run_areal(0, args.steps, val, Path(tmp) / "areal", areal_dtype, args.areal)
-    print(f"\n{'':<16} {'wall s':>8} {'s/step':>7} {'samples/s':>10} {'gen tok/s':>10} {'acc before':>10} "
-          f"{'acc after':>10}")
-    for name, r in results.items():
-        print(f"{name:<16} {r['wall_s']:>8.1f} {r['step_s']:>7.2f} {samples / r['wall_s']:>10.2f} "
-              f"{r['gen_tok_s']:>10.1f} {acc_before:>10.3f} {r['acc_after']:>10.3f}")
+        for seed in seeds:
+            val = task_items("validation", args.eval_size, seed)
+            base, tokenizer = load(model_dir)
+            before[seed] = greedy_accuracy(base, tokenizer, val, reward_fn())
+            del base
+            runs = [] if args.skip_trl else [(f"TRL {d}", lambda d=d: run_trl(
+                model_dir, args.steps, val, Path(tmp) / f"trl-{d}-{seed}", d, seed)) for d in trl_dtypes]
+            runs += [(f"areal eta={eta}", lambda eta=eta: run_areal(
+                eta, args.steps, val, Path(tmp) / "areal", areal_dtype, args.areal, seed))
+                for eta in ([4] if args.skip_sync else [4, 0])]
+            for name, run in runs:
+                results.setdefault(name, {})[seed] = run()
+                r = results[name][seed]
+                print(f"seed {seed}: {name} done: {r['wall_s']:.1f} s, {r['step_s']:.2f} s/step, accuracy "
+                      f"{before[seed]:.3f} -> {r['acc_after']:.3f}", flush=True)
+    print(f"\nmean over seeds {seeds} (+- sample std where more than one)")
+    print(f"{'':<16} {'wall s':>8} {'s/step':>12} {'samples/s':>10} {'gen tok/s':>10} {'acc before':>10} "
+          f"{'acc after':>14}  per seed")
+    acc_before = _mean(list(before.values()))
+    for name, by_seed in results.items():
+        rs = list(by_seed.values())
+        wall, step = _mean([r["wall_s"] for r in rs]), _mean([r["step_s"] for r in rs])
+        after = [r["acc_after"] for r in rs]
+        print(f"{name:<16} {wall:>8.1f} {_pm([r['step_s'] for r in rs]):>12} {samples / wall:>10.2f} "
+              f"{_mean([r['gen_tok_s'] for r in rs]):>10.1f} {acc_before:>10.3f} {_pm(after):>14}  "
+              f"{' '.join(f'{a:.3f}' for a in after)}")
 
     def ratio(a: str, b: str) -> None:
         if a in results and b in results:
-            x, y = results[a], results[b]
-            print(f"{a} / {b}: samples/s {y['wall_s'] / x['wall_s']:.2f}x end to end, "
-                  f"{y['step_s'] / x['step_s']:.2f}x per step in steady state; "
-                  f"accuracy after {x['acc_after']:.3f} vs {y['acc_after']:.3f}")
+            x, y = (list(results[k].values()) for k in (a, b))
+            print(f"{a} / {b}: samples/s {_mean([r['wall_s'] for r in y]) / _mean([r['wall_s'] for r in x]):.2f}x "
+                  f"end to end, {_mean([r['step_s'] for r in y]) / _mean([r['step_s'] for r in x]):.2f}x per step "
+                  f"in steady state; accuracy after {_pm([r['acc_after'] for r in x])} vs "
+                  f"{_pm([r['acc_after'] for r in y])}")
 
     print()
     trl_runs = [name for name in results if name.startswith("TRL")]
-    best_trl = min(trl_runs, key=lambda name: results[name]["wall_s"], default=None)
+    best_trl = min(trl_runs, key=lambda name: _mean([r["wall_s"] for r in results[name].values()]), default=None)
     if best_trl:
         print(f"TRL's faster run here: {best_trl}; areal is compared with it")
         ratio("areal eta=4", best_trl)
         ratio("areal eta=0", best_trl)
     ratio("areal eta=4", "areal eta=0")
     for name in trl_runs:
-        print(f"{name} spent {results[name]['gen_share']:.0%} of its wall time generating")
+        share = _mean([r["gen_share"] for r in results[name].values()])
+        print(f"{name} spent {share:.0%} of its wall time generating")
+
+
+def _seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise SystemExit(f"vs_trl.py: --seeds {text!r} must be distinct integers separated by commas, e.g. 1,2,3")
+    return seeds
+
+
+def _mean(xs: list[float]) -> float:
+    return statistics.fmean(xs)
+
+
+def _pm(xs: list[float]) -> str:
+    return f"{_mean(xs):.3f}" + (f" +- {statistics.stdev(xs):.3f}" if len(xs) > 1 else "")
 
 
 if __name__ == "__main__":
