@@ -3,7 +3,7 @@
     .venv/bin/pip install "trl==1.16.0"          # once; not a dependency of areal
     .venv/bin/python benchmarks/vs_trl.py [--steps 30] [--eval-size 64] [--dtype auto|float32|bfloat16]
                                           [--trl-dtypes float32,bfloat16] [--seeds 1,2,3]
-                                          [--skip-trl] [--skip-sync]
+                                          [--areal-stop-at-newline] [--skip-trl] [--skip-sync]
 
 What runs, one after the other in this invocation:
 
@@ -28,10 +28,12 @@ warmup, grad clip 1.0; loss: GRPO with group-std advantages, clip 0.2, no KL,
 sequence-mean of token-mean (TRL ``loss_type="grpo"``, ``scale_rewards="group"``,
 ``beta=0``, ``num_iterations=1``; areal ``algorithm.name=grpo``).
 Dynamic filtering is off on the areal side (TRL has none), so both generate exactly the
-completions they train on. Differences that remain: areal's decoupled PPO weights each token by
-pi_prox / pi_behav (exactly 1 at η = 0); areal stops a completion at the first
-newline (the task's stop string), TRL generates all 16 tokens (its reward only
-reads the start).
+completions they train on. Completion length is matched too: TRL generates all 16 tokens (no stop string;
+its reward reads only the start), so areal runs with ``dataset.stop_at_newline=false`` and does the same
+(``--areal-stop-at-newline`` runs areal as its demo does instead, ending each completion at its first
+newline: ~3 tokens, much less work per sample and a different loss, so not a like-for-like comparison).
+The difference that remains: areal's decoupled PPO weights each token by pi_prox / pi_behav, the
+trainer's probability over the inference engine's (1 up to the rounding of the engine's bf16 copy at η = 0).
 
 Accuracy: greedy, the first ``--eval-size`` held-out problems of the task's
 validation split, measured the same way for every model (HF ``generate`` on
@@ -160,7 +162,7 @@ def run_trl(model_dir: Path, steps: int, val: list[dict], out_dir: Path, dtype: 
 
 # --------------------------------------------------------------------- areal
 def run_areal(eta: int, steps: int, val: list[dict], out_dir: Path, dtype: str, extra: list[str],
-              seed: int) -> dict:
+              seed: int, stop_at_newline: bool = False) -> dict:
     trial = f"eta{eta}-seed{seed}"
     overrides = [f"output_dir={out_dir}", f"trial={trial}", f"model.dtype={dtype}",
                  f"rollout.max_head_offpolicyness={eta}", f"rollout.group_size={GROUP}",
@@ -170,6 +172,7 @@ def run_areal(eta: int, steps: int, val: list[dict], out_dir: Path, dtype: str, 
                  # TRL trains on every group, all-equal-reward ones included: so does areal here, so both
                  # generate exactly the samples they train on (the demo itself filters such groups out).
                  "rollout.dynamic_filtering=false", "rollout.weight_sync=tensors",
+                 f"dataset.stop_at_newline={str(stop_at_newline).lower()}",
                  f"trainer.total_steps={steps}", "trainer.save_every=0", f"trainer.seed={seed}", "eval.size=0", *extra]
     began = time.perf_counter()
     proc = subprocess.run([AREAL, "run", *overrides], capture_output=True, text=True,
@@ -198,10 +201,13 @@ def main() -> None:
     parser.add_argument("--trl-dtypes", default="float32,bfloat16",
                         help="TRL runs, comma-separated: float32 (its CPU docs), bfloat16 (bf16 autocast)")
     parser.add_argument("--areal", action="append", default=[], metavar="KEY=VALUE",
-                        help="an extra override for the areal runs (repeatable), e.g. dataset.stop_at_newline=false")
+                        help="an extra override for the areal runs (repeatable), e.g. rollout.max_concurrent_rollouts=32")
     parser.add_argument("--seeds", default="1",
                         help="comma-separated seeds (train prompts, held-out problems, sampling): every run once per "
                              "seed, figures as mean +- std; single 30-step runs scatter by about +-0.15 in accuracy")
+    parser.add_argument("--areal-stop-at-newline", action="store_true",
+                        help="areal ends completions at their first newline (its demo's setting) instead of "
+                             "generating all 16 tokens as TRL does")
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--skip-sync", action="store_true", help="skip areal at eta = 0")
     args = parser.parse_args()
@@ -219,10 +225,12 @@ def main() -> None:
     unknown = [d for d in trl_dtypes if d not in ("float32", "bfloat16")]
     if unknown:
         raise SystemExit(f"vs_trl.py: --trl-dtypes {args.trl_dtypes!r} names {unknown}; use float32 and/or bfloat16")
+    completions = "stops at the first newline" if args.areal_stop_at_newline else "generates all 16 tokens, as TRL"
     print(f"model {model_dir.name} (areal {areal_dtype}, TRL {' and '.join(trl_dtypes)}) | task few-shot a+b, "
           f"a,b in 0..20 | {args.steps} steps x {PER_STEP} "
           f"completions ({GROUP} per prompt), {NEW_TOKENS} new tokens, lr {LR}, GRPO seq-mean-token-mean, "
-          f"clip 0.2, no KL | greedy accuracy on {args.eval_size} held-out problems of each seed's split | "
+          f"clip 0.2, no KL | areal {completions} | greedy accuracy on {args.eval_size} held-out problems "
+          f"of each seed's split | "
           f"seeds {seeds} | torch threads {torch.get_num_threads()}", flush=True)
     # results[run name][seed]; each seed has its own train prompts and held-out problems (the dataset's split
     # depends on the seed), shared by every run of that seed.
@@ -237,7 +245,7 @@ def main() -> None:
             runs = [] if args.skip_trl else [(f"TRL {d}", lambda d=d: run_trl(
                 model_dir, args.steps, val, Path(tmp) / f"trl-{d}-{seed}", d, seed)) for d in trl_dtypes]
             runs += [(f"areal eta={eta}", lambda eta=eta: run_areal(
-                eta, args.steps, val, Path(tmp) / "areal", areal_dtype, args.areal, seed))
+                eta, args.steps, val, Path(tmp) / "areal", areal_dtype, args.areal, seed, args.areal_stop_at_newline))
                 for eta in ([4] if args.skip_sync else [4, 0])]
             for name, run in runs:
                 results.setdefault(name, {})[seed] = run()

@@ -649,3 +649,21 @@ class TestFSDPConformance(TrainEngineConformance):
 
     def make_batch(self) -> dict:
         return make_batch()
+
+
+@pytest.mark.parametrize("role,asked", [("actor", "float32"), ("reference", "bfloat16")])
+def test_trained_roles_load_the_float32_copy_for_their_master_weights(models, monkeypatch, role, asked):
+    # A bf16 copy upcast to float32 puts every master weight on the bf16 grid, where bf16 compute cannot see
+    # an update smaller than half a bf16 step; a model converted per dtype (the demo) is asked for in float32.
+    seen = []
+    real = FSDPEngine._model_path
+
+    def spy(path, dtype):
+        seen.append(dtype)
+        return real(path, dtype)
+
+    monkeypatch.setattr(FSDPEngine, "_model_path", staticmethod(spy))
+    e = engine(config(models["llama"], dtype="bfloat16"), role=role)
+    assert seen == [asked]
+    assert next(e.lm.parameters()).dtype == (torch.float32 if role == "actor" else torch.bfloat16)
+    e.close()

@@ -126,7 +126,9 @@ class MegatronEngine(TrainEngine):
         self.cpu = self.device.type == "cpu"
         self._init_parallel_state(cfg)
         self.dtype = getattr(torch, cfg.model.dtype)
-        self.source = self._model_path(cfg.model.path, cfg.model.dtype)
+        # The actor's float32 master weights come from the float32 copy where a plugin converts per dtype (the
+        # demo model): an upcast bf16 copy would sit on the bf16 grid (see areal_fsdp.engine, same reason).
+        self.source = self._model_path(cfg.model.path, "float32" if self.role == "actor" else cfg.model.dtype)
         self.hf_config = AutoConfig.from_pretrained(self.source)
         convert.check_architecture(self.hf_config)
         self.mb_max_tokens = int(cfg.actor.mb_max_tokens)
