@@ -255,33 +255,33 @@ def main() -> None:
     print(f"\nmean over seeds {seeds} (+- sample std where more than one)")
     print(f"{'':<16} {'wall s':>8} {'s/step':>12} {'samples/s':>10} {'gen tok/s':>10} {'acc before':>10} "
           f"{'acc after':>14}  per seed")
-    acc_before = _mean(list(before.values()))
+    acc_before = statistics.fmean(list(before.values()))
     for name, by_seed in results.items():
         rs = list(by_seed.values())
-        wall, step = _mean([r["wall_s"] for r in rs]), _mean([r["step_s"] for r in rs])
+        wall, step = statistics.fmean([r["wall_s"] for r in rs]), statistics.fmean([r["step_s"] for r in rs])
         after = [r["acc_after"] for r in rs]
         print(f"{name:<16} {wall:>8.1f} {_pm([r['step_s'] for r in rs]):>12} {samples / wall:>10.2f} "
-              f"{_mean([r['gen_tok_s'] for r in rs]):>10.1f} {acc_before:>10.3f} {_pm(after):>14}  "
+              f"{statistics.fmean([r['gen_tok_s'] for r in rs]):>10.1f} {acc_before:>10.3f} {_pm(after):>14}  "
               f"{' '.join(f'{a:.3f}' for a in after)}")
 
     def ratio(a: str, b: str) -> None:
         if a in results and b in results:
             x, y = (list(results[k].values()) for k in (a, b))
-            print(f"{a} / {b}: samples/s {_mean([r['wall_s'] for r in y]) / _mean([r['wall_s'] for r in x]):.2f}x "
-                  f"end to end, {_mean([r['step_s'] for r in y]) / _mean([r['step_s'] for r in x]):.2f}x per step "
+            print(f"{a} / {b}: samples/s {statistics.fmean([r['wall_s'] for r in y]) / statistics.fmean([r['wall_s'] for r in x]):.2f}x "
+                  f"end to end, {statistics.fmean([r['step_s'] for r in y]) / statistics.fmean([r['step_s'] for r in x]):.2f}x per step "
                   f"in steady state; accuracy after {_pm([r['acc_after'] for r in x])} vs "
                   f"{_pm([r['acc_after'] for r in y])}")
 
     print()
     trl_runs = [name for name in results if name.startswith("TRL")]
-    best_trl = min(trl_runs, key=lambda name: _mean([r["wall_s"] for r in results[name].values()]), default=None)
+    best_trl = min(trl_runs, key=lambda name: statistics.fmean([r["wall_s"] for r in results[name].values()]), default=None)
     if best_trl:
         print(f"TRL's faster run here: {best_trl}; areal is compared with it")
         ratio("areal eta=4", best_trl)
         ratio("areal eta=0", best_trl)
     ratio("areal eta=4", "areal eta=0")
     for name in trl_runs:
-        share = _mean([r["gen_share"] for r in results[name].values()])
+        share = statistics.fmean([r["gen_share"] for r in results[name].values()])
         print(f"{name} spent {share:.0%} of its wall time generating")
 
 
@@ -295,12 +295,8 @@ def _seeds(text: str) -> list[int]:
     return seeds
 
 
-def _mean(xs: list[float]) -> float:
-    return statistics.fmean(xs)
-
-
 def _pm(xs: list[float]) -> str:
-    return f"{_mean(xs):.3f}" + (f" +- {statistics.stdev(xs):.3f}" if len(xs) > 1 else "")
+    return f"{statistics.fmean(xs):.3f}" + (f" +- {statistics.stdev(xs):.3f}" if len(xs) > 1 else "")
 
 
 if __name__ == "__main__":

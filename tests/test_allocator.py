@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -30,7 +31,7 @@ print(libc.mallinfo2().hblkhd >> 20, said, sep="|")
 
 
 def probe(mode: str, **env: str) -> tuple[int, str]:
-    clean = {k: v for k, v in __import__("os").environ.items() if not k.startswith("MALLOC_")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")
              and k not in ("GLIBC_TUNABLES", "LD_PRELOAD", "AREAL_MALLOC")}
     out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True,
                          env={**clean, **env}, timeout=60).stdout.strip()

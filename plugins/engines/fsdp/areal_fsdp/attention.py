@@ -126,13 +126,19 @@ def _no_mask(*_args: Any, **_kwargs: Any) -> None:
     return None
 
 
-def register() -> None:
-    """Make :data:`PACKED_SDPA` a name transformers' ``set_attn_implementation`` accepts (idempotent)."""
+def register_attention(name: str, function: Any) -> None:
+    """Make ``name`` an attention transformers' ``set_attn_implementation`` accepts, running ``function`` and
+    building no mask (the function gets what it needs through keywords of the model call). Idempotent."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(PACKED_SDPA, packed_sdpa)
-    AttentionMaskInterface.register(PACKED_SDPA, _no_mask)
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, _no_mask)
+
+
+def register() -> None:
+    """Make :data:`PACKED_SDPA` a name transformers' ``set_attn_implementation`` accepts (idempotent)."""
+    register_attention(PACKED_SDPA, packed_sdpa)
 
 
 def supports(config: Any) -> bool:

@@ -121,14 +121,8 @@ def cp_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, val
     return out.transpose(1, 2), None
 
 
-def _no_mask(*_args: Any, **_kwargs: Any) -> None:
-    return None
-
-
 def register() -> None:
     """Make :data:`CP_SDPA` a name transformers' ``set_attn_implementation`` accepts (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from areal_fsdp.attention import register_attention
 
-    AttentionInterface.register(CP_SDPA, cp_sdpa)
-    AttentionMaskInterface.register(CP_SDPA, _no_mask)
+    register_attention(CP_SDPA, cp_sdpa)

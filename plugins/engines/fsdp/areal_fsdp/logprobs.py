@@ -102,7 +102,7 @@ def next_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.
     share of a row with each token's target taken from the whole row.
     """
     if temperature <= 0:
-        raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
+        raise ValueError(f"next_token_logprobs: temperature must be > 0, got {temperature}")
     n = hidden.shape[0]
     positions = torch.nonzero(wanted, as_tuple=True)[0]
     pred, labels = hidden[positions], targets[positions]

@@ -112,8 +112,7 @@ class WeightStage:
         if self._staged is not None and self._staged[0] is named_tensors and self._staged[1] == version:
             assert self.folder is not None
             return self.folder  # another engine of this process takes the same version: written already
-        named = [(name, t.detach()) for name, t in named_tensors]
-        named = [(name, t if t.device.type == "cpu" else t.cpu()) for name, t in named]
+        named = [(name, t.detach().cpu()) for name, t in named_tensors]  # .cpu() is a no-op for CPU tensors
         head, placed, size = _layout(named)
         if size != self._size or self._map is None:
             self._open(size)
