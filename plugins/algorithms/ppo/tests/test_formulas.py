@@ -114,6 +114,25 @@ def test_gae_discounts():
     assert adv.tolist() == [[0.5, 1.0]] and ret.tolist() == [[0.5, 1.0]]
 
 
+def test_clipped_value_loss():
+    # value_clip 0.2, three response tokens (V, V_old, R), per token 1/2 max((V - R)^2, (V_clip - R)^2) with
+    # V_clip = V_old + clip(V - V_old, -0.2, 0.2):
+    #   (1.0, 0.5, 0.0): plain 1.0; V_clip 0.7 -> 0.49; max 1.0 -> 0.5; the plain term binds: d/dV = V - R = 1.0
+    #   (0.65, 0.5, 1.0): inside the clip range V_clip = V: 0.1225 -> 0.06125; d/dV = -0.35
+    #   (0.0, 0.5, 0.0): plain 0; V_clip 0.3 -> 0.09; max 0.09 -> 0.045; the clipped term binds: d/dV = 0
+    # Token mean over the 3 response tokens: (0.5 + 0.06125 + 0.045) / 3 = 0.2020833; gradients / 3.
+    b = batch([0.0], [3])
+    b["values"], b["returns"] = [0.0, 0.5, 0.5, 0.5], [0.0, 0.0, 1.0, 0.0]
+    algo = make(algos.PPO, value_clip=0.2)
+    values = torch.tensor([9.0, 1.0, 0.65, 0.0], requires_grad=True)  # the prompt token is masked out
+    loss, stats = algo.value_loss(values, b)
+    loss.backward()
+    assert float(loss) == approx(0.2020833, abs=1e-6) and stats["value_loss"] == approx(0.2020833, abs=1e-6)
+    assert values.grad.tolist() == approx([0.0, 1.0 / 3, -0.35 / 3, 0.0], abs=1e-6)
+    # value_clip 0: plain 1/2 (V - R)^2: (0.5 + 0.06125 + 0) / 3.
+    assert float(make(algos.PPO, value_clip=0.0).value_loss(values, b)[0]) == approx(0.1870833, abs=1e-6)
+
+
 def test_dapo_overlong_penalty():
     # L_max 10, buffer 0.2 -> L_cache 2: no penalty up to 8; 9 -> (8 - 9) / 2 = -0.5; 10 -> -1; 12 -> -1.
     assert overlong_penalty(torch.tensor([5, 8, 9, 10, 12]), 10, 0.2, 1.0).tolist() == approx([0, 0, -0.5, -1, -1])
