@@ -52,7 +52,15 @@ class FilesConfig:
 
 
 class DatasetFileError(ValueError):
-    """A data file cannot become items; the message names the file, the row, the field and the fix."""
+    """A data file cannot become items; the message names the file, the row, the field and the fix.
+
+    ``key`` is the config key to change (``dataset.answer_field``, ...), so
+    ``areal check`` can report it as a :class:`~areal_core.Problem`.
+    """
+
+    def __init__(self, message: str, fix: str, key: str = "dataset.path") -> None:
+        self.message, self.fix, self.key = message, fix, key
+        super().__init__(f"{message}. Fix: {fix}")
 
 
 def detect_format(path: Path, declared: str) -> str:
@@ -62,16 +70,16 @@ def detect_format(path: Path, declared: str) -> str:
         return "hf_disk"
     found = SUFFIXES.get(path.suffix.lower())
     if found is None:
-        raise DatasetFileError(f"{path}: cannot tell the format from the suffix {path.suffix!r}. Fix: set "
-                               f"dataset.format to one of {', '.join(FORMATS[1:])}")
+        raise DatasetFileError(f"{path}: cannot tell the format from the suffix {path.suffix!r}",
+                               f"set dataset.format to one of {', '.join(FORMATS[1:])}", "dataset.format")
     return found
 
 
 def read_rows(path: Path, fmt: str, hf_split: str) -> list[tuple[int, dict]]:
     """(row number from 1, row) for every row of the file or folder."""
     if not path.exists():
-        raise DatasetFileError(f"{path} does not exist. Fix: point dataset.path (or dataset.validation_path) "
-                               f"at a .jsonl / .parquet file or a save_to_disk folder")
+        raise DatasetFileError(f"{path} does not exist", "point dataset.path (or dataset.validation_path) at a "
+                               ".jsonl / .parquet file or a save_to_disk folder")
     if fmt == "jsonl":
         return list(_jsonl_rows(path))
     if fmt == "parquet":
@@ -83,8 +91,8 @@ def read_rows(path: Path, fmt: str, hf_split: str) -> list[tuple[int, dict]]:
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
         if hf_split not in loaded:
-            raise DatasetFileError(f"{path} holds the splits {', '.join(loaded)}, not {hf_split!r}. Fix: set "
-                                   f"dataset.hf_split to one of them")
+            raise DatasetFileError(f"{path} holds the splits {', '.join(loaded)}, not {hf_split!r}",
+                                   "set dataset.hf_split to one of them", "dataset.hf_split")
         loaded = loaded[hf_split]
     return list(enumerate(loaded.to_list(), 1))
 
@@ -97,19 +105,19 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DatasetFileError(f"{path} row {line_no}: not valid JSON ({exc.msg} at column {exc.colno}). "
-                                       f"Fix: write one JSON object per line") from None
+                raise DatasetFileError(f"{path} row {line_no}: not valid JSON ({exc.msg} at column {exc.colno})",
+                                       "write one JSON object per line") from None
             if not isinstance(row, dict):
-                raise DatasetFileError(f"{path} row {line_no}: a JSON {type(row).__name__}, not an object. "
-                                       f"Fix: write one JSON object per line")
+                raise DatasetFileError(f"{path} row {line_no}: a JSON {type(row).__name__}, not an object",
+                                       "write one JSON object per line")
             yield line_no, row
 
 
 def missing_field(path: Path, row_no: int, row: dict, field: str, key: str, what: str) -> DatasetFileError:
     return DatasetFileError(
         f"{path} row {row_no}: no field '{field}' (dataset.{key}); the row has fields: "
-        f"{', '.join(map(str, row)) or '(none)'}. Fix: set dataset.{key} to the column holding {what}, "
-        f"or add '{field}' to every row")
+        f"{', '.join(map(str, row)) or '(none)'}",
+        f"set dataset.{key} to the column holding {what}, or add '{field}' to every row", f"dataset.{key}")
 
 
 class FilesDataset(Dataset):
@@ -125,8 +133,8 @@ class FilesDataset(Dataset):
         super().__init__(context)
         o = self.options = self.context.options if self.context.options is not None else FilesConfig()
         if not o.path:
-            raise DatasetFileError("dataset.path is empty. Fix: set dataset.path to a .jsonl / .parquet file or "
-                                   "a save_to_disk folder")
+            raise DatasetFileError("dataset.path is empty",
+                                   "set dataset.path to a .jsonl / .parquet file or a save_to_disk folder")
         self._template_fields = [name for _, name, _, _ in string.Formatter().parse(o.template) if name]
         self._answer_re = re.compile(o.answer_pattern, re.MULTILINE) if o.answer_pattern else None
         split, self._passes = self.split, 0
@@ -143,8 +151,9 @@ class FilesDataset(Dataset):
         if split == "validation" and not held:
             raise DatasetFileError(
                 f"{o.path}: the validation split is empty: dataset.validation_path is not set and "
-                f"dataset.validation_fraction is {o.validation_fraction}. Fix: set dataset.validation_path, or "
-                f"dataset.validation_fraction (e.g. 0.1)")
+                f"dataset.validation_fraction is {o.validation_fraction}",
+                "set dataset.validation_path, or dataset.validation_fraction (e.g. 0.1); or eval.size=0 for a run "
+                "without evaluation", "dataset.validation_fraction")
         self.items = held if split == "validation" else train
 
     # -- reading ----------------------------------------------------------
@@ -169,7 +178,8 @@ class FilesDataset(Dataset):
             if match is None:
                 raise DatasetFileError(
                     f"{path} row {row_no}: dataset.answer_pattern {o.answer_pattern!r} does not match the "
-                    f"'{o.answer_field}' value {answer[:80]!r}. Fix: correct the pattern or the row")
+                    f"'{o.answer_field}' value {answer[:80]!r}", "correct the pattern or the row",
+                    "dataset.answer_pattern")
             answer = (match.group(1) if match.groups() else match.group(0)).strip()
         item["answer"] = answer
         if o.messages_field:
@@ -196,8 +206,9 @@ class FilesDataset(Dataset):
                 for m in value):
             raise DatasetFileError(
                 f"{path} row {row_no}: field '{self.options.messages_field}' (dataset.messages_field) is "
-                f"{str(value)[:80]!r}, not a list of {{role, content}} messages. Fix: point dataset.messages_field "
-                f"at a chat column, or leave it empty to build the prompt from dataset.template")
+                f"{str(value)[:80]!r}, not a list of {{role, content}} messages",
+                "point dataset.messages_field at a chat column, or leave it empty to build the prompt from "
+                "dataset.template", "dataset.messages_field")
         return [{"role": m["role"], "content": m["content"]} for m in value]
 
     # -- the split --------------------------------------------------------
@@ -223,8 +234,8 @@ class FilesDataset(Dataset):
             if item["id"] in seen:
                 raise DatasetFileError(
                     f"{self.options.path}: the id {item['id']!r} (dataset.id_field '{self.options.id_field}') is "
-                    f"on two rows{' (across the train and validation files)' if self.options.validation_path else ''}. "
-                    f"Fix: make the ids unique, or set dataset.id_field to '' to number rows")
+                    f"on two rows{' (across the train and validation files)' if self.options.validation_path else ''}",
+                    "make the ids unique, or set dataset.id_field to '' to number rows", "dataset.id_field")
             seen.add(item["id"])
 
     # -- iteration --------------------------------------------------------

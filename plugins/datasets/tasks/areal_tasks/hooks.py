@@ -1,8 +1,11 @@
 """Checks of the ``dataset`` section when it selects one of this plugin's datasets.
 
-The options' types and ranges are the core's job; these rules span keys (or
-the file system) and are reported by ``areal check`` with every other problem.
-Imports nothing heavy: the dataset modules named here import only the core.
+The options' types and ranges are the core's job; these rules span keys, the
+file system and the data itself (every row of a ``files`` dataset is read),
+and are reported by ``areal check`` / ``areal run`` with every other problem,
+before any process starts. Imports nothing heavy at module load: the dataset
+modules named here import only the core (pyarrow / datasets only when such a
+file is read).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ def _options(config_class: type, extra: dict) -> Any:
     return dataclasses.replace(config_class(), **{k: v for k, v in extra.items() if k in names})
 
 
-def _files_problems(extra: dict) -> list[Problem]:
+def _files_problems(config: Any, extra: dict) -> list[Problem]:
     problems = []
     path = extra.get("path", "")
     if not path:
@@ -31,22 +34,65 @@ def _files_problems(extra: dict) -> list[Problem]:
         if value and isinstance(value, str) and not Path(value).expanduser().exists():
             problems.append(Problem("tasks.missing-file", f"{value} does not exist",
                                     f"point dataset.{key} at an existing file or folder", f"dataset.{key}"))
-    return problems
+    return problems or _rows_problems(config, extra)
+
+
+def _rows_problems(config: Any, extra: dict) -> list[Problem]:
+    """Read every row now, as the trainer would when it starts, so a bad row is reported before anything runs.
+
+    The split read is the one the run needs last: validation when ``eval.size`` > 0
+    (building it reads the train file too, and finds an empty validation split),
+    else train.
+    """
+    from areal_core.api import Context
+    from areal_tasks.files import DatasetFileError, FilesConfig, FilesDataset
+
+    try:
+        options = _options(FilesConfig, extra)
+    except (TypeError, ValueError):  # a mistyped key: the core reports it already
+        return []
+    split = "validation" if config.eval.size > 0 else "train"
+    try:
+        FilesDataset(Context(config=config, options=options, extras={"split": split}))
+    except DatasetFileError as exc:
+        return [Problem("tasks.bad-data", exc.message, exc.fix, exc.key)]
+    return []
+
+
+def _synthetic_problems(config: Any, dataset: Any, extra: dict) -> list[Problem]:
+    try:
+        options = _options(dataset.config_class, extra)
+        problems = dataset.option_problems(options)
+    except (TypeError, ValueError):  # a mistyped key: the core reports it already
+        return []
+    if problems or config.eval.size == 0:
+        return problems
+    if options.validation_size == 0:
+        return [Problem("tasks.no-validation", f"eval.size is {config.eval.size} but dataset.validation_size is 0: "
+                        f"there is nothing to evaluate on",
+                        "set dataset.validation_size (e.g. 64), or eval.size=0 for a run without evaluation",
+                        "dataset.validation_size")]
+    from areal_core.api import Context
+
+    try:  # drawing the validation set is cheap, and finds a problem space too small for it
+        dataset(Context(config=config, options=options, extras={"split": "validation"}))
+    except ValueError as exc:
+        message, _, fix = str(exc).partition(" Fix: ")
+        return [Problem("tasks.too-few-problems", message, fix, "dataset.validation_size")]
+    return []
 
 
 @hookimpl
 def areal_validate_config(config: Any) -> list[Problem]:
     name, extra = config.dataset.name, dict(config.dataset.extra)
     if name == "files":
-        return _files_problems(extra)
-    if name in ("arithmetic", "countdown"):
-        if name == "arithmetic":
-            from areal_tasks.arithmetic import ArithmeticDataset as dataset
-        else:
-            from areal_tasks.countdown import CountdownDataset as dataset
-        try:
-            options = _options(dataset.config_class, extra)
-            return dataset.option_problems(options)
-        except (TypeError, ValueError):  # a mistyped key: the core reports it already
-            return []
+        return _files_problems(config, extra)
+    if name == "arithmetic":
+        from areal_tasks.arithmetic import ArithmeticDataset
+
+        return _synthetic_problems(config, ArithmeticDataset, extra)
+    if name == "countdown":
+        from areal_tasks.countdown import CountdownDataset
+
+        return _synthetic_problems(config, CountdownDataset, extra)
     return []

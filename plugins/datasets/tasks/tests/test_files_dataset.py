@@ -10,6 +10,7 @@ import pytest
 
 from areal_core.api import Context
 from areal_core.config.schema import RunConfig
+from areal_core.config.validate import validate_run
 from areal_core.testing import DatasetConformance
 from areal_tasks.files import DatasetFileError, FilesConfig, FilesDataset
 
@@ -75,6 +76,36 @@ def test_missing_field_names_file_row_field_and_fix(tmp_path):
     assert str(err.value) == (
         f"{path} row 4: no field 'a' (dataset.answer_field); the row has fields: q, uid, level. Fix: set "
         f"dataset.answer_field to the column holding the reference answer, or add 'a' to every row")
+
+
+def task_problems(*overrides: str) -> list[tuple[str, str, str]]:
+    run = validate_run(None, list(overrides))
+    return [(p.key, p.message, p.hint) for p in run.problems if p.code.startswith("tasks.")]
+
+
+def test_areal_check_reads_every_row_before_the_run_starts(tmp_path):
+    rows = [dict(r) for r in ROWS[:5]]
+    del rows[3]["a"]
+    path = write_jsonl(tmp_path / "broken.jsonl", rows)
+    mapping = ["dataset.name=files", f"dataset.path={path}", "dataset.question_field=q", "dataset.answer_field=a",
+               "dataset.id_field=uid"]
+    assert task_problems(*mapping, "eval.size=0") == [(
+        "dataset.answer_field",
+        f"{path} row 4: no field 'a' (dataset.answer_field); the row has fields: q, uid, level",
+        "set dataset.answer_field to the column holding the reference answer, or add 'a' to every row")]
+    # eval.size > 0 (the default) reads the validation split, which reads the train rows too
+    assert [key for key, _, _ in task_problems(*mapping, "dataset.validation_fraction=0.3")] == \
+        ["dataset.answer_field"]
+
+
+def test_areal_check_refuses_evaluation_without_a_validation_split(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    mapping = ["dataset.name=files", f"dataset.path={path}", "dataset.question_field=q", "dataset.answer_field=a"]
+    ((key, message, hint),) = task_problems(*mapping)  # eval.size defaults to 64
+    assert key == "dataset.validation_fraction" and "the validation split is empty" in message
+    assert "eval.size=0" in hint
+    assert task_problems(*mapping, "eval.size=0") == []
+    assert task_problems(*mapping, "dataset.validation_fraction=0.3") == []
 
 
 def test_template_field_missing_and_bad_json_are_named(tmp_path):

@@ -59,6 +59,20 @@ def test_validation_set_larger_than_the_problem_space_is_refused():
         ArithmeticDataset(Context(options=ArithmeticConfig(min_value=0, max_value=2, validation_size=20)))
 
 
+def test_areal_check_refuses_evaluation_without_validation_problems():
+    def problems(*overrides):
+        run = validate_run(None, ["dataset.name=arithmetic", *overrides])
+        return [(p.key, p.message) for p in run.problems if p.code.startswith("tasks.")]
+
+    assert problems() == []
+    ((key, message),) = problems("dataset.validation_size=0")
+    assert key == "dataset.validation_size" and "eval.size is 64" in message
+    assert problems("dataset.validation_size=0", "eval.size=0") == []
+    # operands 0..1 make four problems (0+0, 0+1, 1+0, 1+1): not enough for a validation set of 20
+    ((key, message),) = problems("dataset.max_value=1", "dataset.validation_size=20")
+    assert key == "dataset.validation_size" and "only 4 distinct problems" in message
+
+
 def test_countdown_problems_are_solvable_by_their_reference_answer():
     for options in (CountdownConfig(), CountdownConfig(use_all=True, count=3)):
         items = take(CountdownDataset(Context(options=options)), 100)
