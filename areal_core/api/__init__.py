@@ -8,7 +8,7 @@ Nothing here imports torch: tensors appear only in type hints.
 
 from areal_core.api.algorithm import Algorithm, Needs
 from areal_core.api.component import Component, Context
-from areal_core.api.dataset import SPLITS, Dataset, stable_seed
+from areal_core.api.dataset import SPLITS, Dataset, pass_order, stable_seed
 from areal_core.api.inference import (
     GenerationRequest,
     GenerationResponse,
@@ -26,5 +26,5 @@ __all__ = [
     "Algorithm", "Component", "Context", "Dataset", "GenerationRequest", "GenerationResponse",
     "InferenceEngine", "Launcher", "Needs", "Reward", "RewardResult", "SPLITS", "SamplingParams", "ServerProcess",
     "TrainEngine", "Trajectory", "Workflow", "call_reward", "encode_prompt",
-    "group_size_of", "run_seed_of", "sampling_params", "stable_seed",
+    "group_size_of", "pass_order", "run_seed_of", "sampling_params", "stable_seed",
 ]

@@ -16,6 +16,7 @@ reward shares (docs/datasets.md):
 from __future__ import annotations
 
 import hashlib
+import random
 from abc import abstractmethod
 from typing import Any, Iterator
 
@@ -33,6 +34,18 @@ def stable_seed(*parts: Any) -> int:
     """
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") % 2**31
+
+
+def pass_order(n: int, seed: int, pass_index: int, shuffle: bool = True) -> list[int]:
+    """The order of pass ``pass_index`` over ``n`` items: ``0..n-1``, shuffled by (seed, pass) when asked.
+
+    Equal in every process for the same arguments, so a dataset that
+    reshuffles between passes stays resumable (see :class:`Dataset`).
+    """
+    order = list(range(n))
+    if shuffle:
+        random.Random(stable_seed("pass", seed, pass_index)).shuffle(order)
+    return order
 
 
 class Dataset(Component):

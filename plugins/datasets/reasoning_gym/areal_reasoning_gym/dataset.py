@@ -4,7 +4,8 @@ The validation split is the task's generator under one seed, the train
 split the same generator under another (both derived from ``trainer.seed``);
 train problems whose question is also a validation question are skipped, so
 no validation problem is ever trained on. reasoning-gym builds entry ``k``
-from its seed and ``k`` alone, so the order is the same after a restart.
+from its seed and ``k`` alone, so the order is the same after a restart;
+the train split is reshuffled between passes, reproducibly.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from areal_core.api import Dataset, stable_seed
+from areal_core.api import Dataset, pass_order, stable_seed
 from areal_core.config.schema import spec
 
 
@@ -70,7 +71,7 @@ class ReasoningGymDataset(Dataset):
     def __init__(self, context: Any = None) -> None:
         super().__init__(context)
         o = self.options = self.context.options if self.context.options is not None else ReasoningGymConfig()
-        self._split = self.split
+        self._split, self._passes = self.split, 0
         self._system = system_text(o.system_prompt)
         base = stable_seed("reasoning_gym", o.task, self.seed)
         self._validation = make_task(o.task, base, o.validation_size, dict(o.task_options)) \
@@ -90,13 +91,14 @@ class ReasoningGymDataset(Dataset):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self._split == "validation":
-            for k in range(len(self._validation)):
-                yield self._item(k, self._validation[k])
-            return
-        for k in range(len(self._train)):
-            entry = self._train[k]
-            if entry["question"] not in self._held_out:
-                yield self._item(k, entry)
+            return (self._item(k, self._validation[k]) for k in range(len(self._validation)))
+        # Pass 0 in the generator's order, later passes reshuffled by (seed, pass): the n-th iter() of any
+        # instance gives pass n's order, so a resumed run re-reads the same stream.
+        pass_index, self._passes = self._passes, self._passes + 1
+        order = pass_order(len(self._train), self.seed, pass_index, shuffle=pass_index > 0)
+        return (self._item(k, self._train[k]) for k in order if self._train[k]["question"] not in self._held_out)
 
     def __len__(self) -> int:
-        return sum(1 for _ in self)
+        if self._split == "validation":
+            return len(self._validation)
+        return sum(1 for k in range(len(self._train)) if self._train[k]["question"] not in self._held_out)

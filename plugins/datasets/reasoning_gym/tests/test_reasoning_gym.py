@@ -25,7 +25,8 @@ def score(item, completion):
     return asyncio.run(call_reward(ReasoningGymReward(), "", completion, item))
 
 
-@pytest.mark.parametrize("task", ["basic_arithmetic", "gsm_symbolic", "puzzle24"])
+# The generators the issue names (and chain_sum), each checked with its own verifier.
+@pytest.mark.parametrize("task", ["basic_arithmetic", "gsm_symbolic", "countdown", "puzzle24", "chain_sum"])
 def test_reference_answers_score_1_and_wrong_ones_0(task):
     items = list(itertools.islice(build(task=task, size=4, validation_size=4), 4))
     for item in items:
@@ -34,6 +35,15 @@ def test_reference_answers_score_1_and_wrong_ones_0(task):
         assert score(item, f"Let me think.\n<answer>{item['answer']}</answer>").reward == 1.0
         assert score(item, "<answer>definitely not it</answer>").reward < 0.1  # some tasks give 0.01
         assert score(item, item["answer"]).reward == 0.0  # no tag: not an answer by default
+
+
+def test_train_passes_reshuffle_reproducibly_and_len_reads_no_pass():
+    a, b = build(task="chain_sum", size=30, validation_size=5), build(task="chain_sum", size=30, validation_size=5)
+    assert len(a) == len(b) and len(a) > 20  # len() must not count as a pass
+    first, second = [i["id"] for i in a], [i["id"] for i in a]
+    assert first != second and sorted(first) == sorted(second) and len(first) == len(a)
+    assert [i["id"] for i in b] == first and [i["id"] for i in b] == second
+    assert first == [f"chain_sum/train/{k}" for k in range(30) if f"chain_sum/train/{k}" in set(first)]
 
 
 def test_task_options_pass_through_and_bad_names_are_named():

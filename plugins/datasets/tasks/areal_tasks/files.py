@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from areal_core.api import Dataset, stable_seed
+from areal_core.api import Dataset, pass_order, stable_seed
 from areal_core.config.schema import spec
-from areal_tasks.synthetic import pass_order
 
 FORMATS = ("auto", "jsonl", "parquet", "hf_disk")
 SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}

@@ -15,18 +15,10 @@ from abc import abstractmethod
 from typing import Any, ClassVar, Hashable, Iterator
 
 from areal_core import Problem, ProblemsError
-from areal_core.api import Dataset, stable_seed
+from areal_core.api import Dataset, pass_order, stable_seed
 
 # Draws allowed per wanted problem before the problem space is declared too small.
 MAX_DRAWS_PER_ITEM = 50
-
-
-def pass_order(n: int, seed: int, pass_index: int, shuffle: bool) -> list[int]:
-    """Row order of pass ``pass_index`` over ``n`` items: shuffled by (seed, pass) when asked."""
-    order = list(range(n))
-    if shuffle:
-        random.Random(stable_seed("pass", seed, pass_index)).shuffle(order)
-    return order
 
 
 class SyntheticDataset(Dataset):
