@@ -7,10 +7,14 @@ An environment is named in config (``workflow.environment: "my_pkg.env:Calculato
 - a function: called as ``fn(item, completion, turn)`` (sync or async) for each model turn.
 
 Either returns a :class:`Reply` (or a dict of its fields). ``turn`` counts from 1.
+A sync step runs in the event loop's default executor (a thread), as a sync
+reward does: a slow tool or verifier must not stall every other episode on
+the rollout loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 from dataclasses import dataclass, field
@@ -74,20 +78,31 @@ def load_object(reference: str, key: str) -> Any:
 
 
 class FunctionEnvironment:
-    """Adapts a plain function ``fn(item, completion, turn)`` to the class protocol."""
+    """Adapts a plain function ``fn(item, completion, turn)`` (sync or async) to the class protocol."""
 
     def __init__(self, fn: Any, item: Any) -> None:
         self.fn, self.item = fn, item
+        self.is_async = _is_async(fn)
 
-    async def step(self, completion: str, turn: int) -> Any:
+    def step(self, completion: str, turn: int) -> Any:
         return self.fn(self.item, completion, turn)
 
 
+def _is_async(fn: Any) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
 async def answer(environment: Any, completion: str, turn: int) -> Reply:
-    """Call ``environment.step`` (awaiting it when async) and check what it returned."""
-    value = environment.step(completion, turn)
-    if inspect.isawaitable(value):
-        value = await value
+    """Call ``environment.step`` (awaited when async, in a thread when sync) and check what it returned."""
+    is_async = getattr(environment, "is_async", None)
+    if is_async is None:
+        is_async = _is_async(environment.step)
+    if is_async:
+        value = await environment.step(completion, turn)
+    else:
+        value = await asyncio.get_running_loop().run_in_executor(None, environment.step, completion, turn)
+        if inspect.isawaitable(value):  # a plain ``def step`` that hands back a coroutine
+            value = await value
     if isinstance(value, dict):
         value = Reply(**value)
     if not isinstance(value, Reply):

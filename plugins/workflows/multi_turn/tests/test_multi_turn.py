@@ -7,6 +7,7 @@ import asyncio
 import functools
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -147,6 +148,57 @@ def test_environment_from_config_class_or_function(tiny_model_dir, monkeypatch):
     (t,) = asyncio.run(make(tiny_model_dir, None, environment="my_envs:echo_environment", max_turns=5)
                        .arun_episode(engine, CHAT))
     assert len(engine.requests) == 2 and t.reward == 0.5
+
+
+async def async_environment(item, completion, turn):
+    """A custom environment function that awaits (a tool call, say)."""
+    await asyncio.sleep(0)
+    return {"reward": 0.25 * turn, "done": turn == 3, "message": f"tool says {turn}", "role": "user"}
+
+
+class SlowTool:
+    """A custom environment whose sync step blocks for a while (a slow tool or verifier)."""
+
+    def __init__(self, item, reward):
+        pass
+
+    def step(self, completion, turn):
+        time.sleep(0.3)
+        return {"reward": 1.0, "done": turn == 2, "message": "still working"}
+
+
+def test_async_environment_function_is_awaited(tiny_model_dir, monkeypatch):
+    monkeypatch.setitem(sys.modules, "my_envs", sys.modules[__name__])
+    engine = ScriptedInferenceEngine(SCRIPT)
+    (t,) = asyncio.run(make(tiny_model_dir, None, environment="my_envs:async_environment", max_turns=5)
+                       .arun_episode(engine, CHAT))
+    assert len(engine.requests) == 3 and t.reward == 0.75 and t.info["success"]
+    assert "tool says 2" in tokenizer(str(tiny_model_dir)).decode(engine.requests[2].input_ids)
+
+
+def test_a_sync_environment_step_does_not_stall_the_event_loop(tiny_model_dir, monkeypatch):
+    monkeypatch.setitem(sys.modules, "my_envs", sys.modules[__name__])
+    flow = make(tiny_model_dir, None, environment="my_envs:SlowTool", max_turns=2)
+
+    async def episode_beside_a_ticker():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        began = time.monotonic()
+        (t,) = await flow.arun_episode(ScriptedInferenceEngine(SCRIPT), CHAT)
+        task.cancel()
+        return t, ticks, time.monotonic() - began
+
+    t, ticks, seconds = asyncio.run(episode_beside_a_ticker())
+    assert t.reward == 1.0 and seconds >= 0.6
+    # 0.6 s of sleeping in the environment: a loop left free ticks ~60 times; a blocked one ~twice
+    assert ticks >= 20, f"the loop ticked {ticks} times in {seconds:.2f} s: the environment's step blocked it"
 
 
 def test_bad_environment_references_are_named(tiny_model_dir):
