@@ -184,7 +184,7 @@ class RemoteEngine(InferenceEngine):
 
     def __init__(self, context: Any, address: str, *, request_timeout_s: float = 600.0, retries: int = 2,
                  retry_delay_s: float = 0.5, startup_timeout_s: float = 300.0, log_path: str | Path | None = None,
-                 version: int = 0) -> None:
+                 version: int = 0, transport: Any = None) -> None:
         super().__init__(context)
         if not address or ":" not in address:
             raise ValueError(f"{type(self).__name__} needs its server's address as host:port, got {address!r}")
@@ -195,6 +195,7 @@ class RemoteEngine(InferenceEngine):
         self.startup_timeout_s = startup_timeout_s
         self.log_path = log_path
         self._version = version
+        self._transport = transport  # an httpx transport; tests pass a double of the server's protocol
         self._client: Any = None
 
     @classmethod
@@ -227,7 +228,8 @@ class RemoteEngine(InferenceEngine):
 
         if self._client is None:
             self._client = httpx.AsyncClient(base_url=f"http://{self.address}", timeout=self.request_timeout_s,
-                                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+                                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+                                             transport=self._transport)
         return self._client
 
     async def request(self, method: str, path: str, *, json: Any = None, params: dict | None = None,

@@ -113,6 +113,89 @@ def test_killed_server_leaves_routing_and_its_requests_finish_elsewhere():
     assert members["10.0.0.2:1"].moved > 0, "no request was in flight on the killed server"
 
 
+class HangingEngineDouble(DyingEngineDouble):
+    """Test double: a server that hangs (requests never answer, never fail) and fails its health probes,
+    so only the health monitor can notice it."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self.hung_at: float | None = None
+
+    async def health(self):
+        return self.hung_at is None
+
+    async def _hang_if_hung(self):
+        if self.hung_at is not None:
+            await asyncio.Event().wait()  # never answers, as a hung server's HTTP endpoint does not
+
+    async def pause(self):
+        await self._hang_if_hung()
+        await super().pause()
+
+    async def resume(self):
+        await self._hang_if_hung()
+        await super().resume()
+
+    async def update_weights_from_disk(self, path, version):
+        await self._hang_if_hung()
+        await super().update_weights_from_disk(path, version)
+
+    async def agenerate(self, request):
+        inner = asyncio.ensure_future(DyingEngineDouble.agenerate(self, request))
+        while not inner.done():
+            if self.hung_at is not None:
+                inner.cancel()
+                await asyncio.gather(inner, return_exceptions=True)
+                await asyncio.Event().wait()  # never answers: cancelled when its server leaves routing
+            await asyncio.sleep(0.001)
+        return inner.result()
+
+
+def test_hung_server_leaves_routing_after_n_failed_probes_and_its_requests_finish_elsewhere():
+    data = items(200, seed=6, max_length=30)
+    a, b = DyingEngineDouble("a:1"), HangingEngineDouble("b:1")
+    elastic = ElasticConfig(enabled=True, interval_s=0.1, failure_threshold=3, cooldown_s=0.0)
+    with controller([a, b], elastic=elastic, eta=1) as ctrl:
+        first = step(ctrl, data)
+        on_b = next(m for m in ctrl.members() if m.name == "b:1")
+        deadline = time.monotonic() + 10
+        while on_b.in_flight == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert on_b.in_flight > 0, "nothing was in flight on the server about to hang"
+        b.hung_at = time.monotonic()
+        rest = [step(ctrl, data) for _ in range(3)]
+        left_at = next(t for t, what, name in ctrl.pool.events if what == "left" and name == "b:1")
+        probes = ctrl.monitor.probes
+    batches = [first, *rest]
+    ids = [g.item["id"] for batch in batches for g in batch]
+    assert sorted(ids) == list(range(16)), "a group was lost or trained twice"
+    for batch in batches:
+        check_complete(batch)
+    assert on_b.state == DOWN and on_b.moved > 0
+    assert on_b.failures == 3  # the threshold, from probes alone: its requests never failed
+    # three failed probes interval_s apart: at least two intervals after it hung (the first may come at once)
+    assert left_at - b.hung_at >= 2 * elastic.interval_s - 0.02
+    assert probes >= 3
+
+
+def test_server_hanging_in_a_weight_update_leaves_routing_and_the_update_completes():
+    data = items(200, seed=7, max_length=30)
+    a, b = DyingEngineDouble("a:1"), HangingEngineDouble("b:1")
+    elastic = ElasticConfig(enabled=True, interval_s=0.05, failure_threshold=3, cooldown_s=0.0)
+    with controller([a, b], elastic=elastic, eta=1, call_timeout_s=20) as ctrl:
+        first = step(ctrl, data)
+        b.hung_at = time.monotonic()  # its /pause will never answer
+        ctrl.update_weights_from_disk("/ckpt/v2", 2)  # returns once the monitor has removed it
+        rest = [step(ctrl, data) for _ in range(3)]
+        members = {m.name: m for m in ctrl.members()}
+    assert members["b:1"].state == DOWN
+    assert a.updates[:2] == [("/ckpt/v1", 1), ("/ckpt/v2", 2)] and b.updates == [("/ckpt/v1", 1)]
+    ids = [g.item["id"] for batch in [first, *rest] for g in batch]
+    assert len(ids) == len(set(ids)) == 16, "a group was trained twice"
+    for batch in [first, *rest]:  # every trajectory whole: nothing lost with the hung server
+        check_complete(batch)
+
+
 def test_joining_server_gets_current_weights_before_traffic():
     data = items(200, seed=3, max_length=12)
     a = DyingEngineDouble("a:1")

@@ -34,7 +34,8 @@ from typing import Any, Awaitable, Callable, Iterable, Iterator
 from areal_core.api.inference import InferenceEngine
 from areal_core.api.workflow import Workflow
 from areal_core.rollout.batch import EpisodeGroup
-from areal_core.rollout.elastic import DOWN, JOINING, ElasticConfig, EnginePool, HealthMonitor, Member, Topology
+from areal_core.rollout.elastic import (DOWN, JOINING, ElasticConfig, EngineLost, EnginePool, HealthMonitor, Member,
+                                         Topology, settle)
 from areal_core.rollout.interruptible import ENGINE_FAILURES, InterruptibleEngine
 from areal_core.rollout.staleness import StalenessManager
 
@@ -391,9 +392,20 @@ class RolloutController:
     async def _on_members(self, call: Callable[[InferenceEngine], Awaitable[Any]], what: str) -> None:
         """``call`` on every routed engine at once. Elastic: an engine that fails leaves routing
         (it would serve stale weights); otherwise the first failure is raised."""
+        async def on(member: Member) -> Any:
+            if self.elastic is None:
+                return await call(member.engine)
+            # A server that hangs here is removed by its failed probes; the others go on without it.
+            task = asyncio.ensure_future(call(member.engine))
+            if await settle(member, task):
+                return task.result()
+            raise EngineLost(member.name)
+
         members = self.pool.active()
-        results = await asyncio.gather(*(call(m.engine) for m in members), return_exceptions=True)
+        results = await asyncio.gather(*(on(m) for m in members), return_exceptions=True)
         for member, result in zip(members, results):
+            if isinstance(result, EngineLost):
+                continue  # it left routing during the call
             if isinstance(result, BaseException):
                 if self.elastic is None or not isinstance(result, ENGINE_FAILURES):
                     raise result

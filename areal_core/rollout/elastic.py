@@ -99,6 +99,29 @@ class Member:
     lost: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+async def settle(member: Member, call: asyncio.Future, timeout_s: float | None = None) -> bool:
+    """Wait for ``call`` (a call on ``member``'s engine) until it is done, ``member`` leaves routing, or
+    ``timeout_s`` pass; True when it is done.
+
+    Otherwise, and when the waiter is itself cancelled, ``call`` is cancelled and has ended before this
+    returns: a call to a server that left routing (a hung one fails its probes) never holds its caller.
+    """
+    lost = asyncio.ensure_future(member.lost.wait())
+    try:
+        done, _ = await asyncio.wait({call, lost}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        call.cancel()
+        await asyncio.wait({call})
+        raise
+    finally:
+        lost.cancel()
+    if call in done:
+        return True
+    call.cancel()
+    await asyncio.gather(call, return_exceptions=True)
+    return False
+
+
 def engine_name(engine: InferenceEngine, index: int) -> str:
     address = getattr(engine, "address", None)
     return f"{address}" if address else f"{type(engine).__name__}-{index}"
@@ -307,5 +330,6 @@ class HealthMonitor:
                 self.pool.add(self.discover(address))
 
 
-__all__ = ["ElasticConfig", "EngineLost", "EnginePool", "HealthMonitor", "Member", "NoEngineError", "Topology"]
+__all__ = ["ElasticConfig", "EngineLost", "EnginePool", "HealthMonitor", "Member", "NoEngineError", "Topology",
+           "settle"]
 

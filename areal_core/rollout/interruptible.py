@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from areal_core.api.inference import GenerationRequest, GenerationResponse, InferenceEngine
 from areal_core.remote import RemoteError
-from areal_core.rollout.elastic import EngineLost, EnginePool, Member
+from areal_core.rollout.elastic import EngineLost, EnginePool, Member, settle
 
 # An engine answering "abort" while generation is open, with no new token,
 # this many times in a row is broken rather than interrupted.
@@ -69,20 +69,8 @@ class InterruptibleEngine(InferenceEngine):
 
     async def _call_on(self, member: Member, request: GenerationRequest) -> GenerationResponse:
         call = asyncio.ensure_future(member.engine.agenerate(request))
-        lost = asyncio.ensure_future(member.lost.wait())
-        try:
-            done, _ = await asyncio.wait({call, lost}, timeout=self.request_timeout_s,
-                                         return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # the episode was cancelled: so is its engine call, before this returns
-            call.cancel()
-            await asyncio.wait({call})
-            raise
-        finally:
-            lost.cancel()
-        if call not in done:
-            call.cancel()
-            await asyncio.gather(call, return_exceptions=True)
-            if lost in done:
+        if not await settle(member, call, self.request_timeout_s):
+            if member.lost.is_set():
                 member.moved += 1
                 raise EngineLost(member.name)
             raise TimeoutError(

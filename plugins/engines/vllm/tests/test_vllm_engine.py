@@ -117,3 +117,36 @@ def test_a_layer_tensor_after_its_layer_was_sent_is_refused():
     late = tensors.pop(1)  # a tensor of layer 0, moved to the end
     with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj.weight.*model.layers.0"):
         list(layer_buckets(iter(tensors + [late]), limit_bytes=1))
+
+
+def engine_on_double(double, **kwargs) -> VLLMEngine:
+    return VLLMEngine(None, "127.0.0.1:9", transport=double.transport, **kwargs)
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.33.0"])
+def test_start_refuses_a_server_outside_the_supported_range(protocol_double, version):
+    engine = engine_on_double(protocol_double(version=version))
+    with pytest.raises(RuntimeError) as info:
+        asyncio.run(engine.start())
+    assert repr(version) in str(info.value) and SUPPORTED_TEXT in str(info.value)
+
+
+def test_start_accepts_a_supported_server_and_learns_its_model(protocol_double):
+    engine = engine_on_double(protocol_double(version="0.32.0+cpu"))
+    asyncio.run(engine.start())
+    assert engine.server_version == "0.32.0+cpu" and engine.model == "double-model"
+
+
+def test_tensor_update_prepares_the_next_bucket_while_the_server_loads_the_current_one(protocol_double):
+    double = protocol_double()
+    tensors = state(layers=3)
+    layer_mb = 5 * 64 * 64 * 4 / 2**20
+    engine = engine_on_double(double, weight_bucket_mb=layer_mb)
+    asyncio.run(engine.update_weights_from_tensors(iter(tensors), 7))
+    assert engine.version == 7
+    assert len(double.reloads) == 4  # embed+layer0, layer1, layer2, norm
+    sent = [name for r in double.reloads for name in r.names]
+    assert sorted(sent) == sorted(name for name, _ in tensors)  # every tensor, once
+    assert [r.next_ready for r in double.reloads] == [True, True, True, False], (
+        "a bucket was not written while the server loaded the one before it")
+    assert not any(r.folder.exists() for r in double.reloads)  # the /dev/shm copies are removed

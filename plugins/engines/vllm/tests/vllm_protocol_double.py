@@ -1,0 +1,67 @@
+"""TEST DOUBLE of the few vLLM server endpoints the engine's start and weight loading use, as an
+in-process httpx transport (no server process, no model): ``/health``, ``/version``, ``/v1/models``
+and ``/collective_rpc`` ``reload_weights``. It is not vLLM and generates nothing; the real-server
+tests (test_vllm_server.py) cover generation.
+
+For each ``reload_weights`` of a bucket folder ``.../bucket-<k>`` it records the tensor names it
+holds and whether the next bucket (``bucket-<k+1>/model.safetensors``) appeared while this reload
+was still being answered, waiting up to ``next_bucket_wait_s`` for it: how a test sees that the
+engine prepares the next bucket while the current one is loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+@dataclass
+class Reload:
+    folder: Path
+    names: list[str]
+    next_ready: bool | None  # None: the folder is not a bucket (a disk update)
+
+
+class VLLMProtocolDouble:
+    def __init__(self, version: str = "0.32.0", next_bucket_wait_s: float = 3.0) -> None:
+        self.version = version
+        self.next_bucket_wait_s = next_bucket_wait_s
+        self.reloads: list[Reload] = []
+        self.transport = httpx.MockTransport(self.handle)
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/health":
+            return httpx.Response(200)
+        if path == "/version":
+            return httpx.Response(200, json={"version": self.version})
+        if path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "double-model", "object": "model"}]})
+        if path == "/collective_rpc" and request.method == "POST":
+            body = json.loads(request.content)
+            if body.get("method") != "reload_weights":
+                return httpx.Response(400, json={"error": f"the double only knows reload_weights, not {body}"})
+            await self._reload(Path(body["kwargs"]["weights_path"]))
+            return httpx.Response(200, json={"results": [None]})
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    async def _reload(self, folder: Path) -> None:
+        from safetensors import safe_open
+
+        names = []
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(file), "pt") as f:
+                names += list(f.keys())
+        next_ready = None
+        if folder.name.startswith("bucket-"):
+            following = folder.with_name(f"bucket-{int(folder.name.split('-')[1]) + 1}") / "model.safetensors"
+            deadline = time.monotonic() + self.next_bucket_wait_s
+            while not following.exists() and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+            next_ready = following.exists()
+        self.reloads.append(Reload(folder, names, next_ready))
