@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -179,6 +180,50 @@ def test_writes_around_the_audit_hook_hit_a_read_only_filesystem(host_check, tmp
     result = attack(f"import os\nos.system('echo x > {target}')\nprint('done')")
     assert (result["reward"], result["reason"]) == (0.0, "write_blocked"), result
     assert not target.exists()
+
+
+def test_writing_a_file_past_the_size_limit_is_stopped(host_check):
+    # 4 MiB into a file of its own folder, with a 1 MiB limit
+    code = "with open('big.bin', 'wb') as f:\n    f.write(b'x' * (4 << 20))\nprint('done')"
+    result = attack(code, file_size_mb=1)
+    assert (result["reward"], result["reason"]) == (0.0, "file_size"), result
+    assert attack(code, file_size_mb=8)["reward"] == 1.0  # the same program under a larger limit passes
+
+
+def test_flooding_stdout_is_stopped_by_the_size_limit(host_check):
+    result = attack("import sys\nwhile True:\n    sys.stdout.write('y' * 65536)", file_size_mb=1, wall_s=10.0)
+    assert (result["reward"], result["reason"]) == (0.0, "file_size"), result
+
+
+def test_concurrent_calls_are_bounded_by_max_concurrent(host_check, monkeypatch):
+    import areal_code.reward as module
+
+    active, peak, lock = 0, 0, threading.Lock()
+    real = module.run_python
+
+    def counting_run_python(*args, **kwargs):  # the real sandbox, with a count of how many run at once
+        nonlocal active, peak
+        with lock:
+            active += 1
+            peak = max(peak, active)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            with lock:
+                active -= 1
+
+    monkeypatch.setattr(module, "run_python", counting_run_python)
+    item = {"tests": [{"input": "", "output": "done"}]}
+    for bound in (1, 2):
+        peak = 0
+        scorer = reward(max_concurrent=bound)
+        threads = [threading.Thread(target=scorer, args=("", fenced("import time\ntime.sleep(0.6)\nprint('done')"),
+                                                          item)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert peak == bound, f"max_concurrent={bound} but {peak} sandboxes ran at once"
 
 
 def test_writes_inside_the_folder_work_and_are_removed(host_check):
