@@ -121,6 +121,39 @@ def test_same_seed_same_requests_and_different_seeds_per_turn_and_sample(tiny_mo
     assert seeds(4) == seeds(4) and seeds(4) != seeds(5) and len(set(seeds(4))) == 6
 
 
+class SeededEngineDouble(ScriptedInferenceEngine):
+    """Test double: samples its output from the request's seed alone, as a seeded real engine does."""
+
+    async def agenerate(self, request):
+        import random
+
+        from areal_core.api import GenerationResponse
+
+        rng = random.Random(request.sampling.seed)
+        out = [rng.randrange(5100, 5400) for _ in range(rng.randint(1, 4))]
+        self.requests.append(request)
+        response = GenerationResponse(request.rid, list(request.input_ids), out,
+                                      [-rng.random() for _ in out], [0] * len(out), "stop")
+        self.responses.append(response)
+        return response
+
+
+def test_same_seed_same_trajectories(tiny_model_dir):
+    def episode(run_seed):
+        # reward by the model's last token: some turns succeed, some do not, all decided by the seeds
+        reward = lambda prompt, completion, item: float(len(completion) % 3 == 0)  # noqa: E731
+        flow = make(tiny_model_dir, reward, group_size=3, seed=run_seed, max_turns=3, discount=0.5)
+        return asyncio.run(flow.arun_episode(SeededEngineDouble(), CHAT))
+
+    def fields(group):
+        return [(t.tokens, t.loss_mask, t.logprobs, t.versions, t.reward, t.info["num_turns"]) for t in group]
+
+    first, again, other = episode(7), episode(7), episode(8)
+    assert fields(first) == fields(again)
+    assert fields(first) != fields(other)
+    assert len({tuple(t.tokens) for t in first}) == 3  # the samples of a group differ
+
+
 class Countdown:
     """A custom environment class: done after `turns` replies, with a tool-style message."""
 
