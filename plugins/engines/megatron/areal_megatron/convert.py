@@ -85,14 +85,23 @@ def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // tp) * tp
 
 
-def transformer_config(cfg: Any, *, tp: int = 1, params_dtype: torch.dtype = torch.float32,
-                       compute_dtype: torch.dtype | None = None, cpu: bool = True,
-                       recompute: bool = False, sum_data_parallel_grads: bool = False) -> Any:
-    """A Megatron ``TransformerConfig`` equal to the HF config ``cfg`` (Llama / Qwen2).
+def transformer_config(cfg: Any, *, tp: int = 1, pp: int = 1, vpp: int = 1,
+                       params_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype | None = None,
+                       cpu: bool = True, recompute: bool = False) -> Any:
+    """A Megatron ``TransformerConfig`` equal to the HF config ``cfg`` (Llama / Qwen2), split over ``tp``
+    tensor-parallel ranks and ``pp`` pipeline stages of ``vpp`` chunks each.
 
-    ``sum_data_parallel_grads``: Megatron's DistributedDataParallel sums gradients over data-parallel ranks
-    instead of averaging them (``calculate_per_token_loss``): the engine's loss weights already sum to 1
-    over the whole batch."""
+    ``calculate_per_token_loss`` is on: the engine's micro-batch losses are already weighted by their share
+    of the batch's loss tokens, so Megatron's schedule must not divide them by the number of micro-batches,
+    nor its DistributedDataParallel average gradients over data-parallel ranks (it sums them).
+
+    Between pipeline stages activations travel in ``params_dtype``. Without virtual stages each one's shape
+    is sent first (``variable_seq_lengths``): the engine's packed rows differ in length, and padding every
+    row to the longest would spend compute on padding. With virtual stages (``vpp`` > 1) the engine pads
+    a batch's rows to one length instead: Megatron's shape exchange posts its sends to the previous and
+    next stage in one order and its receives in the other, which pairs them wrongly when both neighbours
+    are one rank (p2). On CPU (gloo) each send and receive is its own isend / irecv (``batch_p2p_comm``
+    off)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -112,7 +121,13 @@ def transformer_config(cfg: Any, *, tp: int = 1, params_dtype: torch.dtype = tor
         # megatron-core wheel does not ship, and the packed rows' block-diagonal mask is not one it handles.
         bias_activation_fusion=not cpu, masked_softmax_fusion=False, persist_layer_norm=not cpu,
         bias_dropout_fusion=not cpu, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        calculate_per_token_loss=sum_data_parallel_grads,
+        calculate_per_token_loss=True,
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        pipeline_dtype=params_dtype if pp > 1 else None, variable_seq_lengths=pp > 1 and vpp == 1,
+        batch_p2p_comm=not cpu,
+        # Dense models have no experts to dispatch, but the config refuses variable lengths with the default
+        # (allgather) dispatcher whatever the model.
+        moe_token_dispatcher_type="alltoall",
     )
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -127,8 +142,11 @@ def layer_spec(cfg: Any, *, transformer_engine: bool) -> Any:
     return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
 
 
-def gpt_model(cfg: Any, tf_config: Any, *, transformer_engine: bool = False) -> Any:
-    """A Megatron ``GPTModel`` (uninitialised weights, shards marked) of the HF config ``cfg`` for this rank."""
+def gpt_model(cfg: Any, tf_config: Any, *, transformer_engine: bool = False, pre_process: bool = True,
+              post_process: bool = True, vp_stage: int | None = None) -> Any:
+    """A Megatron ``GPTModel`` (uninitialised weights, shards marked) of the HF config ``cfg`` for this rank:
+    its pipeline stage's layers (chunk ``vp_stage`` of them under virtual pipeline), the embedding where
+    ``pre_process``, the final norm and output layer where ``post_process``."""
     from megatron.core.models.gpt import GPTModel
 
     model = GPTModel(
@@ -137,6 +155,7 @@ def gpt_model(cfg: Any, tf_config: Any, *, transformer_engine: bool = False) -> 
         max_sequence_length=int(_hf(cfg, "max_position_embeddings", 4096)), position_embedding_type="rope",
         rotary_base=int(rope_base(cfg)) if float(rope_base(cfg)).is_integer() else rope_base(cfg),
         share_embeddings_and_output_weights=bool(_hf(cfg, "tie_word_embeddings", False)),
+        pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
     )
     mark_tensor_parallel_shards(model)
     return model
@@ -187,6 +206,26 @@ def canonical_names(state: dict[str, Any]) -> dict[str, Any]:
             if name.endswith(te):
                 name = name.replace(te, local)
         out[name] = value
+    return out
+
+
+def stage_names(model: Any, *, tied: bool) -> dict[str, str]:
+    """Each parameter of one pipeline chunk ``model`` -> its name in the whole model (:func:`hf_to_megatron`'s
+    names: local spec, global layer numbers). Under pipeline parallel the last stage of a model with tied
+    embeddings keeps a copy of the embedding as its ``output_layer.weight``: it is named as the embedding.
+
+    A chunk numbers its layers from 0; each layer's ``layer_number`` (1-based) is its place in the whole
+    model, which Megatron derives from the stage, the chunk and the layer counts."""
+    numbers = {str(j): layer.layer_number - 1 for j, layer in enumerate(model.decoder.layers)}
+    out: dict[str, str] = {}
+    for name, _ in model.named_parameters():
+        (canonical,) = canonical_names({name: None})
+        if canonical.startswith("decoder.layers."):
+            local, rest = canonical.removeprefix("decoder.layers.").split(".", 1)
+            canonical = f"decoder.layers.{numbers[local]}.{rest}"
+        if tied and canonical == "output_layer.weight":
+            canonical = "embedding.word_embeddings.weight"
+        out[name] = canonical
     return out
 
 

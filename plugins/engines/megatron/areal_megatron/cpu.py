@@ -2,21 +2,28 @@
 
 megatron-core 0.16.1 builds a ``GPTModel`` on CPU (``use_cpu_initialization``)
 and its local (non Transformer Engine) modules compute on CPU tensors, but
-three points assume CUDA (../shared/FEASIBILITY.md):
+a few points assume CUDA (../shared/FEASIBILITY.md):
 
-1. The forward asks ``torch.cuda.current_device()`` for the device of new
-   tensors: the rotary embedding moves ``inv_freq`` there on its first call,
-   and the attention's scratch buffer (``get_global_memory_buffer``) is
-   allocated there. :func:`cuda_device_reads_cpu` makes that one function
-   return ``"cpu"`` for the duration of a forward on CPU.
+1. Its code asks for CUDA by name. The forward asks
+   ``torch.cuda.current_device()`` for the device of new tensors (the rotary
+   embedding moves ``inv_freq`` there on its first call, the attention's
+   scratch buffer and the pipeline's receive buffers are allocated there);
+   the pipeline schedules count tokens in ``torch.zeros(..., device="cuda")``;
+   a tied embedding's copy on the last pipeline stage is moved with
+   ``.cuda()`` before its first all-reduce; and the variable-length shape
+   exchange between stages ends in ``torch.cuda.synchronize()``.
+   :func:`cuda_device_reads_cpu` makes all of these mean the CPU while a
+   forward, a schedule or a model build runs on CPU.
 2. The RNG tracker (``get_cuda_rng_tracker``), which attention forks around
    its dropout, stores CUDA generator states. :func:`install_cpu_rng_tracker`
    installs :class:`CPURNGStatesTracker`, the same tracker over CPU generator
    states, seeded as ``model_parallel_cuda_manual_seed`` seeds it.
 3. ``get_megatron_optimizer`` hard-codes ``device='cuda'``: on CPU the engine
-   uses ``torch.optim.AdamW`` and reduces gradients itself
-   (:mod:`areal_megatron.engine`); on GPU it uses Megatron's own
-   ``DistributedDataParallel`` and ``DistributedOptimizer``.
+   uses ``torch.optim.AdamW`` and reduces gradients itself (over data-parallel
+   ranks, and a tied embedding's gradient between the first and last pipeline
+   stage; :mod:`areal_megatron.engine`); on GPU it uses Megatron's own
+   ``DistributedDataParallel``, ``finalize_model_grads`` and
+   ``DistributedOptimizer``.
 
 The fused CUDA kernels (softmax, bias-activation, rope) are switched off by the
 config on CPU (:func:`areal_megatron.convert.transformer_config`). Nothing here
@@ -29,20 +36,39 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 # The tracker names and seed offsets of megatron.core.tensor_parallel.random.model_parallel_cuda_manual_seed.
 _SEED_OFFSETS = {"data-parallel-rng": 0, "model-parallel-rng": 2718, "expert-parallel-rng": 1024 + 100}
 
 
+class _CudaNamesCPU(TorchFunctionMode):
+    """Tensors asked for on ``device="cuda"`` are made on the CPU, and ``Tensor.cuda()`` keeps a tensor where it is."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def cuda_device_reads_cpu() -> Iterator[None]:
-    """While inside, ``torch.cuda.current_device()`` returns ``"cpu"`` (point 1 above; CPU runs only)."""
-    original = torch.cuda.current_device
+    """While inside, CUDA as Megatron names it means the CPU (point 1 above; CPU runs only):
+    ``torch.cuda.current_device()`` returns ``"cpu"``, ``device="cuda"`` in a factory call gives a CPU tensor,
+    ``Tensor.cuda()`` returns the tensor itself and ``torch.cuda.synchronize()`` does nothing (CPU work is
+    synchronous)."""
+    current, synchronize = torch.cuda.current_device, torch.cuda.synchronize
     torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda device=None: None
     try:
-        yield
+        with _CudaNamesCPU():
+            yield
     finally:
-        torch.cuda.current_device = original
+        torch.cuda.current_device, torch.cuda.synchronize = current, synchronize
 
 
 def _tracker_base() -> type:

@@ -121,16 +121,17 @@ class MegatronEngine(TrainEngine):
         from transformers import AutoConfig
 
         cfg = self._run_config()
-        self.tp = self._parallel_sizes()
+        self.tp, self.pp = self._parallel_sizes()
         self.device = self._pick_device()
         self.cpu = self.device.type == "cpu"
-        self._init_parallel_state(cfg)
         self.dtype = getattr(torch, cfg.model.dtype)
         # The actor's float32 master weights come from the float32 copy where a plugin converts per dtype (the
         # demo model): an upcast bf16 copy would sit on the bf16 grid (see areal_fsdp.engine, same reason).
         self.source = self._model_path(cfg.model.path, "float32" if self.role == "actor" else cfg.model.dtype)
         self.hf_config = AutoConfig.from_pretrained(self.source)
         convert.check_architecture(self.hf_config)
+        self.vpp = self._virtual_pipeline_size()
+        self._init_parallel_state(cfg)
         self.mb_max_tokens = int(cfg.actor.mb_max_tokens)
         master = torch.float32 if self.role == "actor" else self.dtype
         if self.cpu and master != self.dtype:
@@ -139,40 +140,68 @@ class MegatronEngine(TrainEngine):
                 f"which Megatron's CPU linear layers do not support (their backward mixes dtypes under autocast); "
                 f"set model.dtype: float32 on CPU, or run on GPU")
         recompute = self.role == "actor" and bool(cfg.actor.gradient_checkpointing)
-        tf_config = convert.transformer_config(self.hf_config, tp=self.tp, params_dtype=master, cpu=self.cpu,
-                                               recompute=recompute and not self.cpu,
-                                               sum_data_parallel_grads=self.role == "actor" and not self.cpu)
+        tf_config = convert.transformer_config(self.hf_config, tp=self.tp, pp=self.pp, vpp=self.vpp,
+                                               params_dtype=master, cpu=self.cpu, recompute=recompute and not self.cpu)
         if recompute and self.cpu:
             raise NotImplementedError("MegatronEngine: activation recomputation uses Megatron's CUDA RNG "
                                       "checkpointing; set actor.gradient_checkpointing: false on CPU")
         self._te = self._use_te()
-        model = convert.gpt_model(self.hf_config, tf_config, transformer_engine=self._te)
-        for param in model.parameters():  # the torch norms are created float32 whatever params_dtype says;
+        self.tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
+        # One model chunk per virtual stage: chunk v of stage s holds the layers Megatron assigns to (v, s);
+        # the embedding lives on chunk 0 of the first stage, norm and output layer on the last chunk of the last.
+        # Building a tied model's last stage all-reduces its embedding copy with the first stage.
+        with self._cuda_context():
+            self.chunks = [convert.gpt_model(self.hf_config, tf_config, transformer_engine=self._te,
+                                             pre_process=self.first_stage and v == 0,
+                                             post_process=self.last_stage and v == self.vpp - 1,
+                                             vp_stage=v if self.vpp > 1 else None) for v in range(self.vpp)]
+        for param in self._parameters():  # the torch norms are created float32 whatever params_dtype says;
             if param.dtype != master:  # Module.to would drop Megatron's attributes (tensor_model_parallel)
                 param.data = param.data.to(master)
-        self._load_hf_weights(model, self.source)
+        self._load_hf_weights(self.source)
         if self.role == "reference":
-            model.requires_grad_(False)
+            for chunk in self.chunks:
+                chunk.requires_grad_(False)
         self.tf_config = tf_config
         self._autocast = master != self.dtype
         if self.role == "actor" and not self.cpu:
-            self._wrap_gpu(model, cfg)
+            self._wrap_gpu(cfg)
         else:
-            self.model = model.eval()
-            self.inner = model
+            self.model = [chunk.eval() for chunk in self.chunks]
             if self.role == "actor":
                 self._build_cpu_optimizer(cfg)
 
-    def _parallel_sizes(self) -> int:
+    def _parameters(self) -> list[Any]:
+        """Every parameter of this rank's chunks (its pipeline stage's share of the model)."""
+        return [param for chunk in self.chunks for param in chunk.parameters()]
+
+    def _parallel_sizes(self) -> tuple[int, int]:
+        """(t, p) of the allocation; context and expert parallel are refused (see ``hooks.UNBUILT``)."""
+        from areal_megatron.hooks import UNBUILT
+
         parallel = getattr(self.context.placement, "parallel", None)
-        unbuilt = {dim: getattr(parallel, dim, 1) for dim in ("p", "c", "e")}
+        unbuilt = {dim: getattr(parallel, dim, 1) for dim in UNBUILT}
         unbuilt = {dim: n for dim, n in unbuilt.items() if n > 1}
         if unbuilt:
+            why = "; ".join(UNBUILT[dim] for dim in unbuilt)
             dims = ", ".join(f"{dim}{n}" for dim, n in unbuilt.items())
             raise NotImplementedError(
-                f"MegatronEngine: the allocation asks for {dims} ('{self.context.placement}'); this version of "
-                f"areal-plugin-megatron builds tensor (t) and data (d) parallel only. Use t and d instead")
-        return int(getattr(parallel, "t", 1) or 1)
+                f"MegatronEngine: the allocation '{self.context.placement}' asks for {dims}, which "
+                f"areal-plugin-megatron does not build: {why}. Place the actor with d, t and p only")
+        return int(getattr(parallel, "t", 1) or 1), int(getattr(parallel, "p", 1) or 1)
+
+    def _virtual_pipeline_size(self) -> int:
+        """``actor.virtual_pipeline_size``, checked against p and the model's layers (as the plan rules do)."""
+        vpp, layers = int(self.options.virtual_pipeline_size), int(self.hf_config.num_hidden_layers)
+        if vpp > 1 and self.pp == 1:
+            raise ValueError(f"MegatronEngine: actor.virtual_pipeline_size={vpp} interleaves pipeline stages, but "
+                             f"the allocation '{self.context.placement}' has no pipeline parallel (p1); add p "
+                             f"(e.g. 'megatron:p2') or set actor.virtual_pipeline_size=1")
+        if layers % (self.pp * vpp):
+            raise ValueError(f"MegatronEngine: p{self.pp} x actor.virtual_pipeline_size={vpp} = {self.pp * vpp} "
+                             f"chunks do not divide the model's {layers} layers; choose p and "
+                             f"actor.virtual_pipeline_size whose product divides {layers}")
+        return vpp
 
     def _pick_device(self) -> torch.device:
         wanted = getattr(self.context.placement, "device", None)
@@ -197,20 +226,26 @@ class MegatronEngine(TrainEngine):
             dist.init_process_group("gloo" if self.cpu else "nccl", rank=0, world_size=1,
                                     timeout=datetime.timedelta(seconds=300))
         world = dist.get_world_size()
-        if world % self.tp:
-            raise ValueError(f"MegatronEngine: tensor parallel size t{self.tp} does not divide the world of "
-                             f"{world} ranks; choose t among the divisors of {world}")
+        if world % (self.tp * self.pp):
+            raise ValueError(f"MegatronEngine: tensor x pipeline parallel t{self.tp} x p{self.pp} does not divide "
+                             f"the world of {world} ranks; choose t x p among the divisors of {world}")
+        wanted = (self.tp, self.pp, self.vpp)
         if ps.model_parallel_is_initialized():
-            if ps.get_tensor_model_parallel_world_size() != self.tp:
-                raise RuntimeError(f"MegatronEngine: Megatron's parallel state is already set up with tensor "
-                                   f"parallel {ps.get_tensor_model_parallel_world_size()}, not t{self.tp}; "
-                                   f"engines of one process must share it")
+            have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                    ps.get_virtual_pipeline_model_parallel_world_size() or 1)
+            if have != wanted:
+                raise RuntimeError(f"MegatronEngine: Megatron's parallel state is already set up with (t, p, "
+                                   f"virtual pipeline) = {have}, not {wanted}; engines of one process must share it")
         else:
-            ps.initialize_model_parallel(tensor_model_parallel_size=self.tp)
+            ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+                                         virtual_pipeline_model_parallel_size=self.vpp if self.vpp > 1 else None)
         self.world = world
         self.rank = dist.get_rank()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == self.pp - 1
         self.dp = ps.get_data_parallel_world_size()
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_group = ps.get_data_parallel_group()
@@ -224,8 +259,10 @@ class MegatronEngine(TrainEngine):
 
             model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
-    @staticmethod
-    def _cpu_forward() -> Any:
+    def _cuda_context(self) -> Any:
+        """On CPU, Megatron's CUDA names read as the CPU (:mod:`areal_megatron.cpu`); on GPU nothing."""
+        if not self.cpu:
+            return nullcontext()
         from areal_megatron.cpu import cuda_device_reads_cpu  # imports megatron: only once an engine runs
 
         return cuda_device_reads_cpu()
@@ -245,42 +282,50 @@ class MegatronEngine(TrainEngine):
 
         return str(resolve_model_path(path, dtype))
 
-    def _load_hf_weights(self, model: Any, folder: str) -> None:
+    def _load_hf_weights(self, folder: str) -> None:
+        """This rank's tensor-parallel shard of its pipeline stage's parameters, from the HF folder."""
         shard = convert.hf_to_megatron(read_hf_weights(folder), self.hf_config, tp=self.tp, rank=self.tp_rank)
-        params = dict(model.named_parameters())
-        shard = convert.model_names(shard, set(params))
-        missing = sorted(set(params) - set(shard))
-        unexpected = sorted(set(shard) - set(params))
-        if missing or unexpected:
-            raise ValueError(f"MegatronEngine: the weights of {folder} do not fit the Megatron model: missing "
-                             f"{missing[:5]}, unexpected {unexpected[:5]}")
+        needed: set[str] = set()
         with torch.no_grad():
-            for name, param in params.items():
-                if shard[name].shape != param.shape:
-                    raise ValueError(f"MegatronEngine: {name} from {folder} has shape {tuple(shard[name].shape)}, "
-                                     f"the model expects {tuple(param.shape)}")
-                param.copy_(shard[name].to(device=param.device, dtype=param.dtype))
+            for chunk in self.chunks:
+                names = convert.stage_names(chunk, tied=self.tied)
+                for name, param in chunk.named_parameters():
+                    source = names[name]
+                    needed.add(source)
+                    if source not in shard:
+                        raise ValueError(f"MegatronEngine: the weights of {folder} do not fit the Megatron model: "
+                                         f"{source} (this stage's {name}) is missing")
+                    if shard[source].shape != param.shape:
+                        raise ValueError(f"MegatronEngine: {source} from {folder} has shape "
+                                         f"{tuple(shard[source].shape)}, the model expects {tuple(param.shape)}")
+                    param.copy_(shard[source].to(device=param.device, dtype=param.dtype))
+        if self.pp == 1 and set(shard) - needed:
+            raise ValueError(f"MegatronEngine: the weights of {folder} do not fit the Megatron model: unexpected "
+                             f"{sorted(set(shard) - needed)[:5]}")
 
-    def _wrap_gpu(self, model: Any, cfg: Any) -> None:
-        """GPU: Megatron's DistributedDataParallel and distributed optimizer (clipping inside)."""
+    def _wrap_gpu(self, cfg: Any) -> None:
+        """GPU: Megatron's DistributedDataParallel per chunk and distributed optimizer (clipping inside, over
+        every stage)."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         o = cfg.actor.optimizer
-        ddp = DistributedDataParallel(self.tf_config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=False), model)
-        self.model = ddp.eval()
-        self.inner = model
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True,
+                                                   overlap_grad_reduce=False)
+        # Only the first chunk's buckets overlap with compute in Megatron's setup; nothing overlaps here.
+        self.model = [DistributedDataParallel(self.tf_config, ddp_config, chunk,
+                                              disable_bucketing=v > 0).eval()
+                      for v, chunk in enumerate(self.chunks)]
         self.optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.beta1, adam_beta2=o.beta2,
             adam_eps=o.eps, clip_grad=float(o.grad_clip) if o.grad_clip > 0 else 0.0,
-            use_distributed_optimizer=True, bf16=False, params_dtype=torch.float32), [ddp])
+            use_distributed_optimizer=True, bf16=False, params_dtype=torch.float32), self.model)
         self._build_scheduler(cfg, self.optimizer.param_groups)
 
     def _build_cpu_optimizer(self, cfg: Any) -> None:
         o = cfg.actor.optimizer
         decay, no_decay = [], []
-        for p in self.model.parameters():
+        for p in self._parameters():
             if p.requires_grad:
                 (decay if p.ndim >= 2 else no_decay).append(p)  # no decay on norms and biases
         groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -314,42 +359,87 @@ class MegatronEngine(TrainEngine):
         bins = pack_under(mine, lengths, self.mb_max_tokens)
         box = torch.tensor([len(bins)], dtype=torch.long, device=self._comm_device())
         dist.all_reduce(box, op=dist.ReduceOp.MAX)
-        return bins + [[] for _ in range(max(1, int(box.item())) - len(bins))]
+        count = max(1, int(box.item()))
+        if self.vpp > 1:
+            # The interleaved schedule runs micro-batches in groups of p per chunk: a multiple of p of them.
+            count = -(-count // self.pp) * self.pp
+        return bins + [[] for _ in range(count - len(bins))]
 
     def _comm_device(self) -> torch.device:
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
-    def _forward(self, ids: torch.Tensor, lens: list[int], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logprobs [T], entropy [T]) float32 of one packed row of sequences of ``lens``."""
-        from megatron.core import parallel_state as ps
-
+    def _row(self, ids: torch.Tensor, lens: list[int], pad_to: int = 0) -> dict:
+        """The model inputs of one packed row of sequences of ``lens`` (token ids ``ids``); padded to ``pad_to``
+        tokens with a block of its own that no real token sees (``n`` says how many tokens are real)."""
         dev = self.device
+        n = int(ids.numel())
+        if pad_to > n:
+            ids = torch.cat([ids, ids.new_zeros(pad_to - n)])
+            lens = [*lens, pad_to - n]
         T = int(ids.numel())
         pos = torch.arange(T, device=dev)
         cu = torch.tensor([0, *cumsum(lens)], device=dev, dtype=torch.int32)
         starts = torch.zeros(T, dtype=torch.bool, device=dev)
         starts[cu[:-1].long()] = True
         ids = ids.to(dev, torch.long)
-        extra: dict = {}
+        row: dict = {"ids": ids, "starts": starts, "n": n, "args": (ids[None], pos[None]), "kwargs": {}}
         if self._te:
             # Transformer Engine's attention takes the packed row as THD with the sequence boundaries.
             from megatron.core.packed_seq_params import PackedSeqParams
 
-            extra["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                                         max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
-            mask = None
+            row["kwargs"]["packed_seq_params"] = PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+            row["args"] += (None,)
         else:
             # The local attention takes any mask: block-diagonal causal, True = hidden (Megatron's sign).
             seq = torch.repeat_interleave(torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev))
-            mask = ((seq[:, None] != seq[None, :]) | (pos[None, :] > pos[:, None]))[None, None]
-        cast = torch.autocast(dev.type, dtype=self.dtype) if self._autocast else nullcontext()
-        with cast, (self._cpu_forward() if self.cpu else nullcontext()):
-            logits = self.model(ids[None], pos[None], mask, **extra)  # [1, T, V'/t]
-        local = logits.shape[-1]
-        return vocab_parallel_logprobs(
-            logits[0], ids, starts, vocab_start=self.tp_rank * local, vocab_size=self.hf_config.vocab_size,
-            temperature=temperature, tp_group=ps.get_tensor_model_parallel_group() if self.tp > 1 else None,
-            chunk=self.options.logits_chunk_tokens)
+            row["args"] += (((seq[:, None] != seq[None, :]) | (pos[None, :] > pos[:, None]))[None, None],)
+        return row
+
+    def _schedule(self, packed: "Packed", plan: list[list[int]], temperature: float, on_last: Any,
+                  forward_only: bool) -> None:
+        """Megatron's pipeline schedule over the micro-batches of ``plan`` (sequence indices; [] = a filler).
+
+        On the last stage ``on_last(i, logprobs, entropy)`` gets micro-batch ``i``'s float32 per-token values
+        and returns the scalar to back-propagate (ignored when ``forward_only``). Every rank of the world
+        calls it with the same number of micro-batches; activations and their gradients go between stages
+        as the schedule says (one forward-backward with p1)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        lens = [packed.lens(seqs or [packed.shortest]) for seqs in plan]
+        # Virtual stages: one length for every row of the batch (convert.transformer_config says why).
+        pad_to = max(sum(row) for row in lens) if self.vpp > 1 else 0
+        rows = [self._row(packed.ids[packed.token_index(seqs or [packed.shortest])], row_lens, pad_to)
+                for seqs, row_lens in zip(plan, lens)]
+        tp_group = ps.get_tensor_model_parallel_group() if self.tp > 1 else None
+        counted = torch.ones((), dtype=torch.int)  # the schedule's token count, unused (no finalize function)
+
+        def forward_step(data: Iterator[tuple[int, int]], model: Any) -> tuple[torch.Tensor, Any]:
+            i, chunk = next(data)
+            row = rows[i]
+            output = model(*row["args"], **row["kwargs"])
+            if not (self.last_stage and chunk == self.vpp - 1):
+                # Hidden states [s, 1, h] to the next stage, in the dtype its receive buffer has.
+                return output.to(self.tf_config.pipeline_dtype), None
+
+            def loss(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:  # [1, T, V'/t]
+                local = logits.shape[-1]
+                logprobs, entropy = vocab_parallel_logprobs(
+                    logits[0], row["ids"], row["starts"], vocab_start=self.tp_rank * local,
+                    vocab_size=self.hf_config.vocab_size, temperature=temperature, tp_group=tp_group,
+                    chunk=self.options.logits_chunk_tokens)
+                return on_last(i, logprobs[:row["n"]], entropy[:row["n"]]), counted, {}
+
+            return output, loss
+
+        run = get_forward_backward_func(pp_size=self.pp, vp_size=self.vpp if self.vpp > 1 else None)
+        cast = torch.autocast(self.device.type, dtype=self.dtype) if self._autocast else nullcontext()
+        with cast, self._cuda_context(), (torch.no_grad() if forward_only else nullcontext()):
+            run(forward_step_func=forward_step, model=self.model,
+                data_iterator=[iter([(i, v) for i in range(len(rows))]) for v in range(self.vpp)],
+                num_microbatches=len(rows), seq_length=max(int(r["ids"].numel()) for r in rows),
+                micro_batch_size=1, forward_only=forward_only)
 
     # ------------------------------------------------------------------ the contract
     def forward_logprobs(self, batch: dict, temperature: float = 1.0) -> dict:
@@ -361,15 +451,19 @@ class MegatronEngine(TrainEngine):
         packed = Packed.of(batch)
         plan = self._plan(packed.lengths)
         out = torch.zeros(2, packed.T, dtype=torch.float32)
-        with torch.no_grad():
-            for seqs in plan:
-                idx = packed.token_index(seqs or [packed.shortest])
-                lp, ent = self._forward(packed.ids[idx], packed.lens(seqs or [packed.shortest]), temperature)
-                if seqs and self.tp_rank == 0:
-                    out[0, idx], out[1, idx] = lp.float().cpu(), ent.float().cpu()
+
+        def keep(i: int, logprobs: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+            if plan[i] and self.tp_rank == 0:
+                idx = packed.token_index(plan[i])
+                out[0, idx], out[1, idx] = logprobs.float().cpu(), entropy.float().cpu()
+            return logprobs.new_zeros(())
+
+        self._schedule(packed, plan, temperature, keep, forward_only=True)
         if self.world > 1:
             box = out.to(self._comm_device())
-            dist.all_reduce(box)  # each token from exactly one data-parallel rank's tp rank 0; the others add 0
+            # Each token from exactly one data-parallel rank's last stage, tp rank 0; every other rank adds 0:
+            # every rank (every pipeline stage included) returns the whole batch's values.
+            dist.all_reduce(box)
             out = box.cpu()
         return {"logprobs": out[0].tolist(), "entropy": out[1].tolist()}
 
@@ -393,30 +487,35 @@ class MegatronEngine(TrainEngine):
         mask = packed.tensors.get("loss_mask")
         total = int(mask.sum()) if mask is not None else packed.T
         records: list[tuple[int, float, dict]] = []
+
+        def weighted_loss(i: int, logprobs: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+            seqs = plan[i]
+            mb = packed.micro_batch(seqs or [packed.shortest])
+            n_loss = (int(mb["loss_mask"].sum()) if "loss_mask" in mb else len(mb["token_index"])) if seqs else 0
+            if n_loss == 0 or total == 0:
+                return logprobs.sum() * 0.0  # a filler: every collective and send of the backward still runs
+            loss, stats = loss_fn(logprobs, entropy, mb)
+            scaled = loss * (n_loss / total)
+            if not scaled.requires_grad:
+                scaled = scaled + logprobs.sum() * 0.0
+            records.append((n_loss, float(loss.detach()), scalar_stats(stats)))
+            return scaled
+
         self._zero_grad()
-        self.model.train()
+        for chunk in self.model:
+            chunk.train()
         try:
-            for seqs in plan:
-                mb = packed.micro_batch(seqs or [packed.shortest])
-                logprobs, entropy = self._forward(mb["input_ids"], mb["seq_lens"].tolist(), temperature)
-                n_loss = (int(mb["loss_mask"].sum()) if "loss_mask" in mb else len(mb["token_index"])) if seqs else 0
-                if n_loss == 0 or total == 0:
-                    (logprobs.sum() * 0.0).backward()  # every collective of the backward still runs
-                    continue
-                loss, stats = loss_fn(logprobs, entropy, mb)
-                scaled = loss * (n_loss / total)
-                if not scaled.requires_grad:
-                    scaled = scaled + logprobs.sum() * 0.0
-                scaled.backward()
-                records.append((n_loss, float(loss.detach()), scalar_stats(stats)))
+            self._schedule(packed, plan, temperature, weighted_loss, forward_only=False)
         finally:
-            self.model.eval()
+            for chunk in self.model:
+                chunk.eval()
         lr = self._apply_lr()
         grad_norm, skipped = self._step()
         self.schedule.step += 1
         self._apply_lr()
         self._version += 1
         if self.world > 1:
+            # The loss ran on the last pipeline stage only: every rank gets its records (once per data rank).
             gathered: list[Any] = [None] * self.world
             dist.all_gather_object(gathered, records if self.tp_rank == 0 else [])
             records = [r for rank_records in gathered for r in rank_records]
@@ -429,16 +528,21 @@ class MegatronEngine(TrainEngine):
         if self.cpu:
             self.optimizer.zero_grad(set_to_none=True)
         else:
-            self.model.zero_grad_buffer()
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
 
     def _step(self) -> tuple[float, bool]:
         """Reduce, clip and apply the gradients: (norm before clipping, whether the step was skipped)."""
         if not self.cpu:
-            self.model.finish_grad_sync()
+            from megatron.core.distributed import finalize_model_grads
+
+            # Data-parallel reduction of every chunk and the tied embedding's gradient between the first and
+            # last stage; no token count (the loss weights already sum to 1 over the batch).
+            finalize_model_grads(self.model, num_tokens=None)
             ok, norm, _ = self.optimizer.step()
             return float(norm) if norm is not None else 0.0, not ok
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = [p for p in self._parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -446,13 +550,19 @@ class MegatronEngine(TrainEngine):
             flat = torch.cat([p.grad.reshape(-1) for p in params])
             dist.all_reduce(flat, group=self.dp_group)  # loss weights already sum to 1 over the data ranks
             torch.nn.utils.vector_to_parameters(flat, [p.grad for p in params])
+        self._sync_tied_embedding_grad()
         squares = torch.zeros(1, dtype=torch.float64)
         for p in params:
-            # Tensor-parallel shards count on every rank, replicated tensors (norms) once.
+            # Tensor-parallel shards count on every rank, replicated tensors (norms) once, and the last
+            # stage's copy of a tied embedding not at all (the first stage counts it).
+            if getattr(p, "shared", False):
+                continue
             if getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0:
                 squares += p.grad.double().pow(2).sum()
-        if self.tp > 1:
-            dist.all_reduce(squares, group=self.tp_group)
+        if self.tp * self.pp > 1:
+            from megatron.core import parallel_state as ps
+
+            dist.all_reduce(squares, group=ps.get_model_parallel_group())  # over tensor ranks and stages
         norm = float(squares.sqrt())
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
@@ -464,19 +574,39 @@ class MegatronEngine(TrainEngine):
         self.optimizer.zero_grad(set_to_none=True)
         return norm, False
 
+    def _sync_tied_embedding_grad(self) -> None:
+        """CPU, p > 1, tied embeddings: the first stage's embedding and the last stage's copy of it (the output
+        layer) each hold part of the gradient; both get the sum, so the two copies take the same step."""
+        from megatron.core import parallel_state as ps
+
+        if self.pp == 1 or not self.tied or not ps.is_rank_in_embedding_group():
+            return
+        chunk = self.chunks[0] if self.first_stage else self.chunks[-1]
+        weight = chunk.shared_embedding_or_output_weight()
+        dist.all_reduce(weight.grad, group=ps.get_embedding_group())
+
     # ------------------------------------------------------------------ weights
     def _gather_hf(self) -> dict[str, torch.Tensor]:
-        """Full HF-named tensors (CPU, the parameters' dtype) on every rank; collective over the tp group."""
-        own = {name: p.detach() for name, p in self.inner.named_parameters()}
-        if self.tp == 1:
-            shards = [{k: v.cpu() for k, v in own.items()}]
-        else:
-            shards = [dict() for _ in range(self.tp)]
-            for name, value in own.items():
-                pieces = [torch.empty_like(value) for _ in range(self.tp)]
-                dist.all_gather(pieces, value.contiguous(), group=self.tp_group)
-                for r, piece in enumerate(pieces):
-                    shards[r][name] = piece.cpu()
+        """Full HF-named tensors (CPU, the parameters' dtype) on every rank; collective over the tensor-parallel
+        group, then over the pipeline group (each stage brings its layers, numbered in the whole model)."""
+        own: dict[str, torch.Tensor] = {}
+        for chunk in self.chunks:
+            names = convert.stage_names(chunk, tied=self.tied)
+            own.update({names[name]: p.detach() for name, p in chunk.named_parameters()})
+        shards: list[dict[str, torch.Tensor]] = [dict() for _ in range(self.tp)]
+        for name, value in own.items():
+            if self.tp == 1:
+                shards[0][name] = value.cpu()
+                continue
+            pieces = [torch.empty_like(value) for _ in range(self.tp)]
+            dist.all_gather(pieces, value.contiguous(), group=self.tp_group)
+            for r, piece in enumerate(pieces):
+                shards[r][name] = piece.cpu()
+        if self.pp > 1:
+            stages: list[Any] = [None] * self.pp
+            dist.all_gather_object(stages, shards, group=self.pp_group)
+            # A tied embedding comes from both ends (equal copies): the first stage's is kept.
+            shards = [{name: t for stage in reversed(stages) for name, t in stage[r].items()} for r in range(self.tp)]
         return convert.megatron_to_hf(shards, self.hf_config)
 
     def _writer(self) -> bool:
@@ -522,7 +652,7 @@ class MegatronEngine(TrainEngine):
             (folder / STATE_FILE).unlink(missing_ok=True)  # written last: its presence marks a complete save
             shutil.rmtree(folder / OPTIMIZER_DIR, ignore_errors=True)
             (folder / OPTIMIZER_DIR).mkdir()
-            write_hf(folder, tensors, next(self.inner.parameters()).dtype, self.source)
+            write_hf(folder, tensors, self._parameters()[0].dtype, self.source)
         self._barrier()
         saved = with_optimizer and self.optimizer is not None
         if saved:
@@ -530,19 +660,26 @@ class MegatronEngine(TrainEngine):
         if self._writer():
             tmp = folder / f".{STATE_FILE}.tmp"
             tmp.write_text(json.dumps({"format": STATE_FORMAT, "version": self._version, "role": self.role,
-                                       "tp": self.tp, "optimizer": saved,
+                                       "tp": self.tp, "pp": self.pp, "vpp": self.vpp, "optimizer": saved,
                                        "schedule_step": self.schedule.step if saved else None}, indent=2) + "\n")
             os.replace(tmp, folder / STATE_FILE)
         self._barrier()
 
+    def _optimizer_file(self, kind: str) -> str:
+        """This model-parallel rank's optimizer file: ``tp{r}.pt`` at p1 (as before pipeline parallel),
+        ``pp{s}-tp{r}.pt`` with stages; ``kind`` prefixes Megatron's parameter state on GPU."""
+        name = f"tp{self.tp_rank}.pt" if self.pp == 1 else f"pp{self.pp_rank}-tp{self.tp_rank}.pt"
+        return f"{kind}-{name}" if kind else name
+
     def _save_optimizer(self, folder: Path) -> None:
         if self.cpu:
             if self.dp_rank == 0:  # data-parallel ranks hold the same state
-                torch.save(self.optimizer.state_dict(), folder / f"tp{self.tp_rank}.pt")
+                torch.save(self.optimizer.state_dict(), folder / self._optimizer_file(""))
         else:
-            self.optimizer.save_parameter_state(str(folder / "parameter_state.pt"))
-            if self.rank == 0:
-                torch.save(self.optimizer.state_dict(), folder / "common.pt")
+            # Gathered over the data-parallel group and written by its rank 0: one file per tensor rank and stage.
+            self.optimizer.save_parameter_state(str(folder / self._optimizer_file("parameter_state")))
+            if self.dp_rank == 0:
+                torch.save(self.optimizer.state_dict(), folder / self._optimizer_file("common"))
         self._barrier()
 
     def load(self, path: str, *, with_optimizer: bool = True) -> None:
@@ -551,22 +688,26 @@ class MegatronEngine(TrainEngine):
         folder = Path(path)
         state_file = folder / STATE_FILE
         meta = json.loads(state_file.read_text()) if state_file.is_file() else None
-        self._load_hf_weights(self.inner, str(folder))
+        self._load_hf_weights(str(folder))
         if with_optimizer and self.optimizer is not None:
             if not meta or not meta.get("optimizer"):
                 raise FileNotFoundError(f"MegatronEngine.load: {folder} holds no optimizer state (saved with "
                                         f"with_optimizer=False, or not by this engine); load it with "
                                         f"with_optimizer=False to take the weights only")
-            if meta.get("tp") != self.tp:
-                raise ValueError(f"MegatronEngine.load: {folder} was saved at tensor parallel t{meta.get('tp')}, "
-                                 f"this engine runs t{self.tp}; resume at t{meta.get('tp')} or load with "
-                                 f"with_optimizer=False")
+            saved_at = (meta.get("tp"), meta.get("pp", 1), meta.get("vpp", 1))
+            if saved_at != (self.tp, self.pp, self.vpp):
+                was = "t{} p{} virtual pipeline {}".format(*saved_at)
+                raise ValueError(f"MegatronEngine.load: {folder} was saved at {was}, this engine runs t{self.tp} "
+                                 f"p{self.pp} virtual pipeline {self.vpp} (the optimizer state is split that way); "
+                                 f"resume at {was} or load with with_optimizer=False")
             if self.cpu:
-                self.optimizer.load_state_dict(torch.load(folder / OPTIMIZER_DIR / f"tp{self.tp_rank}.pt",
+                self.optimizer.load_state_dict(torch.load(folder / OPTIMIZER_DIR / self._optimizer_file(""),
                                                           weights_only=False))
             else:
-                self.optimizer.load_state_dict(torch.load(folder / OPTIMIZER_DIR / "common.pt", weights_only=False))
-                self.optimizer.load_parameter_state(str(folder / OPTIMIZER_DIR / "parameter_state.pt"))
+                self.optimizer.load_state_dict(torch.load(folder / OPTIMIZER_DIR / self._optimizer_file("common"),
+                                                          weights_only=False))
+                self.optimizer.load_parameter_state(
+                    str(folder / OPTIMIZER_DIR / self._optimizer_file("parameter_state")))
             self.schedule.step = int(meta["schedule_step"])
             self._apply_lr()
         self._version = int(meta["version"]) if meta else 0
@@ -578,7 +719,7 @@ class MegatronEngine(TrainEngine):
 
     def close(self) -> None:
         self.model = None
-        self.inner = None
+        self.chunks = []
         self.optimizer = None
 
 

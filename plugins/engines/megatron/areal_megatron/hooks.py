@@ -18,6 +18,13 @@ BACKEND = "megatron"
 # Written by the user as ``actor.virtual_pipeline_size``: a key of the megatron
 # engine's own config, which the loader keeps in ``config.actor.extra``.
 VPP_KEY = "virtual_pipeline_size"
+# Dimensions declared to the plan check (and their rules checked) that the engine does not build, and why.
+UNBUILT = {
+    "c": "context parallel (c) in Megatron-Core runs through Transformer Engine's attention, which needs a GPU "
+         "and is not wired into this engine; the fsdp backend has context parallel (fsdp:...c2) on CPU and GPU",
+    "e": "expert parallel (e) shards the experts of a mixture-of-experts model, and this engine converts dense "
+         "Llama / Qwen2 models only",
+}
 
 
 @hookimpl
@@ -122,15 +129,17 @@ def _expert_placement_problem(comp: Component) -> Problem | None:
 
 
 def _not_built_problem(comp: Component) -> Problem | None:
-    """Pipeline, context and expert parallel are declared (and their rules checked) but not built yet."""
+    """Context and expert parallel are declared (and their rules checked) but not built: see ``UNBUILT``."""
     par = comp.parallel
-    unbuilt = [f"{dim}{n}" for dim, n in (("p", par.p), ("c", par.c), ("e", par.e)) if n > 1]
+    unbuilt = [(dim, n) for dim, n in (("c", par.c), ("e", par.e)) if n > 1]
     if not unbuilt:
         return None
+    built = "".join(f"{dim}{n}" for dim, n in (("p", par.p), ("t", par.t)) if n > 1)
     return Problem(
         f"{BACKEND}.not-built",
-        f"'{comp}': {', '.join(unbuilt)} asks for pipeline / context / expert parallelism, which this version "
-        f"of areal-plugin-megatron does not build yet (it builds tensor t and data d parallel).",
-        f"use t and d only, e.g. 'megatron:d{par.world_size // par.t}{f't{par.t}' if par.t > 1 else ''}'",
+        f"'{comp}': {', '.join(f'{dim}{n}' for dim, n in unbuilt)} is not built by areal-plugin-megatron: "
+        f"{'; '.join(UNBUILT[dim] for dim, _ in unbuilt)}.",
+        f"use d, t and p only on the same {par.world_size} devices, e.g. "
+        f"'megatron:d{par.world_size // (par.p * par.t)}{built}'",
         key="allocation",
     )

@@ -2,9 +2,10 @@
 
     python dist_worker.py SPEC.json       (RANK / WORLD_SIZE / MASTER_* in the environment)
 
-SPEC names the model folder, the allocation (``megatron:t2``, ``megatron:d2``),
-the batch, the optimizer settings and an output folder; every rank runs
-:func:`scenario` and rank 0 writes what it saw to ``<out>/result.pt``.
+SPEC names the model folder, the allocation (``megatron:t2``, ``megatron:d2``,
+``megatron:p2``), ``actor.virtual_pipeline_size`` (``vpp``), the batch, the
+optimizer settings and an output folder; every rank runs :func:`scenario` and
+writes what it saw to ``<out>/result<rank>.pt``.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def make_engine(spec: dict) -> MegatronEngine:
     cfg.actor.optimizer.grad_clip = spec.get("grad_clip", 1.0)
     cfg.trainer.total_steps = 10
     (placement,) = parse_allocation(spec.get("allocation", "megatron:cpu")).components
-    engine = MegatronEngine(Context(config=cfg, options=MegatronEngineConfig(), placement=placement,
+    engine = MegatronEngine(Context(config=cfg, options=MegatronEngineConfig(virtual_pipeline_size=spec.get("vpp", 1)),
+                                    placement=placement,
                                     extras={"role": spec.get("role", "actor")}))
     engine.initialize()
     return engine
@@ -58,7 +60,7 @@ def scenario(engine: MegatronEngine, batch: dict, out: str) -> dict:
     seen["lp1"] = engine.forward_logprobs(batch)["logprobs"]
     engine.export_to_disk(os.path.join(out, "export"))
     engine.save(os.path.join(out, "ckpt"))
-    engine.train_batch(batch, nll)
+    seen["stats2"] = engine.train_batch(batch, nll)
     seen["lp2"] = engine.forward_logprobs(batch)["logprobs"]
     engine.load(os.path.join(out, "ckpt"))
     seen["loaded_version"] = engine.version
@@ -75,8 +77,7 @@ def main(spec_path: str) -> int:
     try:
         engine = make_engine(spec)
         seen = scenario(engine, spec["batch"], spec["out"])
-        if dist.get_rank() == 0:
-            torch.save(seen, os.path.join(spec["out"], "result.pt"))
+        torch.save(seen, os.path.join(spec["out"], f"result{dist.get_rank()}.pt"))
         engine.close()
     finally:
         dist.destroy_process_group()

@@ -49,6 +49,8 @@ def models(tmp_path_factory):
         "llama": tiny_model(root / "llama", arch="llama", seed=0),
         "qwen2": tiny_model(root / "qwen2", arch="qwen2", seed=1),
         "untied": tiny_model(root / "untied", arch="llama", seed=2, tie_word_embeddings=False),
+        # 4 layers: 2 pipeline stages x 2 virtual stages of one layer each.
+        "qwen2-4": tiny_model(root / "qwen2-4", arch="qwen2", seed=3, layers=4, tie_word_embeddings=False),
     }
 
 
@@ -242,12 +244,21 @@ def test_cpu_rng_tracker_forks_a_stream_of_its_own():
 
 
 def test_cuda_device_reads_cpu_only_inside():
+    ones = torch.ones(3)
     with cuda_device_reads_cpu():
         assert torch.cuda.current_device() == "cpu"
         assert torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
+        # What Megatron's pipeline schedules and tied-embedding setup ask for by name.
+        assert torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
+        assert torch.tensor([1, 2], device=torch.device("cuda", 0)).device.type == "cpu"
+        assert ones.cuda() is ones
+        torch.cuda.synchronize()
+        assert torch.add(ones, 1).sum().item() == 6.0  # everything else runs as usual
     if not torch.cuda.is_available():
-        with pytest.raises((AssertionError, RuntimeError)):
-            torch.cuda.current_device()
+        for call in (torch.cuda.current_device, torch.cuda.synchronize, ones.cuda,
+                     lambda: torch.zeros(1, device="cuda")):
+            with pytest.raises((AssertionError, RuntimeError)):
+                call()
 
 
 # ---------------------------------------------------------------------- the engine, one process
@@ -374,7 +385,7 @@ def test_export_of_untied_and_bfloat16_models(models, tmp_path):
 def test_reference_role_is_frozen_and_refuses_to_train(models):
     ref = engine(config(models["llama"], dtype="bfloat16"), role="reference")
     assert ref.optimizer is None
-    assert all(not p.requires_grad and p.dtype == torch.bfloat16 for p in ref.inner.parameters())
+    assert all(not p.requires_grad and p.dtype == torch.bfloat16 for c in ref.chunks for p in c.parameters())
     lm = AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float32)
     assert worst(ref.forward_logprobs(make_batch())["logprobs"], hf_logprobs(lm, make_batch())) < 0.1
     with pytest.raises(RuntimeError, match="role 'reference'.*no optimizer"):
@@ -387,10 +398,11 @@ def test_resuming_at_another_tensor_parallel_size_is_refused_with_the_fix(models
     e.save(str(tmp_path / "ckpt"))
     state = json.loads((tmp_path / "ckpt" / "engine_state.json").read_text())
     assert state["tp"] == 1 and state["optimizer"] and (tmp_path / "ckpt" / "optimizer" / "tp0.pt").exists()
-    state["tp"] = 2  # as if saved at t2
-    (tmp_path / "ckpt" / "engine_state.json").write_text(json.dumps(state))
-    with pytest.raises(ValueError, match="saved at tensor parallel t2, this engine runs t1.*with_optimizer=False"):
-        e.load(str(tmp_path / "ckpt"))
+    assert (state["pp"], state["vpp"]) == (1, 1)
+    for key, value, said in (("tp", 2, "t2 p1 virtual pipeline 1"), ("pp", 2, "t1 p2 virtual pipeline 1")):
+        (tmp_path / "ckpt" / "engine_state.json").write_text(json.dumps({**state, key: value}))
+        with pytest.raises(ValueError, match=f"saved at {said}, this engine runs t1 p1 .*with_optimizer=False"):
+            e.load(str(tmp_path / "ckpt"))
     e.load(str(tmp_path / "ckpt"), with_optimizer=False)  # the weights alone still load
     e.save(str(tmp_path / "weights_only"), with_optimizer=False)
     with pytest.raises(FileNotFoundError, match="holds no optimizer state"):
@@ -403,8 +415,21 @@ def test_unbuilt_parallelism_and_missing_folders_are_refused(models, tmp_path):
     cfg.actor.gradient_checkpointing = True
     with pytest.raises(NotImplementedError, match="gradient_checkpointing: false on CPU"):
         engine(cfg)
-    with pytest.raises(NotImplementedError, match="p2, c2 .*tensor \\(t\\) and data \\(d\\) parallel only"):
+    with pytest.raises(NotImplementedError, match="asks for c2, .*Transformer Engine's attention, which needs a "
+                                                  "GPU.*Place the actor with d, t and p only"):
         engine(config(models["llama"]), allocation="megatron:p2c2@cpu")
+    with pytest.raises(NotImplementedError, match="asks for e2, .*mixture-of-experts"):
+        engine(config(models["llama"]), allocation="megatron:e2@cpu")
+    e = MegatronEngine.create(Context(config=config(models["llama"]), options=MegatronEngineConfig(
+        virtual_pipeline_size=2), placement=parse_allocation("megatron:cpu").components[0], extras={"role": "actor"}))
+    with pytest.raises(ValueError, match="actor.virtual_pipeline_size=2 .*no pipeline parallel \\(p1\\)"):
+        e.initialize()
+    e = MegatronEngine.create(Context(config=config(models["llama"]), options=MegatronEngineConfig(
+        virtual_pipeline_size=2), placement=parse_allocation("megatron:p2@cpu").components[0],
+        extras={"role": "actor"}))
+    with pytest.raises(ValueError, match="p2 x actor.virtual_pipeline_size=2 = 4 chunks do not divide the model's "
+                                         "2 layers"):
+        e.initialize()
     with pytest.raises(FileNotFoundError, match="holds no \\*.safetensors"):
         (tmp_path / "empty").mkdir()
         (tmp_path / "empty" / "config.json").write_text((Path(models["llama"]) / "config.json").read_text())
@@ -412,7 +437,8 @@ def test_unbuilt_parallelism_and_missing_folders_are_refused(models, tmp_path):
 
 
 # ---------------------------------------------------------------------- two ranks over gloo
-def run_ranks(spec: dict, folder: Path, world: int = 2, timeout: float = 300) -> dict:
+def run_ranks(spec: dict, folder: Path, world: int = 2, timeout: float = 300) -> list[dict]:
+    """Every rank's :func:`dist_worker.scenario` results, in rank order."""
     folder.mkdir(parents=True, exist_ok=True)
     spec = {**spec, "out": str(folder)}
     (folder / "spec.json").write_text(json.dumps(spec))
@@ -436,7 +462,42 @@ def run_ranks(spec: dict, folder: Path, world: int = 2, timeout: float = 300) ->
         tails = "\n".join(f"--- rank {r} (exit {c}):\n" + "\n".join(
             (folder / f"rank{r}.log").read_text().splitlines()[-25:]) for r, c in enumerate(codes))
         pytest.fail(f"{world} ranks exited with {codes} (waited up to {timeout} s):\n{tails}")
-    return torch.load(folder / "result.pt", weights_only=False)
+    return [torch.load(folder / f"result{rank}.pt", weights_only=False) for rank in range(world)]
+
+
+def assert_ranks_train_like_one(ranks: list[dict], one: dict, folder: Path, one_folder: Path, tol: float = 1e-5):
+    """What every rank saw equals what one process saw: logprobs, losses and gradient norms of two steps,
+    exported weights (disk and buckets), and the logprobs after save, a further step and load."""
+    for rank, two in enumerate(ranks):
+        where = f"{folder.name}, rank {rank}"
+        for key in ("logprobs", "entropy"):
+            assert worst(two["lp0"][key], one["lp0"][key]) < tol, (where, key)
+        for step in ("stats1", "stats2"):
+            assert two[step]["loss"] == pytest.approx(one[step]["loss"], rel=1e-6), (where, step)
+            assert two[step]["grad_norm"] == pytest.approx(one[step]["grad_norm"], rel=1e-5), (where, step)
+            assert two[step]["entropy"] == pytest.approx(one[step]["entropy"], rel=1e-5), (where, step)
+        for key in ("lp1", "lp2"):
+            assert worst(two[key], one[key]) < tol, (where, key)
+        assert two["loaded_version"] == 1 and worst(two["lp_loaded"], two["lp1"]) == 0.0, where
+        assert worst(two["lp2_after_load"], two["lp2"]) < 1e-6, where
+        mine = {n: t for b in two["buckets"] for n, t in b.items()}
+        theirs = {n: t for b in one["buckets"] for n, t in b.items()}
+        assert sorted(mine) == sorted(theirs) and max(worst(mine[n], theirs[n]) for n in mine) < 1e-4, where
+    exported = load_file(folder / "export" / "model.safetensors")
+    export1 = load_file(one_folder / "export" / "model.safetensors")
+    assert sorted(exported) == sorted(export1)
+    assert max(worst(exported[k], export1[k]) for k in export1) < tol, folder.name
+
+
+def one_process(models, name: str, spec: dict, batch: dict, folder: Path) -> dict:
+    """The scenario in this process at t1 p1, checked against HF; the step must move the weights."""
+    one = worker.scenario(worker.make_engine(spec), batch, str(folder))
+    lm = AutoModelForCausalLM.from_pretrained(models[name], dtype=torch.float32)
+    assert worst(one["lp0"]["logprobs"], hf_logprobs(lm, batch)) < 1e-5
+    initial = hf_state(models[name])
+    export1 = load_file(folder / "export" / "model.safetensors")
+    assert max(worst(export1[k], initial[k]) for k in initial) > 1e-3
+    return one
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -445,29 +506,35 @@ def test_tensor_and_data_parallel_ranks_train_like_one(models, tmp_path, arch):
     batch = make_batch(LENGTHS + [4])
     spec = {"model": str(models[arch]), "batch": batch, "mb_max_tokens": 16, "lr": 1.0, "eps": 1.0,
             "grad_clip": 0.0}
-    one = worker.scenario(worker.make_engine(spec), batch, str(tmp_path / "world1"))
-    lm = AutoModelForCausalLM.from_pretrained(models[arch], dtype=torch.float32)
-    reference = hf_logprobs(lm, batch)
-    initial = hf_state(models[arch])
-    export1 = load_file(tmp_path / "world1" / "export" / "model.safetensors")
-    assert max(worst(export1[k], initial[k]) for k in initial) > 1e-3  # the step moved the weights
+    one = one_process(models, arch, spec, batch, tmp_path / "world1")
     for allocation in ("megatron:t2@cpu", "megatron:d2@cpu"):
         name = allocation.split(":")[1].split("@")[0]
-        two = run_ranks({**spec, "allocation": allocation}, tmp_path / name)
-        assert worst(two["lp0"]["logprobs"], reference) < 1e-5, allocation
-        assert worst(two["lp0"]["entropy"], one["lp0"]["entropy"]) < 1e-5, allocation
-        assert two["stats1"]["loss"] == pytest.approx(one["stats1"]["loss"], rel=1e-6), allocation
-        assert two["stats1"]["grad_norm"] == pytest.approx(one["stats1"]["grad_norm"], rel=1e-5), allocation
-        exported = load_file(tmp_path / name / "export" / "model.safetensors")
-        assert sorted(exported) == sorted(export1)
-        assert max(worst(exported[k], export1[k]) for k in export1) < 1e-5, allocation
-        for key in ("lp1", "lp2"):
-            assert worst(two[key], one[key]) < 1e-5, (allocation, key)
-        assert two["loaded_version"] == 1 and worst(two["lp_loaded"], two["lp1"]) == 0.0
-        assert worst(two["lp2_after_load"], two["lp2"]) < 1e-6
-        mine = {n: t for b in two["buckets"] for n, t in b.items()}
-        theirs = {n: t for b in one["buckets"] for n, t in b.items()}
-        assert sorted(mine) == sorted(theirs) and max(worst(mine[n], theirs[n]) for n in mine) < 1e-4
+        ranks = run_ranks({**spec, "allocation": allocation}, tmp_path / name)
+        assert_ranks_train_like_one(ranks, one, tmp_path / name, tmp_path / "world1")
+
+
+@pytest.mark.parametrize(("name", "vpp", "tol"), [
+    ("llama", 1, 1e-5),  # tied embeddings: the last stage's copy of the embedding is the output layer
+    # untied, Qwen2's biases, 2 stages x 2 virtual stages; rows padded to one length (last digits differ)
+    ("qwen2-4", 2, 5e-5),
+], ids=["p2-tied", "p2-vpp2"])
+def test_pipeline_stages_train_like_one(models, tmp_path, name, vpp, tol):
+    """p2 against one process: each stage builds and loads its layers, Megatron's schedule runs the
+    micro-batches through both, and every rank (the first stage too) returns the same logprobs and
+    statistics as one process; export and save gather both stages' layers under their HF names."""
+    batch = make_batch(LENGTHS + [4])
+    spec = {"model": str(models[name]), "batch": batch, "mb_max_tokens": 16, "lr": 1.0, "eps": 1.0,
+            "grad_clip": 0.0}
+    one = one_process(models, name, spec, batch, tmp_path / "world1")
+    assert one["stats1"]["n_micro_batches"] >= 3  # a pipeline with micro-batches in flight
+    ranks = run_ranks({**spec, "allocation": "megatron:p2@cpu", "vpp": vpp}, tmp_path / "p2")
+    assert_ranks_train_like_one(ranks, one, tmp_path / "p2", tmp_path / "world1", tol)
+    saved = json.loads((tmp_path / "p2" / "ckpt" / "engine_state.json").read_text())
+    assert (saved["pp"], saved["vpp"]) == (2, vpp)
+    assert sorted(f.name for f in (tmp_path / "p2" / "ckpt" / "optimizer").iterdir()) == ["pp0-tp0.pt", "pp1-tp0.pt"]
+    # The checkpoint is a HF folder with every layer: transformers gives one process's logits after step 1.
+    lm = AutoModelForCausalLM.from_pretrained(tmp_path / "p2" / "ckpt", dtype=torch.float32)
+    assert worst(hf_logprobs(lm, batch), one["lp1"]) < tol
 
 
 # ---------------------------------------------------------------------- the conformance kit
@@ -492,12 +559,13 @@ def test_built_models_mark_their_tensor_parallel_shards(models):
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     e = engine(config(models["llama"]))
+    (chunk,) = e.chunks
     marks = {n: (getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", None))
-             for n, p in e.inner.named_parameters()}
+             for n, p in chunk.named_parameters()}
     assert marks["decoder.layers.0.self_attention.linear_qkv.weight"] == (True, 0)
     assert marks["decoder.layers.0.mlp.linear_fc2.weight"] == (True, 1)
     assert marks["embedding.word_embeddings.weight"] == (True, 0)
     assert marks["decoder.layers.0.input_layernorm.weight"][0] is False
-    parallel = [m for m in e.inner.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
-    assert parallel and convert.mark_tensor_parallel_shards(e.inner) == 0  # nothing left unmarked
+    parallel = [m for m in chunk.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    assert parallel and convert.mark_tensor_parallel_shards(chunk) == 0  # nothing left unmarked
     e.close()

@@ -72,14 +72,22 @@ def test_valid_plans(text, model, vpp):
     assert planned(validate(text, model, vpp)) == []
 
 
-def test_what_the_engine_does_not_build_yet_is_refused_with_the_fix():
+def test_pipeline_and_virtual_pipeline_are_built():
     assert validate("megatron:d2t4") == []
+    assert validate("megatron:p2@cpu") == []
+    assert validate("megatron:d2p2t2", vpp=3) == []  # 24 layers = 2 stages x 3 chunks x 4
+
+
+def test_context_and_expert_parallel_are_refused_with_the_reason_and_the_fix():
     (problem,) = validate("megatron:d2p2t2c2@cpu")
     assert problem.code == "megatron.not-built" and problem.key == "allocation"
-    assert "p2, c2" in problem.message and "t and d only" in problem.hint and "'megatron:d8t2'" in problem.hint  # the same 16 devices
-    assert codes(validate("megatron:d4t2e4", MOE)) == ["megatron.not-built"]
-    (problem,) = validate("megatron:p2@cpu")
-    assert problem.hint == "use t and d only, e.g. 'megatron:d2'"
+    assert problem.message.startswith("'megatron:d2p2t2c2@cpu': c2 is not built")
+    assert "Transformer Engine's attention, which needs a GPU" in problem.message and "fsdp" in problem.message
+    assert problem.hint == "use d, t and p only on the same 16 devices, e.g. 'megatron:d4p2t2'"
+    (problem,) = validate("megatron:d4t2e4", MOE)
+    assert problem.code == "megatron.not-built" and "e4 is not built" in problem.message
+    assert "dense Llama / Qwen2 models only" in problem.message
+    assert problem.hint == "use d, t and p only on the same 8 devices, e.g. 'megatron:d4t2'"  # e shares d's ranks
 
 
 def test_tensor_must_divide_heads():
