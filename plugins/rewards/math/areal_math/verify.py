@@ -14,6 +14,7 @@ import concurrent.futures
 import logging
 import multiprocessing
 import threading
+import time
 from typing import NamedTuple
 
 # How long beyond the per-call bound the caller waits for pebble itself to
@@ -89,12 +90,40 @@ def shutdown() -> None:
 atexit.register(shutdown)
 
 
+_waiting: dict[int, int] = {}  # comparisons scheduled and not finished, per pool (worker count)
+
+
+def _started(future: concurrent.futures.Future, bound_s: float) -> bool:
+    """Whether a worker picked ``future`` up (or it finished) within ``bound_s`` seconds."""
+    deadline = time.monotonic() + bound_s
+    while not (future.running() or future.done()):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
 def equivalent(reference: str, answer: str, timeout_s: float, workers: int) -> Verdict:
-    """Whether ``answer`` equals ``reference`` mathematically; never raises, never waits past the bound."""
+    """Whether ``answer`` equals ``reference`` mathematically; never raises, never waits past the bound.
+
+    The bound is ``timeout_s`` of comparison, counted from when a worker
+    starts it, as pebble counts: a comparison queued behind others on a busy
+    pool is not reported as a timeout for the time it spent waiting.
+    """
     from pebble import ProcessExpired
 
+    with _lock:
+        ahead = _waiting.get(workers, 0)
+        _waiting[workers] = ahead + 1
     try:
         future = pool(workers).schedule(compare, args=(reference, answer), timeout=timeout_s)
+        # Each comparison ahead of this one finishes, or is killed and its worker replaced, within about
+        # timeout_s + _GRACE_S; `workers` of them run at once.
+        start_bound = (ahead // workers + 1) * (timeout_s + _GRACE_S)
+        if not _started(future, start_bound):
+            future.cancel()
+            return Verdict(False, "timeout", f"not started within {start_bound:.0f} s: {ahead} comparisons were "
+                                             f"ahead of it on {workers} math-verify workers (reward.workers)")
         return future.result(timeout=timeout_s + _GRACE_S)
     except (concurrent.futures.TimeoutError, TimeoutError):
         if "future" in locals():
@@ -104,3 +133,6 @@ def equivalent(reference: str, answer: str, timeout_s: float, workers: int) -> V
         return Verdict(False, "error", f"the worker died: {exc}")
     except Exception as exc:  # a bug in math-verify or sympy on odd input: score 0, say why
         return Verdict(False, "error", f"{type(exc).__name__}: {exc}")
+    finally:
+        with _lock:
+            _waiting[workers] -= 1

@@ -114,6 +114,31 @@ def test_pathological_expression_times_out_and_the_pool_recovers():
     assert score("\\boxed{0.25}", "\\frac{1}{4}", timeout_s=1.0)["reward"] == 1.0  # a fresh worker answers
 
 
+def test_time_queued_behind_other_comparisons_is_not_a_timeout():
+    # One worker, a 1 s bound: four pathological answers (each killed at 1 s, its worker replaced) are ahead
+    # of an easy one, which waits longer than timeout_s + the grace in the queue but needs milliseconds once
+    # it runs.
+    slow = "\\boxed{9^{9^{9^{9}}}}"
+    results: dict[str, dict] = {}
+
+    def run(name, completion, answer):
+        results[name] = score(completion, answer, timeout_s=1.0, workers=1)
+
+    score("\\boxed{0.5}", "\\frac{1}{2}", timeout_s=1.0, workers=1)  # start the one-worker pool first
+    threads = [threading.Thread(target=run, args=(f"slow{k}", slow, "10")) for k in range(4)]
+    for t in threads:
+        t.start()
+        time.sleep(0.2)  # in this order into the queue
+    easy = threading.Thread(target=run, args=("easy", "\\boxed{\\frac{3}{4}}", "0.75"))
+    began = time.monotonic()
+    easy.start()
+    for t in [*threads, easy]:
+        t.join(60)
+    waited = time.monotonic() - began
+    assert [results[f"slow{k}"]["reason"] for k in range(4)] == ["timeout"] * 4, results
+    assert results["easy"]["reward"] == 1.0 and results["easy"]["reason"] == "correct", (results["easy"], waited)
+
+
 def test_works_from_a_non_main_thread_and_from_the_event_loop():
     got: list[dict] = []
     thread = threading.Thread(target=lambda: got.append(score("\\boxed{\\frac{6}{8}}", "0.75")))
