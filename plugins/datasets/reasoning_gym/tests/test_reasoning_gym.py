@@ -9,6 +9,7 @@ import pytest
 
 from areal_core.api import Context, call_reward
 from areal_core.config.schema import RunConfig
+from areal_core.config.validate import validate_run
 from areal_core.testing import DatasetConformance, RewardConformance
 from areal_reasoning_gym.dataset import ReasoningGymConfig, ReasoningGymDataset
 from areal_reasoning_gym.reward import ReasoningGymReward
@@ -55,6 +56,21 @@ def test_task_options_pass_through_and_bad_names_are_named():
         build(task="basic_arithmetc")
     with pytest.raises(ValueError, match="refused dataset.task_options"):
         build(task="basic_arithmetic", task_options={"no_such_option": 1})
+
+
+def test_areal_check_names_a_bad_task_bad_options_or_evaluation_without_validation():
+    def problems(*overrides):
+        run = validate_run(None, ["dataset.name=reasoning_gym", *overrides])
+        return [(p.key, p.message) for p in run.problems if p.code.startswith("reasoning_gym.")]
+
+    assert problems("dataset.task=gsm_symbolic") == []
+    ((key, message),) = problems("dataset.task=basic_arithmetc")
+    assert key == "dataset.task" and "did you mean 'basic_arithmetic'?" in message
+    ((key, message),) = problems("dataset.task_options={no_such_option: 1}")
+    assert key == "dataset.task_options" and "refused dataset.task_options" in message
+    ((key, message),) = problems("dataset.validation_size=0")
+    assert key == "dataset.validation_size" and "eval.size is 64" in message
+    assert problems("dataset.validation_size=0", "eval.size=0") == []
 
 
 def test_untagged_completions_scored_whole_when_asked():
