@@ -98,10 +98,12 @@ class ContextShard:
         return self._gather(x, dim).index_select(dim, self._order)
 
     def _all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+        from torch.distributed import _functional_collectives as fc
 
-        # The functional, autograd-aware all-gather: its backward reduce-scatters (sums) the gradients.
-        return all_gather_tensor_autograd(x.contiguous(), dim, self.group)
+        # The functional, autograd-aware all-gather: its backward reduce-scatters (sums) the gradients. Recent
+        # torch names it all_gather_single_autograd (the old name warns on every call); older torch has the old one.
+        gather = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
+        return gather(x.contiguous(), dim, self.group)
 
 
 def cp_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
