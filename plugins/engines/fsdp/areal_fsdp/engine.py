@@ -3,13 +3,17 @@
 One engine per rank. With ``torch.distributed`` initialized (gloo on CPU,
 nccl on GPU) the world is a ``(dp, cp, tp)`` device mesh, ``tp`` the inner
 dimension (rank = (dp_rank * cp + cp_rank) * tp + tp_rank; ``tp`` and ``cp``
-are the allocation's ``t`` and ``c``, 1 by default, not both above 1).
+are the allocation's ``t`` and ``c``, 1 by default, in any combination).
 Tensor parallel first splits each decoder layer's heads and MLP columns over
 the ``tp`` ranks (DTensor); then, when ``dp x cp > 1``, every decoder layer
 and the root are ``fully_shard``-ed over the ``dp`` (and ``cp``) ranks (the
 FSDP2 + TP recipe). Context parallel gives each cp rank a share of every
-packed row (:mod:`areal_fsdp.context`). Without a process group the world is
-this process.
+packed row (:mod:`areal_fsdp.context`). With both, each rank holds its
+share of the row for its share of the heads: the column-parallel q/k/v
+projections hand attention plain tensors of the local heads, whose keys and
+values are all-gathered over the cp group (the ranks with the same dp and
+tp rank), so the row is reassembled head by head. Without a process group
+the world is this process.
 
 Precision: parameters (the optimizer's master copy) are float32 for the
 actor. ``model.dtype: bfloat16`` computes in bfloat16: through FSDP2's
@@ -19,8 +23,8 @@ A reference engine (frozen, no optimizer) keeps its parameters in
 ``model.dtype``.
 
 Batches are the trainer's packed lists (see ``areal_core.rollout.pack_groups``).
-Sequences are shared among data-parallel ranks (the ranks of one tensor- or
-context-parallel group get the same ones) with balanced token counts, then packed into
+Sequences are shared among data-parallel ranks (the c x t ranks of one
+context / tensor-parallel block get the same ones) with balanced token counts, then packed into
 as many micro-batches as the fullest rank needs under ``actor.mb_max_tokens``
 (agreed with an all-reduce); each micro-batch is one row with a
 block-diagonal causal mask (:mod:`areal_fsdp.logprobs`). A rank with fewer
@@ -204,7 +208,6 @@ class FSDPEngine(TrainEngine):
         if self.model is not None:
             return
         cfg = self._run_config()
-        self._refuse_unbuilt_parallelism()
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
         self.tp, self.cp = self._model_parallel_sizes()
@@ -265,15 +268,6 @@ class FSDPEngine(TrainEngine):
             layout += f" (FSDP shards over d{self.dp} x c{self.cp})"
         print(f"areal-plugin-fsdp: {self.role} rank {self.rank}/{self.world} on {self.device}, {layout}, "
               f"{cfg.model.dtype}, attention {self.lm.config._attn_implementation}", file=sys.stderr, flush=True)
-
-    def _refuse_unbuilt_parallelism(self) -> None:
-        parallel = getattr(self.context.placement, "parallel", None)
-        d, t, c = (getattr(parallel, dim, 1) for dim in ("d", "t", "c"))
-        if c > 1 and t > 1:
-            raise NotImplementedError(
-                f"FSDPEngine: the allocation asks for c{c} together with t{t} ('{self.context.placement}'); this "
-                f"version of areal-plugin-fsdp builds context parallel beside data parallel only, not with tensor "
-                f"parallel. Use d{d}c{c * t} (context parallel) or d{d * c}t{t} (tensor parallel)")
 
     def _model_parallel_sizes(self) -> tuple[int, int]:
         """The allocation's (t, c), checked against the ranks started and the options."""

@@ -88,11 +88,30 @@ def tensors_scenario(engine: FSDPEngine, batch: dict, out: str, bucket_bytes: in
     return {"buckets": buckets, "n_buckets": len(buckets), "lp1": engine.forward_logprobs(batch)["logprobs"]}
 
 
+def spy_on_context_attention(seen: dict) -> None:
+    """Route the context-parallel attention through a spy that records what its first call was handed (query and
+    key types and shapes, the row length, the ranks of the all-gather's group), then runs it unchanged."""
+    from areal_fsdp import context
+    from areal_fsdp.attention import register_attention
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        shard = kwargs[context.SHARD]
+        seen.setdefault("attention", {
+            "types": (type(query).__name__, type(key).__name__), "heads": query.shape[1], "kv_heads": key.shape[1],
+            "tokens": query.shape[2], "row": shard.length, "cp_group": dist.get_process_group_ranks(shard.group)})
+        return context.cp_sdpa(module, query, key, value, attention_mask, **kwargs)
+
+    register_attention(context.CP_SDPA, spy)
+
+
 def main(spec_path: str) -> int:
     spec = json.loads(open(spec_path).read())
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     try:
         engine = make_engine(spec)
+        spied: dict = {}
+        if engine.cp > 1:
+            spy_on_context_attention(spied)
         if spec.get("scenario") == "short":
             seen = short_scenario(engine, spec["batch"])
         elif spec.get("scenario") == "tensors":
@@ -101,6 +120,7 @@ def main(spec_path: str) -> int:
             dist.all_gather_object(seen["n_buckets_per_rank"], seen["n_buckets"])
         else:
             seen = scenario(engine, spec["batch"], spec["out"], spec.get("resume_from"))
+        seen.update(spied)
         seen["plan"] = engine._plan(spec["batch"])  # rank 0's micro-batches (sequence indices), and their tokens
         seen["mb_tokens"] = [sum(spec["batch"]["seq_lens"][i] for i in seqs) for seqs in seen["plan"]]
         layer = engine.lm.get_decoder().layers[0]

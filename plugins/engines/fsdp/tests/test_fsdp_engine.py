@@ -363,16 +363,6 @@ def test_a_missing_model_folder_is_named(tmp_path):
         engine(config(tmp_path / "nowhere"))
 
 
-def test_context_x_tensor_parallel_placements_are_refused_not_ignored(models):
-    from areal_core.config.allocation import parse_allocation
-
-    (placement,) = parse_allocation("fsdp:d2t2c2").components
-    e = FSDPEngine.create(Context(config=config(models["llama"]), placement=placement))
-    with pytest.raises(NotImplementedError, match="asks for c2 together with t2 .*not with tensor parallel. "
-                                                  "Use d2c4 .* or d4t2"):
-        e.initialize()
-
-
 def test_context_parallel_needs_the_sdpa_attention_option(models):
     from areal_core.config.allocation import parse_allocation
 
@@ -610,13 +600,13 @@ def test_four_ranks_of_tensor_x_data_parallel_train_save_and_export_like_one(mod
     assert worst(resumed["after_resume"], four["lp2"]) < 1e-4
 
 
-def test_tensor_parallel_needs_d_x_t_ranks(models):
+def test_model_parallel_needs_d_x_t_x_c_ranks(models):
     from areal_core.config.allocation import parse_allocation
 
-    for text in ("fsdp:t2@cpu", "fsdp:d2t2@cpu", "fsdp:c2@cpu", "fsdp:d2c2@cpu"):
+    for text in ("fsdp:t2@cpu", "fsdp:d2t2@cpu", "fsdp:c2@cpu", "fsdp:d2c2@cpu", "fsdp:c2t2@cpu", "fsdp:d2t2c2"):
         (placement,) = parse_allocation(text).components
         e = FSDPEngine.create(Context(config=config(models["llama"]), placement=placement))
-        with pytest.raises(RuntimeError, match=f"asks for d\\d+[tc]2 but 1 rank.*exactly d x t x c = "
+        with pytest.raises(RuntimeError, match=f"asks for d\\d+(t2)?(c2)? but 1 rank.*exactly d x t x c = "
                                                f"{placement.world_size}"):
             e.initialize()
 
@@ -632,6 +622,29 @@ def test_context_parallel_ranks_train_save_and_export_like_one(models, tmp_path,
     assert any(len(seqs) > 1 for seqs in many["plan"]) and any(n % 4 for n in many["mb_tokens"]), many["mb_tokens"]
     # FSDP shards every weight over all d x c ranks (one flattened mesh dimension).
     assert set(many["layout"].values()) == {"(Shard(dim=0),)"}
+    assert_trained_like_one(many, one, tmp_path)
+
+
+@pytest.mark.parametrize(("allocation", "world"), [
+    pytest.param("fsdp:c2t2@cpu", 4, id="c2t2"),
+    # Eight ranks: FSDP over the flattened d x c dimension beside tp; about 75 s on 2 CPU cores.
+    pytest.param("fsdp:d2c2t2@cpu", 8, id="d2c2t2", marks=pytest.mark.slow)])
+def test_context_x_tensor_parallel_ranks_train_save_and_export_like_one(models, tmp_path, allocation, world):
+    """c2t2 over gloo: each (cp, tp) rank holds half of every packed row and half of the heads; keys and values of
+    its local heads are all-gathered over its cp group, FSDP shards over the (d x) c ranks; the same logprobs,
+    entropy, losses, clipped grad norm, weights and checkpoints as one process. Qwen2: q/k/v biases split with the
+    heads, and each tp rank keeps grouped-query attention (2 heads, 1 key-value head)."""
+    many, one, _ = train_on_ranks_and_in_one_process(models, tmp_path, allocation, world=world, arch="qwen2")
+    assert any(len(seqs) > 1 for seqs in many["plan"]) and any(n % 4 for n in many["mb_tokens"]), many["mb_tokens"]
+    # Rank 0's attention got plain tensors of its 2 of 4 heads (1 of 2 key-value heads) for half of the padded row,
+    # and gathered keys and values from its cp peer (rank 2: same tp rank) only, not from the world.
+    seen = many["attention"]
+    assert (seen["types"], seen["heads"], seen["kv_heads"]) == (("Tensor", "Tensor"), 2, 1)
+    assert seen["tokens"] * 2 == seen["row"] and seen["cp_group"] == [0, 2]
+    # (d x c, tp) placements: q split over tp (dim 0), then FSDP-sharded over d x c; the embedding FSDP-sharded only.
+    layout = many["layout"]
+    assert layout["q_proj"].startswith("(_StridedShard(dim=0") and layout["q_proj"].endswith(", Shard(dim=0))")
+    assert (layout["o_proj"], layout["embed"]) == ("(Shard(dim=0), Shard(dim=1))", "(Shard(dim=0),)")
     assert_trained_like_one(many, one, tmp_path)
 
 

@@ -107,18 +107,14 @@ def test_core_rejects_undeclared_dimensions():
     assert "p2" in problems[0].message and "e4" in problems[1].message
 
 
-@pytest.mark.parametrize(("text", "as_context", "as_tensor"), [
-    ("fsdp:d2t2c2", "'fsdp:d2c4'", "'fsdp:d4t2'"),
-    ("fsdp:t4c2", "'fsdp:c8'", "'fsdp:d2t4'"),
-    ("fsdp:t2c2@cpu", "'fsdp:c4@cpu'", "'fsdp:d2t2@cpu'"),
-])
-def test_context_x_tensor_parallel_is_refused_with_either_alone_as_the_fix(text, as_context, as_tensor):
-    (problem,) = validate(text)
-    assert (problem.code, problem.key) == ("fsdp.not-built", "allocation")
-    assert f"'{text}'" in problem.message
-    assert "context parallel (c2) together with tensor parallel (t" in problem.message
-    assert as_context in problem.hint and as_tensor in problem.hint
+@pytest.mark.parametrize("text", ["fsdp:c2t2@cpu", "fsdp:d2c2t2@cpu", "fsdp:d2t2c2", "fsdp:t4c2", "fsdp:d4c4t8",
+                                  "fsdp[actor]:d2c2t2+fsdp[ref]:c2t2", "vllm:t4+fsdp:c2t4@cpu"])
+def test_context_x_tensor_parallel_is_built_on_gpu_and_cpu(text):
+    assert validate(text) == []
 
 
-def test_context_x_tensor_parallel_still_gets_the_heads_rule():
-    assert codes(validate("fsdp:t16c2")) == ["fsdp.not-built", "fsdp.tensor-heads"]
+def test_context_x_tensor_parallel_still_needs_t_to_divide_the_heads():
+    (problem,) = validate("fsdp:t16c2")
+    assert (problem.code, problem.key) == ("fsdp.tensor-heads", "allocation")
+    assert "'fsdp:t16c2'" in problem.message and "32 attention heads" in problem.message
+    assert problem.hint == "choose t from 1, 2, 4, 8, e.g. 'fsdp:t8c2'"

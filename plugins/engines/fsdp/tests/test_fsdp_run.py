@@ -30,6 +30,8 @@ def score(prompt, completion, item):
     pytest.param("fsdp:d2t2@cpu", False, id="d2t2"),
     # Two train ranks, context parallel (each holds half of every packed row): about 10 s.
     pytest.param("fsdp:c2@cpu", False, id="c2"),
+    # Four train ranks, context x tensor parallel (half of every row, half of the heads each).
+    pytest.param("fsdp:c2t2@cpu", False, id="c2t2"),
 ])
 def test_a_run_syncs_weights_as_tensors_through_shared_memory(tmp_path, actor, lora):
     from safetensors.torch import load_file
@@ -63,6 +65,9 @@ def test_a_run_syncs_weights_as_tensors_through_shared_memory(tmp_path, actor, l
     if actor == "fsdp:c2@cpu":  # two ranks, one context group, FSDP over both
         assert "rank 1/2 on cpu, context parallel c2 (FSDP shards over d1 x c2), float32, attention areal_cp_sdpa" in (
             run_dir / "logs" / "actor-rank1.log").read_text()
+    if actor == "fsdp:c2t2@cpu":  # one (cp, tp) block of four ranks, FSDP over the cp ranks beside tp
+        assert "rank 3/4 on cpu, tensor parallel t2 x context parallel c2 (FSDP shards over d1 x c2), float32, " \
+               "attention areal_cp_sdpa" in (run_dir / "logs" / "actor-rank3.log").read_text()
     server_log = (run_dir / "logs" / "rollout-0.log").read_text()
     for version in (1, 2, 3):
         assert f"weights v{version} from /dev/shm/areal-weights-" in server_log, server_log[-2000:]
