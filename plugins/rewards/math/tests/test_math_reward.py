@@ -22,6 +22,7 @@ class TestMathReward(RewardConformance):
         ("Half?", "So it is \\boxed{\\dfrac{1}{2}}", {"answer": "0.5"}, 1.0),
         ("Eggs?", "She sells 16 - 3 - 4 = 9 eggs.\n#### 9", {"answer": "9"}, 1.0),
         ("Eggs?", "The answer is 10.", {"answer": "9"}, 0.0),
+        ("Pay?", "She earns 9 * 2 = 18. The answer is 18 dollars.", {"answer": "18"}, 1.0),
         ("Eggs?", "I cannot tell.", {"answer": "9"}, 0.0),
     ]
 
@@ -81,6 +82,13 @@ def test_different_answers_score_zero(reference, answer):
     ("Final answer: -12", "-12", "answer_is"),
     ("It costs 3 dollars, so 4 items cost 12.", "12", "last_number"),
     ("about -1,234.5 units", "-1,234.5", "last_number"),
+    # a unit after the number is dropped (math-verify would read "dollars" as symbols times 18) ...
+    ("Each costs 4, so the answer is 18 dollars.", "18", "answer_is"),
+    ("#### 1,300 eggs", "1,300", "gsm8k"),
+    ("The answer is 3/4 of a cup.", "3/4", "answer_is"),
+    # ... but not a symbol, and not when more numbers follow
+    ("The answer is 2 pi.", "2 pi", "answer_is"),
+    ("The answer is 7 apples and 2 pears.", "7 apples and 2 pears", "answer_is"),
 ])
 def test_extraction_rules(completion, answer, method):
     found = extract_answer(completion)
