@@ -23,11 +23,13 @@ def areal_validate_config(config: Any) -> list[Problem]:
         return []
     scratch: list[Problem] = []  # type and range problems: the core reports them already
     options = build(NAMES[name], dict(config.algorithm.extra), "algorithm.", scratch)
-    return config_problems(name, options, group_size=config.rollout.group_size)
+    return config_problems(name, options, group_size=config.rollout.group_size,
+                           max_new_tokens=config.rollout.sampling.max_new_tokens)
 
 
-def config_problems(name: str, o: Any, group_size: int) -> list[Problem]:
-    """Every combination of ``algorithm`` keys (and ``rollout.group_size``) that makes no sense for ``name``."""
+def config_problems(name: str, o: Any, group_size: int, max_new_tokens: int = 0) -> list[Problem]:
+    """Every combination of ``algorithm`` keys (and ``rollout.group_size`` / ``max_new_tokens``) that makes no
+    sense for ``name``."""
     problems: list[Problem] = []
 
     def add(key: str, message: str, hint: str) -> None:
@@ -74,6 +76,15 @@ def config_problems(name: str, o: Any, group_size: int) -> list[Problem]:
         add("algorithm.adv_baseline",
             f"adv_baseline '{o.adv_baseline}' has no place in ppo, whose critic is the baseline (GAE)",
             "use adv_baseline: none, or an algorithm without a critic (grpo, rloo, ...)")
+    if o.overlong_buffer_frac > 0 and max_new_tokens and o.max_response_len:
+        start = o.max_response_len * (1 - o.overlong_buffer_frac)  # where the penalty begins
+        if start >= max_new_tokens:
+            add("algorithm.max_response_len",
+                f"overlong shaping starts at {start:g} response tokens (max_response_len {o.max_response_len} "
+                f"minus the buffer {o.overlong_buffer_frac:g}), but rollout.sampling.max_new_tokens is "
+                f"{max_new_tokens}: no response is ever that long, so the shaping never applies",
+                "leave max_response_len at 0 (= rollout.sampling.max_new_tokens), or set it to at most "
+                "max_new_tokens; overlong_buffer_frac: 0 turns the shaping off")
     if o.kl_target > 0 and o.kl_coef == 0:
         add("algorithm.kl_target",
             f"kl_target {o.kl_target} adapts kl_coef, but kl_coef is 0, which adaptation cannot move",

@@ -81,6 +81,19 @@ def test_adaptive_kl_without_a_coefficient():
         "set kl_coef to a starting value above 0, or kl_target: 0 for no KL")]
 
 
+def test_overlong_shaping_that_can_never_apply():
+    # L_max 1000 with a 0.2 buffer: the penalty starts at 800 tokens, but generation stops at 256.
+    assert ppo_problems("algorithm.name=dapo", "algorithm.max_response_len=1000",
+                        "rollout.sampling.max_new_tokens=256") == [(
+        "algorithm.max_response_len",
+        "overlong shaping starts at 800 response tokens (max_response_len 1000 minus the buffer 0.2), but "
+        "rollout.sampling.max_new_tokens is 256: no response is ever that long, so the shaping never applies",
+        "leave max_response_len at 0 (= rollout.sampling.max_new_tokens), or set it to at most max_new_tokens; "
+        "overlong_buffer_frac: 0 turns the shaping off")]
+    assert ppo_problems("algorithm.name=dapo", "algorithm.max_response_len=300",
+                        "rollout.sampling.max_new_tokens=256") == []  # starts at 240: reachable
+
+
 def test_gae_lambda_out_of_range_is_a_range_problem():
     run = validate_run(None, ["algorithm.name=ppo", "algorithm.lam=1.5"])
     assert [p.key for p in run.problems if p.key == "algorithm.lam"] == ["algorithm.lam"]
