@@ -445,7 +445,9 @@ def test_two_ranks_with_fewer_sequences_than_ranks(models, tmp_path):
 @pytest.mark.parametrize(("allocation", "world"), [
     pytest.param(None, 2, id="d2"), pytest.param("fsdp:d2t2@cpu", 4, id="d2t2"),
     # Checkpointed layers recompute their key / value all-gathers in backward.
-    pytest.param("fsdp:c2@cpu", 2, id="c2", marks=pytest.mark.slow)])
+    pytest.param("fsdp:c2@cpu", 2, id="c2", marks=pytest.mark.slow),
+    # bf16 compute under FSDP over the cp ranks beside tp, the local heads' gathers recomputed in backward.
+    pytest.param("fsdp:c2t2@cpu", 4, id="c2t2", marks=pytest.mark.slow)])
 def test_sharded_ranks_in_bfloat16_with_activation_checkpointing(models, tmp_path, allocation, world):
     """FSDP2 mixed precision (bf16 compute, fp32 reduce; over tensor-parallel layers too) against autocast at
     world size 1: bf16-close."""
@@ -627,7 +629,7 @@ def test_context_parallel_ranks_train_save_and_export_like_one(models, tmp_path,
 
 @pytest.mark.parametrize(("allocation", "world"), [
     pytest.param("fsdp:c2t2@cpu", 4, id="c2t2"),
-    # Eight ranks: FSDP over the flattened d x c dimension beside tp; about 75 s on 2 CPU cores.
+    # Eight ranks: FSDP over the flattened d x c dimension beside tp; about a minute on 2 CPU cores.
     pytest.param("fsdp:d2c2t2@cpu", 8, id="d2c2t2", marks=pytest.mark.slow)])
 def test_context_x_tensor_parallel_ranks_train_save_and_export_like_one(models, tmp_path, allocation, world):
     """c2t2 over gloo: each (cp, tp) rank holds half of every packed row and half of the heads; keys and values of
