@@ -1,16 +1,23 @@
-"""The ``megatron`` train engine: HF Llama / Qwen2 as a Megatron-Core ``GPTModel``, tensor x data parallel.
+"""The ``megatron`` train engine: HF Llama / Qwen2 as a Megatron-Core ``GPTModel``, tensor x pipeline x data parallel.
 
 One engine per rank. The world is the launcher's ``torch.distributed`` group
 (gloo on CPU, nccl on GPU; a one-process gloo group is made when there is
 none, since Megatron's parallel state needs one), split by Megatron's
-``parallel_state`` into tensor-parallel groups of ``t`` (the allocation's
-``megatron:d..t..``) and data-parallel groups of ``world / t``. Pipeline,
-context and expert parallel are declared to the plan check but not built
-yet: :meth:`MegatronEngine.initialize` refuses them, and ``areal check``
-reports them (``megatron.not-built``).
+``parallel_state`` into tensor-parallel groups of ``t``, pipeline groups of
+``p`` stages (the allocation's ``megatron:d..p..t..``) and data-parallel
+groups of ``world / (t p)``. With ``actor.virtual_pipeline_size`` v > 1 each
+stage holds v chunks of layers (Megatron's interleaved schedule). Context and
+expert parallel are declared to the plan check but not built:
+:meth:`MegatronEngine.initialize` refuses them, and ``areal check`` reports
+them (``megatron.not-built``, reasons in :data:`areal_megatron.hooks.UNBUILT`).
 
 Weights: the HF folder of ``model.path`` is read with safetensors and each
-rank keeps its tensor-parallel shard (:mod:`areal_megatron.convert`).
+rank keeps its tensor-parallel shard of its stage's layers, found by each
+layer's place in the whole model (:func:`areal_megatron.convert.stage_names`):
+the embedding on the first stage, final norm and output layer on the last.
+A tied embedding also lives on the last stage as its output layer (Megatron's
+copy); the two copies' gradients are summed before every step, so they stay
+equal (Megatron's ``finalize_model_grads`` on GPU, the engine on CPU).
 Parameters are float32 for the actor (the optimizer's master copy);
 ``model.dtype: bfloat16`` computes under ``torch.autocast`` on GPU (on CPU
 Megatron's linear layers cannot: the actor refuses it there). A reference
@@ -27,22 +34,33 @@ positions need not restart); with ``transformer_engine: true`` on GPU the
 row goes to Transformer Engine's attention as THD ``packed_seq_params``. Logprobs come from the vocab-parallel logits
 (:mod:`areal_megatron.logprobs`).
 
+Micro-batches run through Megatron's own schedule
+(``get_forward_backward_func``: no pipelining at p1, 1F1B, or interleaved
+with virtual stages); activations go between stages with their shapes, since
+packed rows differ in length (with virtual stages, padded to one length per
+batch: :func:`areal_megatron.convert.transformer_config` says why). The
+logprobs, the entropy and ``loss_fn`` run on the last stage; per-token
+logprobs and train statistics are then shared with every rank, so every
+caller sees what it would see at p1.
+
 Loss normalisation as in the fsdp engine: ``loss_fn`` returns the token mean
 over a micro-batch's ``loss_mask`` tokens and is weighted by (those tokens /
 the batch's loss tokens); gradients are summed over data-parallel ranks, so
 the step does not depend on the split.
 
-Optimizer: on CPU ``torch.optim.AdamW`` with the gradients all-reduced over
-the data-parallel group and the norm taken over tensor-parallel shards
-(:mod:`areal_megatron.cpu` says why); on GPU Megatron's own
-``DistributedDataParallel`` + ``get_megatron_optimizer`` (the distributed
-optimizer, clipping inside). Learning rate: warmup then constant, linear or
+Optimizer: one per stage. On CPU ``torch.optim.AdamW`` with the gradients
+all-reduced over the data-parallel group and the norm taken over tensor-parallel
+shards and pipeline stages (:mod:`areal_megatron.cpu` says why); on GPU
+Megatron's own ``DistributedDataParallel`` per chunk, ``finalize_model_grads``
+and ``get_megatron_optimizer`` (the distributed optimizer, clipping inside). Learning rate: warmup then constant, linear or
 cosine decay, as ``actor.optimizer`` says.
 
 Checkpoints (:meth:`save`): ``model.safetensors`` + ``config.json`` (HF
-names, float32 master weights, loadable by transformers), ``optimizer/``
-(one file per tensor-parallel rank on CPU; Megatron's parameter state on GPU)
-and ``engine_state.json`` (version, scheduler, tp) written last.
+names, every stage's layers, float32 master weights, loadable by
+transformers), ``optimizer/`` (one file per tensor-parallel rank and stage on
+CPU; Megatron's parameter state on GPU) and ``engine_state.json`` (version,
+scheduler, t, p, virtual pipeline size) written last. Exports gather the
+stages the same way.
 """
 
 from __future__ import annotations
@@ -78,7 +96,7 @@ class MegatronEngineConfig:
     """Keys of ``actor`` when ``actor.backend: megatron`` (beside the core's optimizer, mb_max_tokens, ...)."""
 
     virtual_pipeline_size: int = field(default=1, metadata={
-        "ge": 1, "help": "interleaved pipeline chunks per stage (needs pipeline parallel, not built yet)"})
+        "ge": 1, "help": "interleaved pipeline chunks per stage (needs p > 1; p x this must divide the layers)"})
     logits_chunk_tokens: int = field(default=1024, metadata={
         "ge": 1, "help": "positions whose float32 vocab-parallel log-softmax is computed at once"})
     transformer_engine: bool = field(default=False, metadata={

@@ -31,7 +31,9 @@ GRPO_WITH_KL = ("algorithm.name=grpo", "algorithm.decoupled=true", "algorithm.pr
     ("megatron:t2@cpu", "tensors", ("algorithm.name=rl_pg_double",)),
     # the PPO plugin's grpo: proximal logprobs recomputed, KL to a megatron reference engine (role reference)
     ("megatron:t2@cpu", "disk", GRPO_WITH_KL),
-], ids=["t1-disk", "t2-tensors", "t2-grpo-kl"])
+    # two pipeline stages: the first stage's rank 0 drives the trainer with what the last stage computed
+    ("megatron:p2@cpu", "tensors", ("algorithm.name=rl_pg_double",)),
+], ids=["t1-disk", "t2-tensors", "t2-grpo-kl", "p2-tensors"])
 def test_megatron_trains_against_the_embedded_engine(tmp_path, placement, weight_sync, algorithm):
     if algorithm is GRPO_WITH_KL:
         pytest.importorskip("areal_ppo")
@@ -68,5 +70,5 @@ def test_megatron_trains_against_the_embedded_engine(tmp_path, placement, weight
     latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     assert (latest / "actor" / "model.safetensors").exists()
     assert "weights v3" in (run_dir / "logs" / "rollout-0.log").read_text()
-    if placement.startswith("megatron:t2"):
-        assert (run_dir / "logs" / "actor-rank1.log").exists()  # two tensor-parallel ranks took part
+    if placement.startswith(("megatron:t2", "megatron:p2")):
+        assert (run_dir / "logs" / "actor-rank1.log").exists()  # two tensor-parallel ranks / stages took part

@@ -513,12 +513,15 @@ def test_tensor_and_data_parallel_ranks_train_like_one(models, tmp_path, arch):
         assert_ranks_train_like_one(ranks, one, tmp_path / name, tmp_path / "world1")
 
 
-@pytest.mark.parametrize(("name", "vpp", "tol"), [
-    ("llama", 1, 1e-5),  # tied embeddings: the last stage's copy of the embedding is the output layer
+@pytest.mark.parametrize(("name", "vpp", "tol", "allocation"), [
+    ("llama", 1, 1e-5, "megatron:p2@cpu"),  # tied embeddings: the last stage's copy of the embedding is the output layer
     # untied, Qwen2's biases, 2 stages x 2 virtual stages; rows padded to one length (last digits differ)
-    ("qwen2-4", 2, 5e-5),
-], ids=["p2-tied", "p2-vpp2"])
-def test_pipeline_stages_train_like_one(models, tmp_path, name, vpp, tol):
+    ("qwen2-4", 2, 5e-5, "megatron:p2@cpu"),
+    # four ranks: stages beside data-parallel or tensor-parallel ranks
+    pytest.param("llama", 1, 1e-5, "megatron:d2p2@cpu", marks=pytest.mark.slow),
+    pytest.param("qwen2-4", 2, 5e-5, "megatron:p2t2@cpu", marks=pytest.mark.slow),
+], ids=["p2-tied", "p2-vpp2", "d2p2-tied", "p2t2-vpp2"])
+def test_pipeline_stages_train_like_one(models, tmp_path, name, vpp, tol, allocation):
     """p2 against one process: each stage builds and loads its layers, Megatron's schedule runs the
     micro-batches through both, and every rank (the first stage too) returns the same logprobs and
     statistics as one process; export and save gather both stages' layers under their HF names."""
@@ -527,13 +530,17 @@ def test_pipeline_stages_train_like_one(models, tmp_path, name, vpp, tol):
             "grad_clip": 0.0}
     one = one_process(models, name, spec, batch, tmp_path / "world1")
     assert one["stats1"]["n_micro_batches"] >= 3  # a pipeline with micro-batches in flight
-    ranks = run_ranks({**spec, "allocation": "megatron:p2@cpu", "vpp": vpp}, tmp_path / "p2")
-    assert_ranks_train_like_one(ranks, one, tmp_path / "p2", tmp_path / "world1", tol)
-    saved = json.loads((tmp_path / "p2" / "ckpt" / "engine_state.json").read_text())
+    (placement,) = parse_allocation(allocation).components
+    par = placement.parallel
+    out = tmp_path / allocation.split(":")[1].split("@")[0]
+    ranks = run_ranks({**spec, "allocation": allocation, "vpp": vpp}, out, world=par.world_size)
+    assert_ranks_train_like_one(ranks, one, out, tmp_path / "world1", tol)
+    saved = json.loads((out / "ckpt" / "engine_state.json").read_text())
     assert (saved["pp"], saved["vpp"]) == (2, vpp)
-    assert sorted(f.name for f in (tmp_path / "p2" / "ckpt" / "optimizer").iterdir()) == ["pp0-tp0.pt", "pp1-tp0.pt"]
+    assert sorted(f.name for f in (out / "ckpt" / "optimizer").iterdir()) == sorted(
+        f"pp{s}-tp{r}.pt" for s in range(2) for r in range(par.t))
     # The checkpoint is a HF folder with every layer: transformers gives one process's logits after step 1.
-    lm = AutoModelForCausalLM.from_pretrained(tmp_path / "p2" / "ckpt", dtype=torch.float32)
+    lm = AutoModelForCausalLM.from_pretrained(out / "ckpt", dtype=torch.float32)
     assert worst(hf_logprobs(lm, batch), one["lp1"]) < tol
 
 
