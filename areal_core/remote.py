@@ -13,6 +13,9 @@ Two halves, both engine-neutral:
   timeout, health, the policy version, and errors that name the server and its
   last log lines. A backend (vLLM, SGLang) subclasses it and adds only its
   endpoints: how to generate, pause, resume and load weights.
+- Tensor weight updates of any backend: :func:`layer_buckets` cuts the
+  weights into size-bounded buckets of whole layers, :func:`send_pipelined`
+  prepares bucket k+1 while bucket k is being sent.
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, Iterable, Iterator, TypeVar
 
 from areal_core.api.inference import InferenceEngine, ServerProcess
 from areal_core.launch.supervisor import Managed, ProcessSpec, Supervisor, free_port
 
 Recipe = Callable[[int, int], ServerProcess]  # (index, port) -> how to start that server
+T = TypeVar("T")
+U = TypeVar("U")
 
 
 def log_tail(path: str | Path | None, lines: int = 15) -> str:
@@ -297,3 +302,67 @@ class RemoteEngine(InferenceEngine):
         if self._client is not None:
             client, self._client = self._client, None
             await client.aclose()
+
+
+# ------------------------------------------------------------------ tensor weight updates
+def layer_of(name: str) -> str:
+    """The unit a bucket keeps whole: ``model.layers.<n>`` for a decoder layer's tensors, else the tensor."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part in ("layers", "h", "blocks") and parts[i + 1].isdigit():
+            return ".".join(parts[: i + 2])
+    return name
+
+
+def layer_buckets(named_tensors: Iterable[tuple[str, Any]], limit_bytes: int) -> Iterator[dict[str, Any]]:
+    """Group (name, tensor) pairs into buckets of about ``limit_bytes``, cutting only between layers.
+
+    A layer bigger than the limit is a bucket of its own. Whole layers, because
+    a server may load a fused module (q/k/v, gate/up) correctly only from all
+    its tensors at once. The tensors of one layer must arrive together (as a
+    state dict lists them); a tensor of a layer already sent raises ValueError.
+    Tensors are detached, not copied or moved: the sender decides where they go.
+    """
+    bucket: dict[str, Any] = {}
+    size, unit, done = 0, None, set()
+    for name, tensor in named_tensors:
+        layer = layer_of(name)
+        if layer in done:
+            raise ValueError(f"update_weights_from_tensors: tensor {name!r} arrived after the rest of {layer!r} was "
+                             "sent; give each layer's tensors together (in state-dict order)")
+        if layer != unit and unit is not None and size >= limit_bytes:
+            done.update(layer_of(n) for n in bucket)
+            yield bucket
+            bucket, size = {}, 0
+        unit = layer
+        bucket[name] = tensor.detach()
+        size += tensor.numel() * tensor.element_size()
+    if bucket:
+        yield bucket
+
+
+async def send_pipelined(items: Iterable[T], prepare: Callable[[T], Awaitable[U]],
+                         send: Callable[[U], Awaitable[None]]) -> int:
+    """``send(await prepare(item))`` for every item in order, preparing item k+1 while item k is sent.
+
+    At most one item is being sent and one prepared at a time, so memory holds
+    two buckets, never the whole model. The first failure is raised; a send
+    still running then is cancelled. Returns how many items were sent.
+    """
+    sending: asyncio.Future | None = None
+    sent = 0
+    try:
+        for item in items:
+            ready = await prepare(item)
+            if sending is not None:
+                await sending  # item k, sent while item k+1 was prepared
+                sent += 1
+            sending = asyncio.ensure_future(send(ready))
+        if sending is not None:
+            await sending
+            sent += 1
+    finally:
+        if sending is not None and not sending.done():
+            sending.cancel()
+            await asyncio.gather(sending, return_exceptions=True)
+    return sent

@@ -49,6 +49,7 @@ KIT_ENTRY_POINTS = {
         "positive_logprobs_engine_double": "echo_engine_double:PositiveLogprobsEngineDouble",
         "ignores_pause_engine_double": "echo_engine_double:IgnoresPauseEngineDouble",
         "stale_version_engine_double": "echo_engine_double:StaleVersionEngineDouble",
+        "waiting_pause_engine_double": "echo_engine_double:WaitingPauseEngineDouble",
         "misspelt_capability_engine_double": "echo_engine_double:MisspeltCapabilityEngineDouble",
     },
     "areal.rewards": {
@@ -312,6 +313,9 @@ def test_inference_engine_suite_passes_the_echo_double_and_fails_broken_engines(
 
         class TestStaleVersionEngine(EngineSuite):
             component_name = "stale_version_engine_double"
+
+        class TestWaitingPauseEngine(EngineSuite):
+            component_name = "waiting_pause_engine_double"
     """)
     every = set(public_tests(InferenceEngineConformance))
     assert outcomes(results, "TestEchoEngine") == {"passed": every, "skipped": set(), "failed": set()}
@@ -329,6 +333,11 @@ def test_inference_engine_suite_passes_the_echo_double_and_fails_broken_engines(
     assert failed(results, "TestIgnoresPauseEngine") == {"test_pause_returns_partial_output_and_resume_continues"}
     assert "ended with stop_reason 'length' after 400 tokens; pause() must return it with 'abort'" in message(
         results, "TestIgnoresPauseEngine::test_pause_returns_partial_output_and_resume_continues")
+
+    assert failed(results, "TestWaitingPauseEngine") == {"test_pause_returns_partial_output_and_resume_continues"}
+    waiting = message(results, "TestWaitingPauseEngine::test_pause_returns_partial_output_and_resume_continues")
+    assert "pause() must abort in-flight requests, not wait for them to finish" in waiting
+    assert waiting.count("came back complete (400 tokens, stop_reason 'length')") == 5  # every attempt, each seed
 
     assert failed(results, "TestStaleVersionEngine") == {"test_update_weights_from_disk_sets_the_version"}
     assert "tokens generated after the update to version 1 carry [0, 0" in message(

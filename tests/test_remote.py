@@ -117,3 +117,90 @@ def test_version_check_names_found_and_supported():
     check_server_version("x server", "1.2.3", ">=1.2,<1.3", "install 1.2")
     with pytest.raises(RuntimeError, match=r"'1.3.0'.*>=1.2,<1.3.*install 1.2"):
         check_server_version("x server", "1.3.0", ">=1.2,<1.3", "install 1.2")
+
+
+# ------------------------------------------------------------------ tensor weight updates
+def layered_state(layers: int = 3, width: int = 64):
+    """(name, tensor) pairs shaped like a Llama state dict: embeddings, ``layers`` decoder layers, final norm."""
+    import torch
+
+    tensors = [("model.embed_tokens.weight", torch.zeros(32, width))]
+    for i in range(layers):
+        for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            tensors.append((f"model.layers.{i}.{part}.weight", torch.zeros(width, width)))
+    tensors.append(("model.norm.weight", torch.zeros(width)))
+    return tensors
+
+
+def test_buckets_are_bounded_and_never_split_a_layer():
+    from areal_core.remote import layer_buckets, layer_of
+
+    tensors = layered_state()
+    layer_bytes = 5 * 64 * 64 * 4
+    buckets = list(layer_buckets(iter(tensors), limit_bytes=layer_bytes))
+    assert [name for b in buckets for name in b] == [name for name, _ in tensors]  # all, once, in order
+    seen = {}
+    for k, bucket in enumerate(buckets):
+        for name in bucket:
+            assert seen.setdefault(layer_of(name), k) == k, f"layer of {name} split across buckets"
+    assert len(buckets) == 4  # embed+layer0, layer1, layer2, norm: cut once a bucket reaches the limit
+    assert len(list(layer_buckets(iter(tensors), limit_bytes=10**9))) == 1
+
+
+def test_a_layer_tensor_after_its_layer_was_sent_is_refused():
+    from areal_core.remote import layer_buckets
+
+    tensors = layered_state(layers=2)
+    late = tensors.pop(1)  # a tensor of layer 0, moved to the end
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj.weight.*model.layers.0"):
+        list(layer_buckets(iter(tensors + [late]), limit_bytes=1))
+
+
+def test_send_pipelined_prepares_the_next_item_while_the_current_one_is_sent():
+    from areal_core.remote import send_pipelined
+
+    events = []
+
+    async def prepare(k):
+        events.append(f"prepare {k}")
+        await asyncio.sleep(0.01)
+        return k
+
+    async def send(k):
+        events.append(f"send {k} begins")
+        await asyncio.sleep(0.05)
+        events.append(f"send {k} ends")
+
+    assert asyncio.run(send_pipelined(range(3), prepare, send)) == 3
+    at = {event: i for i, event in enumerate(events)}
+    assert len(at) == 9  # each item prepared once and sent once
+    for k in range(2):
+        assert at[f"prepare {k + 1}"] < at[f"send {k} ends"], f"item {k + 1} was not prepared during send {k}"
+        assert at[f"send {k} ends"] < at[f"send {k + 1} begins"], "two sends overlapped"
+
+
+def test_send_pipelined_raises_the_first_failure_and_cancels_the_send_in_flight():
+    from areal_core.remote import send_pipelined
+
+    cancelled = []
+
+    async def prepare(k):
+        await asyncio.sleep(0.01)  # the send before it has begun
+        if k == 2:
+            raise RuntimeError("bucket 2 could not be prepared")
+        return k
+
+    async def send(k):
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.append(k)
+            raise
+
+    async def body():
+        # item 0's send is awaited before item 1's starts: make it quick
+        return await send_pipelined(range(4), prepare, lambda k: asyncio.sleep(0) if k == 0 else send(k))
+
+    with pytest.raises(RuntimeError, match="bucket 2"):
+        asyncio.run(body())
+    assert cancelled == [1]

@@ -124,6 +124,17 @@ class IgnoresPauseEngineDouble(EchoInferenceEngineDouble):
         return None
 
 
+class WaitingPauseEngineDouble(EchoInferenceEngineDouble):
+    """Broken: pause() waits for the requests in flight to finish instead of aborting them (vLLM's mode
+    'wait'), so the pause test never sees a request still running when the pause took effect."""
+
+    async def pause(self) -> None:
+        self._resumed_event().clear()
+        while self._in_flight:
+            await asyncio.sleep(self.token_delay_s)
+        self._paused = True
+
+
 class StaleVersionEngineDouble(EchoInferenceEngineDouble):
     """Broken: reports the new version after an update but tags tokens with the first one."""
 

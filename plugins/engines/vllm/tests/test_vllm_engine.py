@@ -84,41 +84,6 @@ def test_entry_point_resolves():
     assert resolve("inference_engine", "vllm") is VLLMEngine
 
 
-def state(layers: int = 3, width: int = 64):
-    import torch
-
-    tensors = [("model.embed_tokens.weight", torch.zeros(32, width))]
-    for i in range(layers):
-        for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            tensors.append((f"model.layers.{i}.{part}.weight", torch.zeros(width, width)))
-    tensors.append(("model.norm.weight", torch.zeros(width)))
-    return tensors
-
-
-def test_buckets_are_bounded_and_never_split_a_layer():
-    from areal_vllm.engine import _layer_of, layer_buckets
-
-    tensors = state()
-    layer_bytes = 5 * 64 * 64 * 4
-    buckets = list(layer_buckets(iter(tensors), limit_bytes=layer_bytes))
-    assert [name for b in buckets for name in b] == [name for name, _ in tensors]  # all, once, in order
-    seen = {}
-    for k, bucket in enumerate(buckets):
-        for name in bucket:
-            assert seen.setdefault(_layer_of(name), k) == k, f"layer of {name} split across buckets"
-    assert len(buckets) == 4  # embed+layer0, layer1, layer2, norm: cut once a bucket reaches the limit
-    assert len(list(layer_buckets(iter(tensors), limit_bytes=10**9))) == 1
-
-
-def test_a_layer_tensor_after_its_layer_was_sent_is_refused():
-    from areal_vllm.engine import layer_buckets
-
-    tensors = state(layers=2)
-    late = tensors.pop(1)  # a tensor of layer 0, moved to the end
-    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj.weight.*model.layers.0"):
-        list(layer_buckets(iter(tensors + [late]), limit_bytes=1))
-
-
 def engine_on_double(double, **kwargs) -> VLLMEngine:
     return VLLMEngine(None, "127.0.0.1:9", transport=double.transport, **kwargs)
 
@@ -138,13 +103,15 @@ def test_start_accepts_a_supported_server_and_learns_its_model(protocol_double):
 
 
 def test_tensor_update_prepares_the_next_bucket_while_the_server_loads_the_current_one(protocol_double):
+    import torch
+
     double = protocol_double()
-    tensors = state(layers=3)
-    layer_mb = 5 * 64 * 64 * 4 / 2**20
-    engine = engine_on_double(double, weight_bucket_mb=layer_mb)
+    tensors = [(f"model.layers.{i}.mlp.{part}.weight", torch.zeros(64, 64)) for i in range(3)
+               for part in ("gate_proj", "up_proj")] + [("model.norm.weight", torch.zeros(64))]
+    engine = engine_on_double(double, weight_bucket_mb=2 * 64 * 64 * 4 / 2**20)  # one layer a bucket
     asyncio.run(engine.update_weights_from_tensors(iter(tensors), 7))
     assert engine.version == 7
-    assert len(double.reloads) == 4  # embed+layer0, layer1, layer2, norm
+    assert len(double.reloads) == 4  # layer 0, layer 1, layer 2, norm
     sent = [name for r in double.reloads for name in r.names]
     assert sorted(sent) == sorted(name for name, _ in tensors)  # every tensor, once
     assert [r.next_ready for r in double.reloads] == [True, True, True, False], (

@@ -128,10 +128,13 @@ def test_tokens_and_logprobs_match_across_a_continuation(servers):
             whole = await engine.agenerate(GenerationRequest(PROMPT, SamplingParams(max_new_tokens=LONG,
                                                                                     temperature=0)))
             took = time.monotonic() - began  # pause a third of the way through the same request
-            for attempt in range(4):  # a busy machine can let the request finish first: pause sooner, again
+            # A busy machine can deliver the pause after the request ended (or before its first token):
+            # try again, pausing sooner, then a third of the way through again.
+            missed = []
+            for attempt in range(6):
                 task = asyncio.ensure_future(engine.agenerate(GenerationRequest(PROMPT, SamplingParams(
                     max_new_tokens=LONG, temperature=0))))
-                await asyncio.sleep(took / 3 / 2 ** attempt)
+                await asyncio.sleep(took / 3 / 2 ** (attempt % 3))
                 await engine.pause()
                 try:
                     part = await task
@@ -139,6 +142,10 @@ def test_tokens_and_logprobs_match_across_a_continuation(servers):
                     await engine.resume()  # never leave the module's server paused for the next tests
                 if part.stop_reason == "abort" and 0 < len(part.output_ids) < LONG:
                     break
+                missed.append(f"{len(part.output_ids)} tokens, {part.stop_reason}")
+            else:
+                pytest.fail(f"no pause landed mid-request in 6 attempts ({'; '.join(missed)}); the uninterrupted "
+                            f"request took {took:.2f} s")
             rest = await engine.agenerate(GenerationRequest(PROMPT + part.output_ids, SamplingParams(
                 max_new_tokens=LONG - len(part.output_ids), temperature=0)))
             return whole, part, rest
