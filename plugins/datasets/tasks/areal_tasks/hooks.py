@@ -17,9 +17,14 @@ from typing import Any
 from areal_core import Problem, hookimpl
 
 
-def _options(config_class: type, extra: dict) -> Any:
-    names = {f.name for f in dataclasses.fields(config_class)}
-    return dataclasses.replace(config_class(), **{k: v for k, v in extra.items() if k in names})
+def _options(config_class: type, extra: dict) -> Any | None:
+    """The dataset's options built from ``extra``, or None when a key has a wrong type or range (the core
+    reports those; checking data against half-valid options would only add noise)."""
+    from areal_core.config.load import build
+
+    scratch: list[Problem] = []
+    options = build(config_class, extra, "dataset.", scratch)
+    return None if scratch else options
 
 
 def _files_problems(config: Any, extra: dict) -> list[Problem]:
@@ -44,27 +49,38 @@ def _rows_problems(config: Any, extra: dict) -> list[Problem]:
     (building it reads the train file too, and finds an empty validation split),
     else train.
     """
+    import re
+
     from areal_core.api import Context
     from areal_tasks.files import DatasetFileError, FilesConfig, FilesDataset
 
-    try:
-        options = _options(FilesConfig, extra)
-    except (TypeError, ValueError):  # a mistyped key: the core reports it already
+    options = _options(FilesConfig, extra)
+    if options is None:
         return []
+    if options.answer_pattern:
+        try:
+            re.compile(options.answer_pattern)
+        except re.error as exc:
+            return [Problem("tasks.answer-pattern", f"{options.answer_pattern!r} is not a regular expression: {exc}",
+                            "correct dataset.answer_pattern (GSM8K: '####\\s*(.+)$')", "dataset.answer_pattern")]
     split = "validation" if config.eval.size > 0 else "train"
     try:
         FilesDataset(Context(config=config, options=options, extras={"split": split}))
     except DatasetFileError as exc:
         return [Problem("tasks.bad-data", exc.message, exc.fix, exc.key)]
+    except Exception as exc:  # pyarrow / datasets on a corrupt or foreign file: say which, not a traceback
+        return [Problem("tasks.unreadable", f"{options.path} cannot be read as {options.format}: "
+                        f"{type(exc).__name__}: {str(exc)[:300]}",
+                        "point dataset.path at a valid .jsonl / .parquet file or save_to_disk folder, or set "
+                        "dataset.format", "dataset.path")]
     return []
 
 
 def _synthetic_problems(config: Any, dataset: Any, extra: dict) -> list[Problem]:
-    try:
-        options = _options(dataset.config_class, extra)
-        problems = dataset.option_problems(options)
-    except (TypeError, ValueError):  # a mistyped key: the core reports it already
+    options = _options(dataset.config_class, extra)
+    if options is None:
         return []
+    problems = dataset.option_problems(options)
     if problems or config.eval.size == 0:
         return problems
     if options.validation_size == 0:

@@ -98,6 +98,20 @@ def test_areal_check_reads_every_row_before_the_run_starts(tmp_path):
         ["dataset.answer_field"]
 
 
+def test_areal_check_names_a_bad_pattern_and_an_unreadable_file(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    ((key, message, _),) = task_problems("dataset.name=files", f"dataset.path={path}", "eval.size=0",
+                                         "dataset.answer_pattern='####(.+'")
+    assert key == "dataset.answer_pattern" and "not a regular expression" in message
+    corrupt = tmp_path / "corrupt.parquet"
+    corrupt.write_bytes(b"PAR1 this is not parquet")
+    ((key, message, hint),) = task_problems("dataset.name=files", f"dataset.path={corrupt}", "eval.size=0")
+    assert key == "dataset.path" and message.startswith(f"{corrupt} cannot be read as auto: Arrow")
+    # a wrongly typed key is the core's to report: the data is not read against it
+    run = validate_run(None, ["dataset.name=files", f"dataset.path={path}", "dataset.validation_fraction=lots"])
+    assert [p.key for p in run.problems if p.key.startswith("dataset.")] == ["dataset.validation_fraction"]
+
+
 def test_areal_check_refuses_evaluation_without_a_validation_split(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", ROWS)
     mapping = ["dataset.name=files", f"dataset.path={path}", "dataset.question_field=q", "dataset.answer_field=a"]
