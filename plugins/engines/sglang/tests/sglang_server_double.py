@@ -8,11 +8,20 @@ answers ``output_ids`` and ``meta_info`` with ``output_token_logprobs`` as
 ``[logprob, token_id, null]`` triples and ``finish_reason.type``),
 ``/pause_generation`` (mode ``abort``), ``/continue_generation``,
 ``/abort_request``, ``/update_weights_from_disk`` (``model_path``),
-``/get_server_info`` (``version``), ``/health``.
+``/init_weights_update_group`` (``master_address``, ``master_port``,
+``rank_offset``, ``world_size``, ``group_name``, ``backend``: it joins a real
+torch.distributed gloo group as rank ``rank_offset``),
+``/update_weights_from_distributed`` (``names``, ``dtypes``, ``shapes``,
+``group_name``: it receives each tensor by broadcast from rank 0),
+``/destroy_weights_update_group``, ``/get_server_info`` (``version``), ``/health``.
 
-Tokens are a deterministic function of (weights folder, context, position),
+Tokens are a deterministic function of (weights, context, position),
 decoded at ``token_latency_s`` each, so pausing mid-request and continuing
-from prompt + partial output gives the uninterrupted run's tokens. Run as
+from prompt + partial output gives the uninterrupted run's tokens. The
+weights are named by the path given to ``/update_weights_from_disk``, or,
+once tensors are loaded (from a folder of safetensors or over the group), by
+a digest of every tensor's name, dtype, shape and bytes: the same tensors
+give the same tokens however they arrived. Run as
 ``python sglang_server_double.py --port N [--version V]``.
 """
 
@@ -31,9 +40,64 @@ def token_at(weights: str, context: list[int], position: int) -> int:
     return zlib.crc32(f"{weights}:{context[-1] if context else 0}:{position}".encode()) % 900 + 50
 
 
+def digest(tensors: dict) -> str:
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}:{t.dtype}:{list(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return "tensors:" + h.hexdigest()[:16]
+
+
+def load_folder(path: str) -> dict | None:
+    """The tensors of the safetensors files in folder ``path``; None when it holds none."""
+    from pathlib import Path
+
+    files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+    if not files:
+        return None
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for file in files:
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+def join_group(body: dict):
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore(body["master_address"], int(body["master_port"]), int(body["world_size"]),
+                          is_master=False, timeout=timeout)
+    return store, dist.ProcessGroupGloo(dist.PrefixStore(body["group_name"], store), int(body["rank_offset"]),
+                                        int(body["world_size"]), timeout)
+
+
+def receive(group, names: list, dtypes: list, shapes: list) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    tensors = {}
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        group.broadcast([tensor], options).wait()
+        tensors[name] = tensor
+    return tensors
+
+
 def build_app(version: str = "0.5.23", token_latency_s: float = 0.002, eos: int = 2) -> FastAPI:
     app = FastAPI()
-    state = {"weights": "initial", "paused": False, "aborted": set(), "running": 0, "requests": 0}
+    state = {"weights": "initial", "paused": False, "aborted": set(), "running": 0, "requests": 0,
+             "tensors": {}, "groups": {}, "buckets": 0}
     resumed = asyncio.Event()
     resumed.set()
 
@@ -43,7 +107,8 @@ def build_app(version: str = "0.5.23", token_latency_s: float = 0.002, eos: int 
 
     @app.get("/get_server_info")
     async def server_info():
-        return {"version": version, "weights": state["weights"], "requests": state["requests"]}
+        return {"version": version, "weights": state["weights"], "requests": state["requests"],
+                "buckets": state["buckets"], "groups": sorted(state["groups"])}
 
     @app.post("/generate")
     async def generate(request: Request):
@@ -106,8 +171,40 @@ def build_app(version: str = "0.5.23", token_latency_s: float = 0.002, eos: int 
         path = body.get("model_path")
         if not path:
             return {"success": False, "message": "model_path is required"}
-        state["weights"] = path
+        tensors = await asyncio.to_thread(load_folder, path)
+        state["tensors"] = tensors or {}
+        state["weights"] = digest(tensors) if tensors else path
         return {"success": True, "message": "Succeeded to update model weights."}
+
+    @app.post("/init_weights_update_group")
+    async def init_group(request: Request):
+        body = await request.json()
+        if body.get("backend", "nccl") != "gloo":
+            return {"success": False, "message": f"the double joins gloo groups only, not {body.get('backend')!r}"}
+        try:
+            state["groups"][body["group_name"]] = await asyncio.to_thread(join_group, body)
+        except Exception as exc:
+            return {"success": False, "message": f"Failed to init process group: {type(exc).__name__}: {exc}"}
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_distributed(request: Request):
+        body = await request.json()
+        joined = state["groups"].get(body.get("group_name"))
+        if joined is None:
+            return {"success": False, "message": f"no weights update group named {body.get('group_name')!r}"}
+        received = await asyncio.to_thread(receive, joined[1], body["names"], body["dtypes"], body["shapes"])
+        state["tensors"] = {**state["tensors"], **received}
+        state["weights"] = digest(state["tensors"])
+        state["buckets"] += 1
+        return {"success": True, "message": "Succeeded to update parameter online."}
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_group(request: Request):
+        body = await request.json()
+        if state["groups"].pop(body.get("group_name"), None) is None:
+            return {"success": False, "message": f"no weights update group named {body.get('group_name')!r}"}
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
 
     return app
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,91 @@ def test_create_needs_the_address():
 
 def test_entry_point_resolves():
     assert resolve("inference_engine", "sglang") is SGLangEngine
+
+
+def weights(seed: int) -> dict:
+    """A small Llama-shaped state dict in bfloat16: embeddings, 3 decoder layers, final norm."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {"model.embed_tokens.weight": torch.randn(32, 64, generator=g).bfloat16()}
+    for i in range(3):
+        for part in ("self_attn.qkv_proj", "mlp.gate_up_proj"):
+            tensors[f"model.layers.{i}.{part}.weight"] = torch.randn(64, 64, generator=g).bfloat16()
+    tensors["model.norm.weight"] = torch.randn(64, generator=g).bfloat16()
+    return tensors
+
+
+def test_weights_over_a_process_group_equal_the_same_weights_from_disk(fleet, tmp_path):
+    from safetensors.torch import save_file
+
+    folders = {}
+    for seed in (1, 2):
+        folders[seed] = tmp_path / f"w{seed}"
+        folders[seed].mkdir()
+        save_file(weights(seed), str(folders[seed] / "model.safetensors"))
+    layer_mb = 2 * 64 * 64 * 2 / 2**20  # buckets of one layer: embeddings+layer 0, layer 1, layer 2, norm
+
+    async def body():
+        engine = SGLangEngine(None, fleet.servers[0].address, weight_bucket_mb=layer_mb, weight_group_backend="gloo",
+                              request_timeout_s=60)
+        await engine.start()
+        greedy = GenerationRequest(PROMPT, SamplingParams(max_new_tokens=12))
+        try:
+            await engine.update_weights_from_disk(str(folders[1]), 1)
+            on_disk = await engine.agenerate(greedy)
+            await engine.update_weights_from_disk(str(folders[2]), 2)
+            other = await engine.agenerate(greedy)
+            before = (await engine.request("GET", "/get_server_info"))["buckets"]
+            await engine.update_weights_from_tensors(weights(1).items(), 3)
+            over_group = await engine.agenerate(greedy)
+            await engine.update_weights_from_tensors(weights(2).items(), 4)  # the same group again
+            info = await engine.request("GET", "/get_server_info")
+        finally:
+            await engine.aclose()  # destroys the group on the server
+        probe = SGLangEngine(None, fleet.servers[0].address)
+        closed = await probe.request("GET", "/get_server_info")
+        await probe.aclose()
+        return on_disk, other, over_group, info, before, closed
+
+    on_disk, other, over_group, info, before, closed = run(body())
+    assert other.output_ids != on_disk.output_ids  # the two weight sets give different tokens
+    assert over_group.output_ids == on_disk.output_ids, "tensors sent over the group differ from the same on disk"
+    assert set(over_group.output_versions) == {3}
+    assert info["buckets"] - before == 8  # 4 buckets per update, 2 updates
+    assert len(info["groups"]) == 1, "a second update made a second group"
+    assert closed["groups"] == [], "aclose() left the weight-update group on the server"
+
+
+def test_a_refused_weight_group_is_a_clear_error_not_a_hang(fleet):
+    import torch
+
+    async def body():
+        # the double joins gloo groups only: it refuses nccl, as a server refuses a group it cannot join
+        engine = SGLangEngine(None, fleet.servers[0].address, weight_group_backend="nccl", request_timeout_s=3)
+        await engine.start()
+        try:
+            await engine.update_weights_from_tensors([("model.norm.weight", torch.ones(4))], 1)
+        finally:
+            await engine.aclose()
+        return engine
+
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"SGLang server at .* could not join weight-update group .*gloo groups only"):
+        run(body())
+    assert time.monotonic() - began < 30
+
+
+def test_the_weight_group_backend_is_checked():
+    with pytest.raises(ValueError, match=r"rollout.weight_group_backend is 'mpi'"):
+        SGLangEngineConfig(weight_group_backend="mpi")
+
+
+def test_servers_run_from_their_own_interpreter(monkeypatch):
+    config = RunConfig()
+    config.model.path = "/models/tiny"
+    chosen = SGLangEngine.server_process(Context(config=config, options=SGLangEngineConfig(python="/x/python")), 0, 9)
+    assert chosen.argv[0] == "/x/python"
+    monkeypatch.setenv("AREAL_SGLANG_PYTHON", "/env/python")
+    assert SGLangEngine.server_process(Context(config=config, options=SGLangEngineConfig()), 0, 9).argv[0] == \
+        "/env/python"
