@@ -50,7 +50,7 @@ def make_engine(spec: dict) -> FSDPEngine:
 
 
 def scenario(engine: FSDPEngine, batch: dict, out: str, resume_from: str | None = None) -> dict:
-    """forward, train, forward, export, save, train, load, train: what each step gave."""
+    """forward, train, forward, export, save, train, load, train, export: what each step gave."""
     seen: dict = {}
     if resume_from:
         engine.load(resume_from)
@@ -70,6 +70,7 @@ def scenario(engine: FSDPEngine, batch: dict, out: str, resume_from: str | None 
     seen["lp_loaded"] = engine.forward_logprobs(batch)["logprobs"]
     engine.train_batch(batch, nll)
     seen["lp2_after_load"] = engine.forward_logprobs(batch)["logprobs"]
+    engine.export_to_disk(os.path.join(out, "export2"))  # after two steps (one before the save, one after the load)
     return seen
 
 

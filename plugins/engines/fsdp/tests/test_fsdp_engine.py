@@ -559,7 +559,8 @@ def train_on_ranks_and_in_one_process(models, tmp_path, allocation: str, world: 
 
 
 def assert_trained_like_one(many: dict, one: dict, tmp_path) -> None:
-    """Losses, clipped grad norm, logprobs, exported weights and a save / load as in one process."""
+    """Losses, clipped grad norm, logprobs, exported weights (after one and two steps) and a save / load as in
+    one process."""
     assert many["stats1"]["grad_norm"] > 1.0  # grad_clip 1.0 acted
     assert worst(many["lp0"]["logprobs"], one["lp0"]["logprobs"]) < 1e-5
     assert worst(many["lp0"]["entropy"], one["lp0"]["entropy"]) < 1e-5
@@ -568,9 +569,10 @@ def assert_trained_like_one(many: dict, one: dict, tmp_path) -> None:
     assert many["stats1"]["grad_norm"] == pytest.approx(one["stats1"]["grad_norm"], rel=1e-5)
     for key in ("lp1", "lp2"):
         assert worst(many[key], one[key]) < 1e-4, key
-    exported = [load_file(tmp_path / w / "export" / "model.safetensors") for w in ("many", "world1")]
-    assert sorted(exported[0]) == sorted(exported[1])
-    assert max(worst(exported[0][k], exported[1][k]) for k in exported[1]) < 1e-5
+    for folder in ("export", "export2"):
+        exported = [load_file(tmp_path / w / folder / "model.safetensors") for w in ("many", "world1")]
+        assert sorted(exported[0]) == sorted(exported[1])
+        assert max(worst(exported[0][k], exported[1][k]) for k in exported[1]) < 1e-5, folder
     assert many["loaded_version"] == 1 and worst(many["lp_loaded"], many["lp1"]) == 0.0
     assert worst(many["lp2_after_load"], many["lp2"]) < 1e-6
 
