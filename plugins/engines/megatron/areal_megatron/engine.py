@@ -215,10 +215,13 @@ class MegatronEngine(TrainEngine):
             raise ValueError(f"MegatronEngine: actor.virtual_pipeline_size={vpp} interleaves pipeline stages, but "
                              f"the allocation '{self.context.placement}' has no pipeline parallel (p1); add p "
                              f"(e.g. 'megatron:p2') or set actor.virtual_pipeline_size=1")
+        if layers % self.pp:
+            raise ValueError(f"MegatronEngine: pipeline parallel p{self.pp} ('{self.context.placement}') does not "
+                             f"divide the model's {layers} layers; choose p among the divisors of {layers}")
         if layers % (self.pp * vpp):
             raise ValueError(f"MegatronEngine: p{self.pp} x actor.virtual_pipeline_size={vpp} = {self.pp * vpp} "
-                             f"chunks do not divide the model's {layers} layers; choose p and "
-                             f"actor.virtual_pipeline_size whose product divides {layers}")
+                             f"chunks do not divide the model's {layers} layers; set actor.virtual_pipeline_size "
+                             f"to a divisor of {layers // self.pp}")
         return vpp
 
     def _pick_device(self) -> torch.device:
@@ -317,7 +320,11 @@ class MegatronEngine(TrainEngine):
                         raise ValueError(f"MegatronEngine: {source} from {folder} has shape "
                                          f"{tuple(shard[source].shape)}, the model expects {tuple(param.shape)}")
                     param.copy_(shard[source].to(device=param.device, dtype=param.dtype))
-        if self.pp == 1 and set(shard) - needed:
+        if self.pp > 1:  # every stage loads its share: together they must take every tensor
+            stages: list[Any] = [None] * self.pp
+            dist.all_gather_object(stages, needed, group=self.pp_group)
+            needed = set().union(*stages)
+        if set(shard) - needed:
             raise ValueError(f"MegatronEngine: the weights of {folder} do not fit the Megatron model: unexpected "
                              f"{sorted(set(shard) - needed)[:5]}")
 

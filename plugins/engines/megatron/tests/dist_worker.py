@@ -4,8 +4,9 @@
 
 SPEC names the model folder, the allocation (``megatron:t2``, ``megatron:d2``,
 ``megatron:p2``), ``actor.virtual_pipeline_size`` (``vpp``), the batch, the
-optimizer settings and an output folder; every rank runs :func:`scenario` and
-writes what it saw to ``<out>/result<rank>.pt``.
+optimizer settings, an output folder and whether to build a reference engine
+too; every rank runs :func:`scenario` and writes what it saw to
+``<out>/result<rank>.pt``.
 """
 
 from __future__ import annotations
@@ -77,6 +78,11 @@ def main(spec_path: str) -> int:
     try:
         engine = make_engine(spec)
         seen = scenario(engine, spec["batch"], spec["out"])
+        if spec.get("reference"):
+            # A frozen copy beside the actor, as the trainer builds it for KL: same ranks, same parallel state.
+            reference = make_engine({**spec, "role": "reference"})
+            seen["reference_lp"] = reference.forward_logprobs(spec["batch"])["logprobs"]
+            reference.close()
         torch.save(seen, os.path.join(spec["out"], f"result{dist.get_rank()}.pt"))
         engine.close()
     finally:

@@ -428,8 +428,10 @@ def test_unbuilt_parallelism_and_missing_folders_are_refused(models, tmp_path):
         virtual_pipeline_size=2), placement=parse_allocation("megatron:p2@cpu").components[0],
         extras={"role": "actor"}))
     with pytest.raises(ValueError, match="p2 x actor.virtual_pipeline_size=2 = 4 chunks do not divide the model's "
-                                         "2 layers"):
+                                         "2 layers; set actor.virtual_pipeline_size to a divisor of 1"):
         e.initialize()
+    with pytest.raises(ValueError, match="pipeline parallel p3 .* does not divide the model's 2 layers"):
+        engine(config(models["llama"]), allocation="megatron:p3@cpu")
     with pytest.raises(FileNotFoundError, match="holds no \\*.safetensors"):
         (tmp_path / "empty").mkdir()
         (tmp_path / "empty" / "config.json").write_text((Path(models["llama"]) / "config.json").read_text())
@@ -533,8 +535,10 @@ def test_pipeline_stages_train_like_one(models, tmp_path, name, vpp, tol, alloca
     (placement,) = parse_allocation(allocation).components
     par = placement.parallel
     out = tmp_path / allocation.split(":")[1].split("@")[0]
-    ranks = run_ranks({**spec, "allocation": allocation, "vpp": vpp}, out, world=par.world_size)
+    ranks = run_ranks({**spec, "allocation": allocation, "vpp": vpp, "reference": True}, out, world=par.world_size)
     assert_ranks_train_like_one(ranks, one, out, tmp_path / "world1", tol)
+    # A reference engine (the initial weights, frozen) beside the actor on the same stages.
+    assert all(worst(r["reference_lp"], one["lp0"]["logprobs"]) < tol for r in ranks)
     saved = json.loads((out / "ckpt" / "engine_state.json").read_text())
     assert (saved["pp"], saved["vpp"]) == (2, vpp)
     assert sorted(f.name for f in (out / "ckpt" / "optimizer").iterdir()) == sorted(
