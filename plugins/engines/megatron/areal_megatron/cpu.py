@@ -50,7 +50,8 @@ class _CudaNamesCPU(TorchFunctionMode):
         if func is torch.Tensor.cuda:
             return args[0]
         device = kwargs.get("device")
-        if device is not None and torch.device(device).type == "cuda":
+        # A bare int is a CUDA ordinal (torch.device(0) itself fails where no accelerator exists).
+        if isinstance(device, int) or (isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda"):
             kwargs = {**kwargs, "device": "cpu"}
         return func(*args, **kwargs)
 

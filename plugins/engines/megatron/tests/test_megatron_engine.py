@@ -251,6 +251,8 @@ def test_cuda_device_reads_cpu_only_inside():
         # What Megatron's pipeline schedules and tied-embedding setup ask for by name.
         assert torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
         assert torch.tensor([1, 2], device=torch.device("cuda", 0)).device.type == "cpu"
+        assert torch.zeros(1, device=0).device.type == "cpu"  # a CUDA ordinal
+        assert torch.ones(1, device="meta").device.type == "meta"  # other devices stay as asked
         assert ones.cuda() is ones
         torch.cuda.synchronize()
         assert torch.add(ones, 1).sum().item() == 6.0  # everything else runs as usual
