@@ -433,16 +433,20 @@ class MegatronEngine(TrainEngine):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         lens = [packed.lens(seqs or [packed.shortest]) for seqs in plan]
+        longest = max(sum(row) for row in lens)
         # Virtual stages: one length for every row of the batch (convert.transformer_config says why).
-        pad_to = max(sum(row) for row in lens) if self.vpp > 1 else 0
-        rows = [self._row(packed.ids[packed.token_index(seqs or [packed.shortest])], row_lens, pad_to)
-                for seqs, row_lens in zip(plan, lens)]
+        pad_to = longest if self.vpp > 1 else 0
+        # Rows are made when a chunk first needs them and dropped after this rank's last chunk has run them
+        # forward: a row's [T, T] mask is not kept for every micro-batch of the batch at once.
+        rows: dict[int, dict] = {}
         tp_group = ps.get_tensor_model_parallel_group() if self.tp > 1 else None
         counted = torch.ones((), dtype=torch.int)  # the schedule's token count, unused (no finalize function)
 
         def forward_step(data: Iterator[tuple[int, int]], model: Any) -> tuple[torch.Tensor, Any]:
             i, chunk = next(data)
-            row = rows[i]
+            if i not in rows:
+                rows[i] = self._row(packed.ids[packed.token_index(plan[i] or [packed.shortest])], lens[i], pad_to)
+            row = rows.pop(i) if chunk == self.vpp - 1 else rows[i]
             output = model(*row["args"], **row["kwargs"])
             if not (self.last_stage and chunk == self.vpp - 1):
                 # Hidden states [s, 1, h] to the next stage, in the dtype its receive buffer has.
@@ -462,8 +466,8 @@ class MegatronEngine(TrainEngine):
         cast = torch.autocast(self.device.type, dtype=self.dtype) if self._autocast else nullcontext()
         with cast, self._cuda_context(), (torch.no_grad() if forward_only else nullcontext()):
             run(forward_step_func=forward_step, model=self.model,
-                data_iterator=[iter([(i, v) for i in range(len(rows))]) for v in range(self.vpp)],
-                num_microbatches=len(rows), seq_length=max(int(r["ids"].numel()) for r in rows),
+                data_iterator=[iter([(i, v) for i in range(len(plan))]) for v in range(self.vpp)],
+                num_microbatches=len(plan), seq_length=longest,
                 micro_batch_size=1, forward_only=forward_only)
 
     # ------------------------------------------------------------------ the contract
