@@ -30,6 +30,7 @@ from typing import Any, Awaitable, Callable, Iterable, Iterator, TypeVar
 
 from areal_core.api.inference import InferenceEngine, ServerProcess
 from areal_core.launch.supervisor import Managed, ProcessSpec, Supervisor, free_port
+from areal_core.problems import Problem
 
 Recipe = Callable[[int, int], ServerProcess]  # (index, port) -> how to start that server
 T = TypeVar("T")
@@ -142,8 +143,7 @@ class ServerFleet:
 
     def attach(self, address: str, name: str | None = None) -> Server:
         """Record a server started elsewhere (``host:port``); it is never stopped by this fleet."""
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit():
+        if not _is_address(address):
             raise ValueError(f"server address {address!r} is not host:port; give it as e.g. '127.0.0.1:8001'")
         server = Server(name or f"attached-{len(self.servers)}", address)
         self.servers.append(server)
@@ -169,6 +169,34 @@ class ServerFleet:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def attach_addresses(options: Any) -> list[str]:
+    """The running servers a run attaches to instead of starting them (``rollout.addresses``; [] = start them)."""
+    return [str(a) for a in (getattr(options, "addresses", None) or [])]
+
+
+def addresses_problem(backend: str, servers: int, addresses: Any) -> Problem | None:
+    """The problem with ``rollout.addresses`` when it is given but does not name ``servers`` host:port pairs
+    (one per ``d`` of the allocation), else None."""
+    if not addresses:
+        return None
+    given = list(addresses) if isinstance(addresses, (list, tuple)) else [addresses]
+    malformed = [a for a in given if not _is_address(str(a))]
+    if malformed:
+        return Problem(f"{backend}.addresses", f"{', '.join(map(repr, malformed))}: not host:port",
+                       "give each running server as e.g. '127.0.0.1:8001'", key="rollout.addresses")
+    if len(given) != servers:
+        return Problem(f"{backend}.addresses", f"{len(given)} server(s) given, but the allocation places {servers} "
+                       f"({backend}:d{servers})",
+                       f"give {servers} address(es), or set d{len(given)} in the allocation",
+                       key="rollout.addresses")
+    return None
+
+
+def _is_address(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit()
 
 
 class RemoteError(RuntimeError):
@@ -207,12 +235,16 @@ class RemoteEngine(InferenceEngine):
     def from_context(cls, context: Any, options: Any, **kwargs: Any) -> Any:
         """The engine for the server the launcher started (``context.extras["address"]``), with the
         request timeout of ``rollout``, retries and startup timeout of ``options``, the server's log."""
+        index = context.extras.get("server_index", 0)
         address = context.extras.get("address")
+        attached = attach_addresses(options)
+        if not address and index < len(attached):
+            address = attached[index]  # rollout.addresses: a server started elsewhere, not by the launcher
         if not address:
             raise ValueError(f"the {cls.backend} engine needs its server's address (context.extras['address']); "
-                             "the launcher sets it after starting the server from server_process()")
+                             "the launcher sets it after starting the server from server_process(), or give "
+                             "running servers as rollout.addresses")
         rollout = getattr(context.config, "rollout", None)
-        index = context.extras.get("server_index", 0)
         return cls(context, address, request_timeout_s=getattr(rollout, "request_timeout_s", 600.0),
                    retries=options.retries, startup_timeout_s=options.startup_timeout_s,
                    log_path=context.extras.get("log_path") or run_log_path(context.config, index), **kwargs)

@@ -204,3 +204,19 @@ def test_send_pipelined_raises_the_first_failure_and_cancels_the_send_in_flight(
     with pytest.raises(RuntimeError, match="bucket 2"):
         asyncio.run(body())
     assert cancelled == [1]
+
+
+@pytest.mark.parametrize(("addresses", "servers", "found"), [
+    ([], 2, None),
+    (["127.0.0.1:8001", "127.0.0.1:8002"], 2, None),
+    (["127.0.0.1:8001"], 2, "1 server(s) given, but the allocation places 2 (vllm:d2)"),
+    (["127.0.0.1"], 1, "'127.0.0.1': not host:port"),
+])
+def test_attached_addresses_must_name_one_server_per_d(addresses, servers, found):
+    from areal_core.remote import addresses_problem
+
+    problem = addresses_problem("vllm", servers, addresses)
+    if found is None:
+        assert problem is None
+    else:
+        assert found in problem.message and problem.key == "rollout.addresses"

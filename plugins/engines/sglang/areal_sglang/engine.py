@@ -30,7 +30,8 @@ from typing import Any, Iterable
 
 from areal_core.api import GenerationRequest, GenerationResponse, ServerProcess
 from areal_core.launch.supervisor import free_port
-from areal_core.remote import RemoteEngine, check_server_version, http_ready, layer_buckets, send_pipelined
+from areal_core.remote import (RemoteEngine, attach_addresses, check_server_version, http_ready, layer_buckets,
+                               send_pipelined)
 from areal_sglang.weight_group import WeightGroup
 
 SUPPORTED = ">=0.5.0,<0.6"
@@ -49,6 +50,8 @@ class SGLangEngineConfig:
     mem_fraction_static: float = field(default=0.8, metadata={"gt": 0.0, "le": 1.0,
                                        "help": "share of GPU memory for weights and KV cache"})
     retries: int = field(default=2, metadata={"ge": 0, "help": "retries of a request after a connection error"})
+    addresses: list = field(default_factory=list, metadata={"help": "attach to servers already running (host:port, "
+                            "one per d of the allocation) instead of starting them; [] = start them here"})
     extra_args: list = field(default_factory=list, metadata={"help": "more sglang.launch_server arguments"})
     weight_bucket_mb: int = field(default=512, metadata={"ge": 1, "help": "size of the buckets "
                                   "update_weights_from_tensors broadcasts (whole layers), in MiB"})
@@ -86,8 +89,10 @@ class SGLangEngine(RemoteEngine):
     config_class = SGLangEngineConfig
 
     @classmethod
-    def server_process(cls, context: Any, index: int, port: int) -> ServerProcess:
+    def server_process(cls, context: Any, index: int, port: int) -> ServerProcess | None:
         config, options = context.config, context.options or SGLangEngineConfig()
+        if attach_addresses(options):
+            return None  # rollout.addresses: the servers run already; the engines attach to them
         python = options.python or os.environ.get(PYTHON_ENV) or sys.executable
         placement = getattr(context, "placement", None)
         tensor_parallel = getattr(getattr(placement, "parallel", None), "t", 1) or 1

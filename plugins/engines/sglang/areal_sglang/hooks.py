@@ -13,6 +13,7 @@ from areal_core.config.allocation import Allocation, Component
 from areal_core.config.model_info import ModelInfo
 from areal_core.parallelism import BackendSupport
 from areal_core.parallelism_rules import divisors, experts_problem, heads_problem, layers_problem
+from areal_core.remote import addresses_problem
 
 BACKEND = "sglang"
 
@@ -38,6 +39,9 @@ def areal_validate_parallelism(
     problems: list[Problem] = []
     for comp in allocation.find(backend=BACKEND):
         problems.extend(_component_problems(comp, model))
+        extra = getattr(getattr(config, "rollout", None), "extra", None) or {}
+        attach = addresses_problem(BACKEND, comp.parallel.d, extra.get("addresses"))
+        problems.extend([attach] if attach is not None else [])
     return problems
 
 

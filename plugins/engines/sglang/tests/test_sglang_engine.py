@@ -223,3 +223,12 @@ def test_servers_run_from_their_own_interpreter(monkeypatch):
     monkeypatch.setenv("AREAL_SGLANG_PYTHON", "/env/python")
     assert SGLangEngine.server_process(Context(config=config, options=SGLangEngineConfig()), 0, 9).argv[0] == \
         "/env/python"
+
+
+def test_attached_servers_are_not_started_and_each_engine_takes_its_address():
+    config = RunConfig()
+    config.model.path = "/models/tiny"
+    options = SGLangEngineConfig(addresses=["10.0.0.5:30000"])
+    assert SGLangEngine.server_process(Context(config=config, options=options), 0, 9) is None
+    engine = SGLangEngine.create(Context(config=config, options=options, extras={"server_index": 0}))
+    assert engine.address == "10.0.0.5:30000"

@@ -118,3 +118,11 @@ def test_core_rejects_cpu_and_undeclared_dimensions():
     problems = core_plan_problems(parse_allocation("sglang:cpu+trainer:d1@cpu"), backends)
     assert codes(problems) == ["core.unsupported-device"]
     assert "'sglang:cpu'" in problems[0].message
+
+
+def test_attached_servers_must_be_host_port():
+    config = RunConfig()
+    config.rollout.extra = {"addresses": ["gpu-node-1"]}
+    (problem,) = areal_validate_parallelism(config=config, allocation=parse_allocation("sglang:d1"), model=None)
+    assert (problem.code, problem.key) == ("sglang.addresses", "rollout.addresses")
+    assert "'gpu-node-1': not host:port" in problem.message

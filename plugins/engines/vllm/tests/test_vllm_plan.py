@@ -130,3 +130,13 @@ def test_core_rejects_undeclared_dimensions():
     problems = core_plan_problems(parse_allocation("vllm:d2c4+trainer:d4"), backends)
     assert codes(problems) == ["core.unsupported-dimension"]
     assert "c4" in problems[0].message and "'vllm:d2c4'" in problems[0].message
+
+
+def test_attached_servers_must_match_the_allocation():
+    config = RunConfig()
+    config.rollout.extra = {"addresses": ["127.0.0.1:8001"]}
+    (problem,) = areal_validate_parallelism(config=config, allocation=parse_allocation("vllm:d2@cpu"), model=DENSE)
+    assert (problem.code, problem.key) == ("vllm.addresses", "rollout.addresses")
+    assert "1 server(s) given, but the allocation places 2" in problem.message
+    config.rollout.extra = {"addresses": ["127.0.0.1:8001", "127.0.0.1:8002"]}
+    assert areal_validate_parallelism(config=config, allocation=parse_allocation("vllm:d2@cpu"), model=DENSE) == []
