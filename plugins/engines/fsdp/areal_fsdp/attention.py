@@ -37,6 +37,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 PACKED_SDPA = "areal_packed_sdpa"
 CU_SEQLENS = "areal_cu_seqlens"
+# A precomputed plan instead of CU_SEQLENS: buckets that may carry masks (shared prefixes, areal_fsdp.prefix).
+PLAN = "areal_attention_plan"
 
 
 # Sequences of similar length share one padded SDPA call (right padding under a causal mask needs no mask
@@ -63,45 +65,58 @@ def buckets(lens: list[int], slack: float = PADDING_SLACK) -> list[list[int]]:
 
 
 @lru_cache(maxsize=8)
-def _gather_plan(cu: tuple[int, ...]) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
-    """Per bucket: (sequences, longest, src, dst). Token j of the bucket's r-th sequence i is row cu[i] + j of
-    the packed tensors and row r * longest + j of the padded ones. Every layer of a forward (and its backward)
-    shares one row layout, so this is computed once per micro-batch, not once per layer."""
+def _gather_plan(cu: tuple[int, ...]) -> list[tuple]:
+    """Per bucket: (sequences, longest, longest, src, dst, src, dst, no mask). Token j of the bucket's r-th
+    sequence i is row cu[i] + j of the packed tensors and row r * longest + j of the padded ones. Every layer of
+    a forward (and its backward) shares one row layout, so this is computed once per micro-batch, not once per
+    layer."""
     lens = [e - s for s, e in zip(cu[:-1], cu[1:])]
     plan = []
     for group in buckets(lens):
         longest = lens[group[0]]
         src = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in group])
         dst = torch.cat([torch.arange(lens[i]) + r * longest for r, i in enumerate(group)])
-        plan.append((len(group), longest, src, dst))
+        plan.append((len(group), longest, longest, src, dst, src, dst, None))
     return plan
 
 
 def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
                 **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """Causal attention per packed sequence. query [1, H, T, D], key / value [1, H_kv, T, D] -> [1, T, H, D]."""
-    cu = kwargs.get(CU_SEQLENS)
-    if cu is None:
-        raise RuntimeError(f"{PACKED_SDPA}: the model was called without {CU_SEQLENS}; the fsdp engine passes "
-                           "the packed row's sequence boundaries with every forward")
+    """Causal attention per packed sequence. query [1, H, T, D], key / value [1, H_kv, T, D] -> [1, T, H, D].
+
+    With :data:`PLAN` the row's attention units come from there instead of
+    :data:`CU_SEQLENS`: per bucket ``(count, q_len, k_len, q_src, q_dst,
+    k_src, k_dst, mask)``, the queries at rows ``q_src`` of the row attend
+    the keys at rows ``k_src``, both padded (to rows ``q_dst`` / ``k_dst`` of
+    ``[count, len]``), under ``mask [count, 1, q_len, k_len]`` or causally
+    when it is None (shared prefixes, :mod:`areal_fsdp.prefix`).
+    """
+    plan = kwargs.get(PLAN)
+    if plan is None:
+        cu = kwargs.get(CU_SEQLENS)
+        if cu is None:
+            raise RuntimeError(f"{PACKED_SDPA}: the model was called without {CU_SEQLENS}; the fsdp engine passes "
+                               "the packed row's sequence boundaries with every forward")
+        plan = _gather_plan(tuple(cu))
     if query.shape[0] != 1:
         raise RuntimeError(f"{PACKED_SDPA}: expects one packed row, got a batch of {query.shape[0]}")
     gqa = query.shape[1] != key.shape[1]
     drop = dropout if module.training else 0.0
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
     out = q.new_empty(q.shape)
-    for count, longest, src, dst in _gather_plan(tuple(cu)):
+    for count, q_len, k_len, q_src, q_dst, k_src, k_dst, mask in plan:
 
-        def padded(x: torch.Tensor) -> torch.Tensor:
-            flat = x.new_zeros((count * longest,) + x.shape[1:]).index_copy(0, dst, x[src])
-            return flat.view(count, longest, *x.shape[1:]).transpose(1, 2)  # [n, heads, longest, D]
+        def padded(x: torch.Tensor, length: int, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+            flat = x.new_zeros((count * length,) + x.shape[1:]).index_copy(0, dst, x[src])
+            return flat.view(count, length, *x.shape[1:]).transpose(1, 2)  # [n, heads, length, D]
 
-        with _kernel_for(q, longest):
-            o = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), dropout_p=drop, is_causal=True,
-                                               scale=scaling, enable_gqa=gqa)
-        o = o.transpose(1, 2).reshape(count * longest, *o.shape[1:2], o.shape[-1])
-        out = out.index_copy(0, src, o[dst])
+        with _kernel_for(q, k_len):
+            o = F.scaled_dot_product_attention(padded(q, q_len, q_src, q_dst), padded(k, k_len, k_src, k_dst),
+                                               padded(v, k_len, k_src, k_dst), attn_mask=mask, dropout_p=drop,
+                                               is_causal=mask is None, scale=scaling, enable_gqa=gqa)
+        o = o.transpose(1, 2).reshape(count * q_len, *o.shape[1:2], o.shape[-1])
+        out = out.index_copy(0, q_src, o[q_dst])
     return out[None], None
 
 

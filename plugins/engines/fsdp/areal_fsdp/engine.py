@@ -70,6 +70,7 @@ from areal_fsdp.lora import (add_lora, export_items, is_adapter, lora_layers, mo
                               write_adapter)
 from areal_fsdp.logprobs import next_token_logprobs, packed_attention_mask, sequence_ids, token_logprobs
 from areal_fsdp.packing import first_fit_decreasing, karmarkar_karp, micro_batches
+from areal_fsdp.prefix import SharedRow, attention_plan, common_prefix, share_prefixes
 
 ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 STATE_FILE = "engine_state.json"
@@ -88,6 +89,10 @@ class FSDPEngineConfig:
                 "sequences are separated by their restarting position ids"})
     logits_chunk_tokens: int = field(default=1024, metadata={
         "ge": 1, "help": "positions whose full-vocabulary float32 logits are computed at once"})
+    share_prefixes: bool = field(default=True, metadata={
+        "help": "run tokens that several sequences of a micro-batch start with (a group's prompt) once, the "
+                "micro-batch laid out as a prefix tree (areal_fsdp.prefix; exact); sdpa attention without context "
+                "parallel"})
     reshard_after_forward: bool = field(default=True, metadata={
         "help": "free each layer's gathered weights after its forward (less memory, one more all-gather)"})
     lora_rank: int = field(default=0, metadata={
@@ -118,15 +123,22 @@ class _LogprobModel(nn.Module):
         self.chunk = chunk
         self.softcap = getattr(lm.config, "final_logit_softcapping", None)
 
-    def forward(self, input_ids, position_ids, attention_mask, is_start, temperature: float = 1.0,
-                only=None, targets=None, **attention_kwargs):
-        """Token ``t``'s values from ``h_{t-1}``; with ``targets`` [T] (context parallel: a rank's share of a row,
-        not contiguous), position ``p``'s values score ``targets[p]`` from ``h_p``, and ``is_start`` / ``only``
-        describe that target token."""
+    def hidden(self, input_ids, position_ids, attention_mask, scorer, attention_kwargs) -> torch.Tensor:
+        """The row's last hidden states [Tc, H]; with ``scorer`` [T] (shared prefixes) the states at those rows."""
         out = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                     attention_mask=attention_mask, use_cache=False, **attention_kwargs)
+        hidden = out.last_hidden_state[0]
+        return hidden if scorer is None else hidden[scorer]
+
+    def forward(self, input_ids, position_ids, attention_mask, is_start, temperature: float = 1.0,
+                only=None, targets=None, scorer=None, **attention_kwargs):
+        """Token ``t``'s values from ``h_{t-1}``; with ``targets`` [T] (context parallel: a rank's share of a row,
+        not contiguous; shared prefixes: the batch's tokens, ``scorer`` naming the row position scoring each),
+        position ``p``'s values score ``targets[p]`` from ``h_p``, and ``is_start`` / ``only`` describe that
+        target token."""
+        hidden = self.hidden(input_ids, position_ids, attention_mask, scorer, attention_kwargs)
         head = self.lm.get_output_embeddings()
-        weight, bias, hidden = head.weight, getattr(head, "bias", None), out.last_hidden_state[0]
+        weight, bias = head.weight, getattr(head, "bias", None)
         if targets is None:
             return token_logprobs(hidden, weight, bias, input_ids[0], is_start, temperature=temperature,
                                   chunk=self.chunk, softcap=self.softcap, only=only)
@@ -145,11 +157,10 @@ class _ValueModel(_LogprobModel):
     """
 
     def forward(self, input_ids, position_ids, attention_mask, is_start, temperature: float = 1.0,
-                only=None, targets=None, **attention_kwargs):
-        out = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids,
-                                    attention_mask=attention_mask, use_cache=False, **attention_kwargs)
-        v = self.lm.get_output_embeddings()(out.last_hidden_state[0]).squeeze(-1).float()  # [T]
-        if targets is not None:  # context parallel: position p holds the value for its target token
+                only=None, targets=None, scorer=None, **attention_kwargs):
+        hidden = self.hidden(input_ids, position_ids, attention_mask, scorer, attention_kwargs)
+        v = self.lm.get_output_embeddings()(hidden).squeeze(-1).float()  # [T]
+        if targets is not None:  # context parallel / shared prefixes: position p holds its target token's value
             return torch.where(is_start, 0.0, v), torch.zeros_like(v)
         values = torch.where(is_start, 0.0, torch.cat([v.new_zeros(1), v[:-1]]))
         return values, torch.zeros_like(values)
@@ -427,8 +438,9 @@ class FSDPEngine(TrainEngine):
             [b - a for a, b in zip(as_list(batch["cu_seqlens"])[:-1], as_list(batch["cu_seqlens"])[1:])]
         if not lengths:
             raise ValueError("FSDPEngine: the batch holds no sequences")
-        mine = karmarkar_karp(lengths, self.dp)[self.dp_rank] if self.dp > 1 else list(range(len(lengths)))
-        own = [lengths[i] for i in mine]
+        units, costs = self._units(batch, lengths)
+        mine = karmarkar_karp(costs, self.dp)[self.dp_rank] if self.dp > 1 else list(range(len(units)))
+        own = [costs[i] for i in mine]
         count = len(first_fit_decreasing(own, self.mb_max_tokens))
         if self.world > 1:
             box = torch.tensor([count], dtype=torch.long, device=self._comm_device())
@@ -436,7 +448,38 @@ class FSDPEngine(TrainEngine):
             count = int(box.item())
         count = max(count, 1)
         bins = micro_batches(own, self.mb_max_tokens, count) if own else [[] for _ in range(count)]
-        return [[mine[j] for j in b] for b in bins]
+        return [sorted(s for j in b for s in units[mine[j]]) for b in bins]
+
+    def _units(self, batch: dict, lengths: list[int]) -> tuple[list[list[int]], list[int]]:
+        """What the planner places whole: each sequence alone, or with shared prefixes on, the samples of one
+        group (``group_index``) together, so their prompt is shared; costed as the tokens the model runs (the
+        group's common prefix once) and cut into pieces within the micro-batch budget."""
+        if not (self.options.share_prefixes and self.cp == 1 and "group_index" in batch
+                and self.lm.config._attn_implementation == attention.PACKED_SDPA):
+            return [[i] for i in range(len(lengths))], lengths
+        ids = to_tensor("input_ids", batch["input_ids"])
+        starts = list(cumsum([0] + lengths))
+        groups: dict[int, list[int]] = {}
+        for i, g in enumerate(as_list(batch["group_index"])):
+            groups.setdefault(int(g), []).append(i)
+        units: list[list[int]] = []
+        costs: list[int] = []
+        for members in groups.values():
+            first = ids[starts[members[0]]:starts[members[0] + 1]]
+            unit: list[int] = []
+            cost = 0
+            for m in members:
+                common = 0 if not unit else common_prefix(first[None], ids[starts[m]:starts[m + 1]][None])
+                extra = lengths[m] - common
+                if unit and cost + extra > self.mb_max_tokens:
+                    units.append(unit)
+                    costs.append(cost)
+                    unit, cost, extra = [], 0, lengths[m]
+                unit.append(m)
+                cost += extra
+            units.append(unit)
+            costs.append(cost)
+        return units, costs
 
     def _comm_device(self) -> torch.device:
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -482,6 +525,10 @@ class FSDPEngine(TrainEngine):
         starts[mb["cu_seqlens"][:-1]] = True
         impl = self.lm.config._attn_implementation
         extra: dict = {}
+        if impl == attention.PACKED_SDPA and self.options.share_prefixes:
+            shared = share_prefixes(mb["input_ids"], mb["position_ids"], lens)
+            if shared is not None:
+                return self._forward_shared(mb, shared, starts, temperature, only)
         if impl == attention.PACKED_SDPA:
             mask, extra[attention.CU_SEQLENS] = None, mb["cu_seqlens"].tolist()
         elif impl.startswith("flash_attention"):
@@ -495,6 +542,18 @@ class FSDPEngine(TrainEngine):
         cast = torch.autocast(dev.type, dtype=self.dtype) if self._autocast else nullcontext()
         with cast:
             return self.model(ids, pos, mask, starts.to(dev), temperature, only, **extra)
+
+    def _forward_shared(self, mb: dict, shared: SharedRow, starts: torch.Tensor, temperature: float,
+                        only: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_forward` with shared prefixes laid out once (:mod:`areal_fsdp.prefix`): the model runs the
+        shorter row, and each of the batch's tokens is scored from the row position ``shared.scorer`` names."""
+        dev = self.device
+        extra = {attention.PLAN: attention_plan(shared, dev)}
+        cast = torch.autocast(dev.type, dtype=self.dtype) if self._autocast else nullcontext()
+        with cast:
+            return self.model(shared.input_ids.to(dev)[None], shared.position_ids.to(dev)[None], None,
+                              starts.to(dev), temperature, None if only is None else only.to(dev),
+                              targets=mb["input_ids"].to(dev, torch.long), scorer=shared.scorer.to(dev), **extra)
 
     def _forward_context(self, mb: dict, temperature: float,
                          only: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
