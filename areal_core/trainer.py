@@ -79,18 +79,26 @@ class Trainer:
         self._filtered_in_a_row = 0  # groups dynamic filtering dropped since the last one it kept
 
     def _should_accept(self, group: Any) -> bool:
+        """Dynamic filtering (``rollout.dynamic_filtering``) and the algorithm's own (e.g. dapo's dynamic
+        sampling): both drop a group, and both count toward ``rollout.max_filtered_in_a_row``."""
         r = self.cfg.rollout
+        dropped_by = None
         if r.dynamic_filtering and not has_reward_variance(group):
-            self._filtered_in_a_row += 1
-            if r.max_filtered_in_a_row and self._filtered_in_a_row >= r.max_filtered_in_a_row:
-                raise FilteredOutError(
-                    f"dynamic filtering dropped {self._filtered_in_a_row} groups in a row, every one with all "
-                    f"rewards equal (last: {sorted(set(group.rewards))}): the task gives this model no learning "
-                    "signal. Fix: an easier (or harder) task or prompt, a larger rollout.group_size, or "
-                    "rollout.dynamic_filtering=false; rollout.max_filtered_in_a_row=0 waits forever")
-            return False
-        self._filtered_in_a_row = 0
-        return self.algorithm.should_accept(group)
+            dropped_by = "dynamic filtering (rollout.dynamic_filtering)"
+        elif not self.algorithm.should_accept(group):
+            dropped_by = f"the algorithm's filter ({self.cfg.algorithm.name})"
+        if dropped_by is None:
+            self._filtered_in_a_row = 0
+            return True
+        self._filtered_in_a_row += 1
+        if r.max_filtered_in_a_row and self._filtered_in_a_row >= r.max_filtered_in_a_row:
+            raise FilteredOutError(
+                f"{dropped_by} dropped {self._filtered_in_a_row} groups in a row (last rewards: "
+                f"{sorted(set(group.rewards))}): the task gives this model no learning signal. Fix: an easier (or "
+                "harder) task or prompt, a larger rollout.group_size, or turn the filter off "
+                "(rollout.dynamic_filtering=false, or the algorithm's own switch, e.g. "
+                "algorithm.dynamic_sampling=false); rollout.max_filtered_in_a_row=0 waits forever")
+        return False
 
     # -------------------------------------------------------------- setup (rank 0)
     def _rollout_side(self) -> None:

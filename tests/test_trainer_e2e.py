@@ -151,7 +151,7 @@ def test_a_run_whose_groups_are_all_filtered_out_stops_with_the_fix(rl_run):
     proc = start("trial=no-signal", "rollout.dynamic_filtering=true", "rollout.max_filtered_in_a_row=1")
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1, out
-    assert "dynamic filtering dropped 1 groups in a row" in out
+    assert "dynamic filtering (rollout.dynamic_filtering) dropped 1 groups in a row" in out
     assert "rollout.dynamic_filtering=false" in out
     assert "Traceback" not in out
 
@@ -288,3 +288,25 @@ def test_ppo_with_a_critic_trains_fsdp_against_the_embedded_engine(rl_run, tmp_p
 
     head = load_file(str(latest / "critic" / "model.safetensors"))["lm_head.weight"]
     assert tuple(head.shape)[0] == 1  # the value head, not the vocabulary projection
+
+
+def test_groups_the_algorithm_drops_count_toward_max_filtered_in_a_row():
+    """dapo's dynamic sampling drops groups through Algorithm.should_accept: those count like dynamic
+    filtering's, so a task with no signal stops with the fix instead of waiting out the request timeout."""
+    from types import SimpleNamespace
+
+    from areal_core.trainer import FilteredOutError, Trainer
+
+    verdicts: list[bool] = []
+    algorithm = SimpleNamespace(should_accept=lambda group: verdicts.pop(0))
+    cfg = SimpleNamespace(rollout=SimpleNamespace(dynamic_filtering=False, max_filtered_in_a_row=3),
+                          algorithm=SimpleNamespace(name="dapo"))
+    trainer = SimpleNamespace(cfg=cfg, algorithm=algorithm, _filtered_in_a_row=0)
+    group = SimpleNamespace(rewards=[1.0, 1.0])
+    verdicts += [False, False, True, False, False]
+    assert [Trainer._should_accept(trainer, group) for _ in range(5)] == [False, False, True, False, False]
+    assert trainer._filtered_in_a_row == 2  # the accepted group reset the count
+    verdicts.append(False)
+    with pytest.raises(FilteredOutError, match=r"the algorithm's filter \(dapo\) dropped 3 groups in a row.*"
+                                                r"algorithm.dynamic_sampling=false"):
+        Trainer._should_accept(trainer, group)
