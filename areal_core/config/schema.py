@@ -76,8 +76,9 @@ class RolloutConfig:
     max_concurrent_rollouts: int = spec(64, ge=1)
     request_timeout_s: float = spec(600.0, gt=0.0)
     dynamic_filtering: bool = spec(False, help="drop groups whose rewards are all equal and sample more in their place")
-    max_filtered_in_a_row: int = spec(512, ge=0, help="stop the run when dynamic filtering drops this many groups "
-                                      "in a row (the task gives the model no signal); 0 = never")
+    max_filtered_in_a_row: int = spec(512, ge=0, help="stop the run when filtering (rollout.dynamic_filtering or "
+                                      "the algorithm's own, e.g. dapo's dynamic_sampling) drops this many groups in a "
+                                      "row (the task gives the model no signal); 0 = never")
     weight_sync: str = spec("disk", choices=["disk", "tensors"],
                             help="how new weights reach the inference engines: a safetensors folder per version, "
                                  "or full tensors gathered in memory (needs export_tensors / "
