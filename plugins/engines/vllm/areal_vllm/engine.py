@@ -6,7 +6,8 @@ What vLLM adds to :class:`areal_core.remote.RemoteEngine`:
   ``return_token_ids`` and ``logprobs=0`` (the sampled token's logprob);
 - pause and resume through the dev-mode RL endpoints ``/pause?mode=abort``
   (in-flight requests return their tokens so far with ``finish_reason:
-  "abort"``, which the controller continues) and ``/resume``;
+  "abort"``, which the controller continues) and ``/resume`` (after aborting
+  what queued up while paused: vLLM would run it under the new weights);
 - weights from a safetensors folder through ``/collective_rpc``
   ``reload_weights``; from tensors by writing them as safetensors into
   ``/dev/shm`` and reloading from there (NCCL transfer is CUDA-only);
@@ -176,6 +177,10 @@ class VLLMEngine(RemoteEngine):
         await self.request("POST", "/pause", params={"mode": "abort"})
 
     async def resume(self) -> None:
+        # A request that reached the server while it was paused waits in its queue and would run under the new
+        # weights, stamped with the version it was sent at: abort those first (they come back empty and are
+        # continued at the new version). The cache was cleared by pause() already.
+        await self.request("POST", "/pause", params={"mode": "abort", "clear_cache": "false"})
         await self.request("POST", "/resume")
 
     async def update_weights_from_disk(self, path: str, version: int) -> None:

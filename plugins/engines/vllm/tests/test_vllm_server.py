@@ -159,6 +159,31 @@ def test_tokens_and_logprobs_match_across_a_continuation(servers):
     assert max(abs(a - b) for a, b in zip(joined, whole.output_logprobs)) < 0.1
 
 
+def test_a_request_that_arrives_while_paused_never_carries_the_old_version(servers):
+    """vLLM queues a request that reaches it while paused and runs it after /resume, under the new weights.
+    Such a request (in transit when the controller paused) must not come back with tokens stamped with the
+    version it was sent at: it comes back aborted and empty, to be continued at the new version."""
+    async def body():
+        engine = servers.engine(servers.fleet.servers[0], ignore_eos=True)
+        await engine.start()
+        try:
+            await engine.pause()
+            late = asyncio.ensure_future(engine.agenerate(GenerationRequest(PROMPT, SamplingParams(
+                max_new_tokens=16, temperature=0))))
+            await asyncio.sleep(0.5)  # it reaches the server and waits in its queue
+            assert not late.done(), f"a request sent while paused was answered: {late.result()}"
+            await engine.update_weights_from_disk(str(servers.model), engine.version + 1)
+            await engine.resume()
+            return await asyncio.wait_for(late, 120), engine.version
+        finally:
+            await engine.aclose()
+
+    late, version = run(body())
+    assert late.stop_reason == "abort" or set(late.output_versions) <= {version}, (
+        f"{len(late.output_ids)} tokens generated after the update to version {version} carry "
+        f"{sorted(set(late.output_versions))}")
+
+
 def test_weights_from_disk_and_from_tensors_change_the_output(servers):
     from safetensors.torch import load_file
 
