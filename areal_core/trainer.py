@@ -77,6 +77,7 @@ class Trainer:
         self.store = CheckpointStore(self.run_dir / "checkpoints")
         self.step = 0
         self._filtered_in_a_row = 0  # groups dynamic filtering dropped since the last one it kept
+        self._pending_sync: Any = None  # a weight update the engines are still applying (eta > 0)
 
     def _should_accept(self, group: Any) -> bool:
         """Dynamic filtering (``rollout.dynamic_filtering``) and the algorithm's own (e.g. dapo's dynamic
@@ -239,6 +240,14 @@ class Trainer:
                 metrics = self.train_step()
                 self.step += 1
                 metrics["time/checkpoint_s"] = checkpoint_s  # the previous step's save
+                every, every_s = self.cfg.trainer.save_every, self.cfg.trainer.save_every_s
+                due = (every and self.step % every == 0) or (every_s and time.monotonic() - last_save >= every_s)
+                evaluating = self.controller is not None and self.eval_items and (
+                    self.step == total or (self.cfg.eval.every and self.step % self.cfg.eval.every == 0))
+                if due or evaluating or self.step == total:
+                    # Evaluations and checkpoints see the engines at this step's weights.
+                    metrics["time/generation_paused_s"] = metrics.get("time/generation_paused_s", 0.0) + \
+                        self._finish_weight_sync()
                 if self.controller is not None and self.eval_items:
                     metrics.update(self._collect_eval(wait=False))  # an evaluation that ran beside training
                     if self.step == total:  # the final policy: nothing else needs the engines now
@@ -250,8 +259,6 @@ class Trainer:
                         self._start_eval()
                 if logger is not None:  # before the save: a step in a checkpoint always has its metrics
                     logger.log(self.step, metrics)
-                every, every_s = self.cfg.trainer.save_every, self.cfg.trainer.save_every_s
-                due = (every and self.step % every == 0) or (every_s and time.monotonic() - last_save >= every_s)
                 checkpoint_s = 0.0
                 if due or self.step == total:
                     began = time.monotonic()
@@ -324,17 +331,39 @@ class Trainer:
         the engines load it; ``tensors`` gathers full tensors in buckets
         (``export_tensors``) into rank 0's memory, then the engines take them in
         memory. Generation pauses only for the hand-over, not for the gather.
+
+        At eta > 0 the trainer does not wait for the engines to load: it goes
+        on to its next batch while they do (admission follows the version the
+        engines hold, so staleness stays bounded), and waits for this update
+        only before the next one, an evaluation or a checkpoint. The seconds
+        returned are then those of the previous update's pause. At eta = 0 the
+        next batch needs the new weights anyway, so the call waits.
         """
+        paused_s = self._finish_weight_sync()
+        wait = self.cfg.rollout.max_head_offpolicyness == 0
         if self.cfg.rollout.weight_sync == "tensors":
             named = [pair for bucket in self.actor.export_tensors(WEIGHT_BUCKET_BYTES) for pair in bucket]
-            return self.controller.update_weights_from_tensors(named, version) if self.rank == 0 else 0.0
-        weights = self.run_dir / "weights" / f"v{version:06d}"
-        self.actor.export_to_disk(str(weights))  # collective: every rank takes part in the gather
-        if self.rank != 0:
-            return 0.0
-        paused_s = self.controller.update_weights_from_disk(str(weights), version)
-        _prune_weights(self.run_dir / "weights", keep=2)
+            if self.rank != 0:
+                return 0.0
+            if not wait:  # the next optimizer step must not change what the engines are still reading
+                named = [(name, tensor.detach().clone()) for name, tensor in named]
+            pending = self.controller.update_weights_from_tensors(named, version, wait=wait)
+        else:
+            weights = self.run_dir / "weights" / f"v{version:06d}"
+            self.actor.export_to_disk(str(weights))  # collective: every rank takes part in the gather
+            if self.rank != 0:
+                return 0.0
+            pending = self.controller.update_weights_from_disk(str(weights), version, wait=wait)
+            _prune_weights(self.run_dir / "weights", keep=2)  # the two newest: the one loading now is kept
+        if wait:
+            return pending
+        self._pending_sync = pending
         return paused_s
+
+    def _finish_weight_sync(self) -> float:
+        """Wait for the weight update still running on the engines (rank 0, eta > 0); its seconds paused."""
+        pending, self._pending_sync = self._pending_sync, None
+        return 0.0 if pending is None else pending.result()
 
     def _check_weight_sync(self, engines: list[Any]) -> None:
         """``rollout.weight_sync: tensors`` needs a train engine that exports them and engines that take them."""

@@ -33,9 +33,10 @@ def rl_run(tmp_path):
         config.write_text(rl_doubles.CONFIG)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
 
-        def start(*overrides: str) -> subprocess.Popen:
+        def start(*overrides: str, extra_env: dict | None = None) -> subprocess.Popen:
             return subprocess.Popen([AREAL, "run", str(config), f"output_dir={tmp_path / 'runs'}", *overrides],
-                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                    env={**env, **(extra_env or {})}, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
 
         yield start, tmp_path / "runs" / "areal"
 
@@ -86,6 +87,27 @@ def test_async_run_respects_the_staleness_bound(rl_run):
     assert len(metrics) == 6 and all(m["staleness/token_lag_max"] <= 2 for m in metrics)
     items = [i for s in read_jsonl(runs / "async" / "samples.jsonl") for i in s["items"]]
     assert len(items) == len(set(items)) == 12
+
+
+def test_at_eta_above_0_the_trainer_trains_on_while_the_engines_load_weights(rl_run):
+    """Loading takes 0.6 s and a train step 1 s: at eta = 2 the trainer hands the weights over and trains its
+    next batch meanwhile (waiting only for the load before the next hand-over, the final checkpoint and the
+    last step), where at eta = 0 each step waits for the load."""
+    start, runs = rl_run
+    slow_load = {"AREAL_TEST_WEIGHT_LOAD_S": "0.6"}
+    finish(start("trial=overlap", "rollout.max_head_offpolicyness=2", "actor.step_s=1.0", "trainer.total_steps=4",
+                 extra_env=slow_load))
+    finish(start("trial=waits", "actor.step_s=1.0", "trainer.total_steps=4", extra_env=slow_load))
+    overlap = read_jsonl(runs / "overlap" / "metrics.jsonl")
+    waits = read_jsonl(runs / "waits" / "metrics.jsonl")
+    assert all(m["time/weight_sync_s"] >= 0.6 for m in waits)
+    assert all(m["time/weight_sync_s"] < 0.4 for m in overlap[:-1]), [m["time/weight_sync_s"] for m in overlap]
+    # Each update's pause is still reported: the previous one's at the next step, the last one at its own.
+    assert all(m["time/generation_paused_s"] >= 0.6 for m in overlap[1:]), [m["time/generation_paused_s"]
+                                                                             for m in overlap]
+    # The last step waits for its own update too (the final checkpoint sees the engines at the final weights).
+    assert overlap[-1]["time/generation_paused_s"] >= 1.2
+    assert all(m["staleness/token_lag_max"] <= 2 for m in overlap)
 
 
 def test_resume_after_a_kill_matches_an_uninterrupted_run(rl_run):

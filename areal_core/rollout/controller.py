@@ -56,6 +56,23 @@ def has_reward_variance(group: EpisodeGroup) -> bool:
     return len(set(group.rewards)) > 1
 
 
+class PendingCall:
+    """A controller call running on its loop; :meth:`result` waits for it, with the controller's timeout."""
+
+    def __init__(self, future: concurrent.futures.Future, timeout_s: float, what: str) -> None:
+        self._future, self._timeout_s, self.what = future, timeout_s, what
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> Any:
+        try:
+            return self._future.result(self._timeout_s)
+        except TimeoutError:
+            self._future.cancel()
+            raise TimeoutError(f"waited {self._timeout_s:.0f} s for the rollout controller to {self.what}") from None
+
+
 class RolloutController:
     def __init__(
         self,
@@ -178,15 +195,13 @@ class RolloutController:
         self.close()
 
     def _call(self, coro: Awaitable[Any], what: str) -> Any:
+        return self._begin(coro, what).result()
+
+    def _begin(self, coro: Awaitable[Any], what: str) -> "PendingCall":
         if self._loop is None:
             coro.close()
             raise RuntimeError("the rollout controller is not started; call start() first")
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return future.result(self.call_timeout_s)
-        except TimeoutError:
-            future.cancel()
-            raise TimeoutError(f"waited {self.call_timeout_s:.0f} s for the rollout controller to {what}") from None
+        return PendingCall(asyncio.run_coroutine_threadsafe(coro, self._loop), self.call_timeout_s, what)
 
     def _kick(self) -> None:
         if self._loop is not None:
@@ -411,10 +426,15 @@ class RolloutController:
                     raise result
                 self.pool.remove(member, f"{what} failed: {type(result).__name__}: {result}")
 
-    def update_weights(self, apply: Callable[[], Awaitable[Any]], version: int) -> float:
+    def update_weights(self, apply: Callable[[], Awaitable[Any]], version: int,
+                       wait: bool = True) -> "float | PendingCall":
         """Pause, run ``apply()`` on the loop, set ``version``, resume; nothing else inside the pause.
 
-        Returns the seconds generation was paused.
+        Returns the seconds generation was paused; with ``wait=False`` at once,
+        a :class:`PendingCall` whose ``result()`` gives them. Admission follows
+        the version set here, so a caller going on meanwhile (the trainer at
+        eta > 0, training its next batch while the servers load) never gets a
+        sample staler than the bound.
         """
         async def swap() -> float:
             began = time.monotonic()
@@ -429,23 +449,26 @@ class RolloutController:
                     await self._resume()
             return time.monotonic() - began
 
-        return self._call(swap(), f"update weights to version {version}")
+        what = f"update weights to version {version}"
+        return self._call(swap(), what) if wait else self._begin(swap(), what)
 
-    def update_weights_from_disk(self, path: str, version: int) -> float:
+    def update_weights_from_disk(self, path: str, version: int, wait: bool = True) -> "float | PendingCall":
         async def apply() -> None:
             await self._on_members(lambda e: e.update_weights_from_disk(path, version), "update_weights_from_disk")
             self._weights_path = str(path)
 
-        return self.update_weights(apply, version)
+        return self.update_weights(apply, version, wait)
 
-    def update_weights_from_tensors(self, named_tensors: list, version: int) -> float:
+    def update_weights_from_tensors(self, named_tensors: list, version: int,
+                                    wait: bool = True) -> "float | PendingCall":
         """Hand ``named_tensors`` ((name, tensor) pairs, full weights) to every routed engine; see
-        :meth:`update_weights`. Elastic: an engine that fails leaves routing, as with disk updates."""
+        :meth:`update_weights` (with ``wait=False`` the tensors must stay unchanged until the call is done).
+        Elastic: an engine that fails leaves routing, as with disk updates."""
         async def apply() -> None:
             await self._on_members(lambda e: e.update_weights_from_tensors(named_tensors, version),
                                    "update_weights_from_tensors")
 
-        return self.update_weights(apply, version)
+        return self.update_weights(apply, version, wait)
 
     # ------------------------------------------------------------ elastic topology
     @property

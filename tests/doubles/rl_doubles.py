@@ -113,6 +113,8 @@ class DiskLatencyEngineDouble(LatencyEngineDouble):
         exported = json.loads(Path(path, "weights.json").read_text())["version"]
         if exported != version:
             raise RuntimeError(f"weights at {path} are version {exported}, expected {version}")
+        # A server that takes a while to load (tests of the trainer not waiting for it at eta > 0).
+        await asyncio.sleep(float(os.environ.get("AREAL_TEST_WEIGHT_LOAD_S", "0")))
         await super().update_weights_from_disk(path, version)
 
 
