@@ -62,9 +62,6 @@ class PendingCall:
     def __init__(self, future: concurrent.futures.Future, timeout_s: float, what: str) -> None:
         self._future, self._timeout_s, self.what = future, timeout_s, what
 
-    def done(self) -> bool:
-        return self._future.done()
-
     def result(self) -> Any:
         try:
             return self._future.result(self._timeout_s)

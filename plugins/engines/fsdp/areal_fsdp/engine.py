@@ -450,12 +450,18 @@ class FSDPEngine(TrainEngine):
         bins = micro_batches(own, self.mb_max_tokens, count) if own else [[] for _ in range(count)]
         return [sorted(s for j in b for s in units[mine[j]]) for b in bins]
 
+    @property
+    def _shares_prefixes(self) -> bool:
+        """Whether micro-batches run as prefix trees: the option on, the per-sequence sdpa path (whose plan
+        carries the tree), no context parallel (its rows are split by position, not by sequence)."""
+        return (self.options.share_prefixes and self.cp == 1
+                and self.lm.config._attn_implementation == attention.PACKED_SDPA)
+
     def _units(self, batch: dict, lengths: list[int]) -> tuple[list[list[int]], list[int]]:
         """What the planner places whole: each sequence alone, or with shared prefixes on, the samples of one
         group (``group_index``) together, so their prompt is shared; costed as the tokens the model runs (the
         group's common prefix once) and cut into pieces within the micro-batch budget."""
-        if not (self.options.share_prefixes and self.cp == 1 and "group_index" in batch
-                and self.lm.config._attn_implementation == attention.PACKED_SDPA):
+        if not (self._shares_prefixes and "group_index" in batch):
             return [[i] for i in range(len(lengths))], lengths
         ids = to_tensor("input_ids", batch["input_ids"])
         starts = list(cumsum([0] + lengths))
@@ -525,7 +531,7 @@ class FSDPEngine(TrainEngine):
         starts[mb["cu_seqlens"][:-1]] = True
         impl = self.lm.config._attn_implementation
         extra: dict = {}
-        if impl == attention.PACKED_SDPA and self.options.share_prefixes:
+        if self._shares_prefixes:
             shared = share_prefixes(mb["input_ids"], mb["position_ids"], lens)
             if shared is not None:
                 return self._forward_shared(mb, shared, starts, temperature, only)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from areal_core.train_batches import cumsum
 from areal_fsdp.attention import PADDING_SLACK, buckets
 
 # A node repeated by fewer tokens than this is not shared: its tokens are repeated in each child instead.
@@ -83,8 +84,12 @@ class SharedRow:
     input_ids: torch.Tensor     # [Tc] the row the model runs
     position_ids: torch.Tensor  # [Tc]
     scorer: torch.Tensor        # [T] row position whose hidden state scores token t of the batch (0 at starts)
-    units: list[tuple[int, int, int]]  # per segment: (first row position, tokens, tokens of its ancestors)
+    units: list[tuple[int, int]]  # per segment: (first row position, tokens)
     keys: list[torch.Tensor]    # per segment: the row positions it attends (ancestors', then its own)
+
+    def above(self, u: int) -> int:
+        """Tokens of segment ``u``'s ancestors (the keys it attends before its own)."""
+        return len(self.keys[u]) - self.units[u][1]
 
     @property
     def saved(self) -> int:
@@ -96,9 +101,7 @@ def share_prefixes(input_ids: torch.Tensor, position_ids: torch.Tensor, lens: li
                    min_saved: int = MIN_SAVED) -> SharedRow | None:
     """The micro-batch (``input_ids`` / ``position_ids`` [T] holding sequences of ``lens``) laid out as a
     prefix tree, or None when no segment would save ``min_saved`` tokens."""
-    bounds = [0]
-    for n in lens:
-        bounds.append(bounds[-1] + n)
+    bounds = list(cumsum([0, *lens]))
     both = torch.stack([input_ids.to(torch.long).cpu(), position_ids.to(torch.long).cpu()])
     rows = [both[:, a:b] for a, b in zip(bounds[:-1], bounds[1:])]
     firsts: dict[tuple, list[int]] = {}
@@ -106,7 +109,7 @@ def share_prefixes(input_ids: torch.Tensor, position_ids: torch.Tensor, lens: li
         firsts.setdefault(tuple(row[:, 0].tolist()), []).append(i)
     ids: list[torch.Tensor] = []
     pos: list[torch.Tensor] = []
-    units: list[tuple[int, int, int]] = []
+    units: list[tuple[int, int]] = []
     keys: list[torch.Tensor] = []
     scorer = torch.zeros(bounds[-1], dtype=torch.long)
     at = 0
@@ -126,7 +129,7 @@ def share_prefixes(input_ids: torch.Tensor, position_ids: torch.Tensor, lens: li
         ids.append(rows[node.rep][0, start:node.end])
         pos.append(rows[node.rep][1, start:node.end])
         context = torch.cat(above + [here])
-        units.append((at, node.end - start, sum(len(a) for a in above)))
+        units.append((at, node.end - start))
         keys.append(context)
         at += node.end - start
         for m in node.ends:
@@ -152,7 +155,7 @@ def attention_plan(row: SharedRow, device: torch.device | str = "cpu") -> list[t
     only, so no softmax row is empty.
     """
     plan = []
-    roots = [u for u, (_, _, above) in enumerate(row.units) if above == 0]
+    roots = [u for u in range(len(row.units)) if row.above(u) == 0]
     lens = [row.units[u][1] for u in roots]
     for bucket in buckets(lens):
         longest = lens[bucket[0]]
@@ -160,7 +163,7 @@ def attention_plan(row: SharedRow, device: torch.device | str = "cpu") -> list[t
         dst = torch.cat([torch.arange(lens[i]) + r * longest for r, i in enumerate(bucket)])
         plan.append((len(bucket), longest, longest, src.to(device), dst.to(device), src.to(device),
                      dst.to(device), None))
-    inner = sorted((u for u, (_, _, above) in enumerate(row.units) if above > 0),
+    inner = sorted((u for u in range(len(row.units)) if row.above(u) > 0),
                    key=lambda u: -len(row.keys[u]) * row.units[u][1])
     while inner:
         # A bucket grows while its padded cost stays within PADDING_SLACK of the exact one.
@@ -179,7 +182,7 @@ def attention_plan(row: SharedRow, device: torch.device | str = "cpu") -> list[t
         mask = torch.zeros(len(bucket), 1, q_len, k_len, dtype=torch.bool)
         q_src, q_dst, k_src, k_dst = [], [], [], []
         for r, u in enumerate(bucket):
-            first, n, above = row.units[u]
+            (first, n), above = row.units[u], row.above(u)
             q_src.append(torch.arange(first, first + n))
             q_dst.append(torch.arange(n) + r * q_len)
             k_src.append(row.keys[u])
