@@ -330,3 +330,28 @@ def test_a_request_failing_everywhere_is_an_error_not_an_outage():
                 step(ctrl, data)
         survivors = ctrl.topology.size
     assert survivors >= 2  # a probe succeeds between failures: the servers stay
+
+
+class TensorEngineDouble(DyingEngineDouble):
+    """Test double: also takes weights as tensors (one engine at a time: no shared weight-update group)."""
+
+    capabilities = frozenset({"pause", "update_weights_from_disk", "update_weights_from_tensors"})
+
+    async def update_weights_from_tensors(self, named_tensors, version):
+        self._check()
+        self._version = version
+
+
+def test_a_join_after_a_tensor_update_never_loads_the_older_weights_on_disk():
+    """The latest disk folder is one version behind after an update by tensors: a joiner loading it would
+    serve those older weights stamped with the current version. It is refused, naming why."""
+    data = items(100, seed=4, max_length=6)
+    a, late = TensorEngineDouble("a:1"), TensorEngineDouble("late:1")
+    with controller([a], elastic=ElasticConfig(**FAST)) as ctrl:
+        step(ctrl, data)  # version 1 from disk
+        ctrl.prepare_batch(data, timeout=30)
+        ctrl.update_weights_from_tensors([("w", 0.5)], 2)
+        assert a.version == 2
+        with pytest.raises(RuntimeError, match="could not join"):
+            ctrl.add_engine(late)
+        assert late.version == 0 and ctrl.topology.members == ("a:1",)

@@ -35,8 +35,9 @@ from areal_core.api.inference import InferenceEngine
 from areal_core.api.workflow import Workflow
 from areal_core.rollout.batch import EpisodeGroup
 from areal_core.rollout.elastic import (DOWN, JOINING, ElasticConfig, EngineLost, EnginePool, HealthMonitor, Member,
-                                         Topology, settle)
+                                         NoEngineError, Topology, settle)
 from areal_core.rollout.interruptible import ENGINE_FAILURES, InterruptibleEngine
+from areal_core.rollout.weight_group import FleetWeightGroup, GroupMemberFailed
 from areal_core.rollout.staleness import StalenessManager
 
 ShouldAccept = Callable[[EpisodeGroup], bool]
@@ -95,6 +96,7 @@ class RolloutController:
         self.pool: EnginePool | None = None
         self.monitor: HealthMonitor | None = None
         self._weights_path: str | None = None  # the latest weights on disk: joining servers load them
+        self.weight_group: FleetWeightGroup | None = None  # one group over every routed server, when they share one
         self.workflow = workflow
         self.should_accept = should_accept
         self.request_timeout_s = request_timeout_s
@@ -168,6 +170,8 @@ class RolloutController:
             await asyncio.gather(*self._tasks, return_exceptions=True)
             if self.monitor is not None:
                 await self.monitor.stop()
+            if self.weight_group is not None:
+                await self.weight_group.close(self.pool.active())
             # what is left (evaluation episodes, their engine calls) ends before the loop does
             others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for task in others:
@@ -460,12 +464,50 @@ class RolloutController:
                                     wait: bool = True) -> "float | PendingCall":
         """Hand ``named_tensors`` ((name, tensor) pairs, full weights) to every routed engine; see
         :meth:`update_weights` (with ``wait=False`` the tensors must stay unchanged until the call is done).
-        Elastic: an engine that fails leaves routing, as with disk updates."""
+
+        Engines whose class offers ``fleet_weight_group(engines)`` (every routed one) share ONE weight-update
+        group, rebuilt at each topology version (:mod:`areal_core.rollout.weight_group`): each bucket is
+        broadcast once for all. Others take the tensors one engine at a time. Elastic: an engine that fails
+        leaves routing, as with disk updates; over a shared group the update then starts again over the
+        group of the servers left, never waiting for the one that failed.
+        """
         async def apply() -> None:
-            await self._on_members(lambda e: e.update_weights_from_tensors(named_tensors, version),
-                                   "update_weights_from_tensors")
+            group = self._shared_weight_group()
+            if group is None:
+                await self._on_members(lambda e: e.update_weights_from_tensors(named_tensors, version),
+                                       "update_weights_from_tensors")
+            else:
+                await self._update_over_group(group, named_tensors, version)
+            self._weights_path = None  # the weights now loaded are on no disk: a joiner cannot load them
 
         return self.update_weights(apply, version, wait)
+
+    def _shared_weight_group(self) -> FleetWeightGroup | None:
+        """The fleet's weight-update group when every routed engine is of one class that offers the hook."""
+        kinds = {type(m.engine) for m in self.pool.active()}
+        hook = getattr(next(iter(kinds)), "fleet_weight_group", None) if len(kinds) == 1 else None
+        if hook is None:
+            return None
+        if self.weight_group is None:
+            self.weight_group = hook([m.engine for m in self.pool.active()])
+        return self.weight_group
+
+    async def _update_over_group(self, group: FleetWeightGroup, named_tensors: Any, version: int) -> None:
+        named = named_tensors if isinstance(named_tensors, (list, tuple)) else list(named_tensors)  # may go twice
+        for _ in range(len(self.pool.members) + 1):  # each retry follows a server leaving: bounded
+            members = self.pool.active()
+            if not members:
+                raise NoEngineError(f"no inference server is left to take the weights of version {version}")
+            try:
+                await group.update(members, self.pool.topology.version, named, version)
+                return
+            except GroupMemberFailed as failed:
+                cause = failed.cause
+                if self.elastic is None or not isinstance(cause, (*ENGINE_FAILURES, EngineLost)):
+                    raise cause from None
+                self.pool.remove(failed.member, f"update_weights_from_tensors failed: {type(cause).__name__}: "
+                                                f"{cause}")  # a new topology version: the next try rebuilds
+        raise RuntimeError(f"update_weights_from_tensors to version {version} failed on every inference server")
 
     # ------------------------------------------------------------ elastic topology
     @property
@@ -492,8 +534,9 @@ class RolloutController:
             return
         if self._weights_path is None:
             raise RuntimeError(f"a server joining at version {self._version} (it has {engine.version}) needs the "
-                               "current weights from disk, but no update_weights_from_disk happened yet; elastic "
-                               "joins after the first update need rollout.weight_sync=disk")
+                               "current weights from disk, but they are on no disk (no update_weights_from_disk "
+                               "yet, or the latest update came as tensors); elastic joins after the first update "
+                               "need rollout.weight_sync=disk")
         await engine.update_weights_from_disk(self._weights_path, self._version)
 
     def add_engine(self, engine: InferenceEngine, timeout_s: float | None = None) -> Topology:
