@@ -7,11 +7,15 @@ What SGLang adds to :class:`areal_core.remote.RemoteEngine`:
   as ``rid``;
 - pause through ``/pause_generation`` (mode ``abort``: in-flight requests end
   with ``finish_reason.type == "abort"`` and their tokens so far, which the
-  controller continues), resume through ``/continue_generation``;
+  controller continues), resume through ``/continue_generation`` after cutting
+  off the requests SGLang held while paused (see :meth:`SGLangEngine.resume`);
 - weights from a safetensors folder through ``/update_weights_from_disk``;
-  from tensors over a process group (``/init_weights_update_group`` once,
-  then per bucket ``/update_weights_from_distributed`` while the trainer
-  broadcasts the bucket's tensors; the next bucket is prepared meanwhile);
+  from tensors over ONE process group shared by every routed server
+  (:class:`areal_core.rollout.weight_group.FleetWeightGroup`: the trainer is
+  rank 0, each server's ``t`` workers join at their ``rank_offset``; rebuilt at
+  every topology version): this engine only makes the HTTP calls
+  (``/init_weights_update_group``, per bucket ``/update_weights_from_distributed``
+  while the trainer broadcasts, ``/destroy_weights_update_group``);
 - the recipe the launcher uses to start a server from its own interpreter.
 
 SGLang serves on GPUs only (its CPU kernels are not on PyPI). This engine is
@@ -25,14 +29,12 @@ import asyncio
 import os
 import sys
 from dataclasses import dataclass, field
-from itertools import count
 from typing import Any, Iterable
 
 from areal_core.api import GenerationRequest, GenerationResponse, ServerProcess
-from areal_core.launch.supervisor import free_port
-from areal_core.remote import (RemoteEngine, attach_addresses, check_server_version, http_ready, layer_buckets,
-                               send_pipelined)
-from areal_sglang.weight_group import WeightGroup
+from areal_core.remote import RemoteEngine, attach_addresses, check_server_version, http_ready
+from areal_core.rollout.elastic import Member
+from areal_core.rollout.weight_group import FleetWeightGroup, GroupLayout, GroupMemberFailed
 
 SUPPORTED = ">=0.5.0,<0.6"
 SUPPORTED_TEXT = "SGLang >=0.5.0,<0.6 (its /pause_generation takes a mode from 0.5)"
@@ -80,9 +82,6 @@ def server_argv(python: str, model: str, port: int, options: SGLangEngineConfig,
             "--mem-fraction-static", str(options.mem_fraction_static), *map(str, options.extra_args)]
 
 
-_groups = count()  # weight-update group names are unique in this process
-
-
 class SGLangEngine(RemoteEngine):
     backend = "SGLang server"
     capabilities = frozenset({"pause", "seed", "update_weights_from_disk", "update_weights_from_tensors"})
@@ -119,13 +118,20 @@ class SGLangEngine(RemoteEngine):
         self.weight_group_backend = weight_group_backend
         self.weight_group_host = weight_group_host
         self.tensor_parallel = tensor_parallel
-        self._group: WeightGroup | None = None
+        self._server_tp: int | None = None  # the server's own tp_size (/get_server_info), once started
+        self._own_group: FleetWeightGroup | None = None  # this engine alone, for calls outside a controller
+        self._own_member: Member | None = None
+        self._generating: set[asyncio.Future] = set()  # /generate calls not answered yet
+        self._dropped: set[asyncio.Future] = set()  # of those, the ones resume() cut off (see resume)
+        self._paused = False
 
     async def start(self) -> None:
         await self.wait_ready()
         info = await self.request("GET", "/get_server_info")
         self.server_version = str(info.get("version", ""))
         check_version(self.server_version)
+        tp = info.get("tp_size")
+        self._server_tp = int(tp) if isinstance(tp, int) and tp >= 1 else None
 
     async def agenerate(self, request: GenerationRequest) -> GenerationResponse:
         s = request.sampling
@@ -138,9 +144,20 @@ class SGLangEngine(RemoteEngine):
         if s.seed is not None:
             sampling["sampling_seed"] = s.seed
         version = self._version
-        out = await self.request("POST", "/generate", json={
+        call = asyncio.ensure_future(self.request("POST", "/generate", json={
             "input_ids": list(request.input_ids), "sampling_params": sampling, "return_logprob": True,
-            "rid": request.rid}, retries=0)
+            "rid": request.rid}, retries=0))
+        self._generating.add(call)
+        try:
+            out = await call
+        except asyncio.CancelledError:
+            if call not in self._dropped:
+                raise  # the caller itself was cancelled
+            # cut off by resume(): nothing generated that may be trusted; the controller continues it
+            return GenerationResponse(request.rid, request.input_ids, [], [], [], "abort")
+        finally:
+            self._generating.discard(call)
+            self._dropped.discard(call)
         meta = out.get("meta_info") or {}
         pairs = meta.get("output_token_logprobs") or []  # [[logprob, token_id, text-or-null], ...]
         ids = [int(p[1]) for p in pairs]
@@ -156,79 +173,84 @@ class SGLangEngine(RemoteEngine):
                                   [version] * len(ids), reason)
 
     async def pause(self) -> None:
+        self._paused = True
         await self.request("POST", "/pause_generation", json={"mode": "abort"})
 
     async def resume(self) -> None:
+        """``/continue_generation``, after cutting off every /generate call still unanswered.
+
+        SGLang holds a request that reaches it while paused (its tokenizer
+        manager's ``generate_request`` waits on ``is_pause_cond`` until
+        ``continue_generation``) and then runs it under the new weights, while
+        this client would stamp its tokens with the version it was sent at.
+        ``/abort_request`` cannot reach it (it is not in the scheduler yet), so
+        the client drops the HTTP call instead: it comes back as an empty
+        ``abort`` and the controller continues it at the new version. SGLang
+        aborts a request whose client has gone. Any call still unanswered now
+        was sent before this resume, and mode ``abort`` ended everything that
+        was running, so only such held calls (or an abort answer still in
+        transit, whose tokens are simply generated again) are cut off.
+        """
+        if self._paused:
+            for call in list(self._generating):
+                self._dropped.add(call)
+                call.cancel()
         await self.request("POST", "/continue_generation", json={})
+        self._paused = False
 
     async def update_weights_from_disk(self, path: str, version: int) -> None:
         out = await self.request("POST", "/update_weights_from_disk", json={"model_path": str(path)})
         self._succeeded(out, f"load weights from {path}")
         self._version = version
 
+    # -------------------------------------------------------------- weights over a process group
+    @classmethod
+    def fleet_weight_group(cls, engines: list[SGLangEngine]) -> FleetWeightGroup:
+        """The rollout controller's hook: one weight-update group for all of ``engines`` (every routed SGLang
+        server), rank 0 on this machine, rebuilt by the controller at each topology version."""
+        first = engines[0]
+        return FleetWeightGroup(host=first.weight_group_host, backend=first.weight_group_backend,
+                                bucket_bytes=int(first.weight_bucket_mb * 2**20), timeout_s=first.request_timeout_s)
+
+    @property
+    def weight_group_ranks(self) -> int:
+        """The ranks this server joins a weight-update group with: its tensor-parallel workers."""
+        return self._server_tp or self.tensor_parallel
+
     async def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
-        """Broadcast the tensors to the server's ranks in buckets of whole layers (about ``weight_bucket_mb``).
+        """Broadcast the tensors to this server alone, in buckets of whole layers (about ``weight_bucket_mb``).
 
-        Per bucket, ``/update_weights_from_distributed`` names the tensors
-        (names, dtypes, shapes) while this process broadcasts them over the
-        weight-update group; the next bucket is made contiguous (and moved to
-        the GPU for nccl) meanwhile. A failed update drops the group: the next
-        update makes a fresh one, since a broadcast cut half-way leaves it
-        unusable.
+        Under a rollout controller every routed server shares one group
+        instead (:meth:`fleet_weight_group`); this call keeps a group of its
+        own (1 + t ranks), made at the first call and destroyed at
+        :meth:`aclose` or after a failed update.
         """
-        group = self._group or await self._join_group()
-        device = "cuda" if self.weight_group_backend == "nccl" else "cpu"
-
-        def ready(bucket: dict[str, Any]) -> dict[str, Any]:
-            return {name: t.to(device).contiguous() for name, t in bucket.items()}
-
-        async def prepare(bucket: dict[str, Any]) -> dict[str, Any]:
-            return await asyncio.to_thread(ready, bucket)
-
-        async def send(bucket: dict[str, Any]) -> None:
-            body = {"names": list(bucket), "dtypes": [str(t.dtype).removeprefix("torch.") for t in bucket.values()],
-                    "shapes": [list(t.shape) for t in bucket.values()], "group_name": group.name,
-                    "flush_cache": True}
-            await self._together(
-                self.request("POST", "/update_weights_from_distributed", json=body, retries=0),
-                asyncio.to_thread(group.broadcast, list(bucket.values())),
-                f"load a weight bucket ({len(bucket)} tensors, the first {body['names'][0]!r})")
-
+        if self._own_group is None:
+            self._own_group = type(self).fleet_weight_group([self])
+            self._own_member = Member(self, self.address)
         try:
-            await send_pipelined(layer_buckets(named_tensors, int(self.weight_bucket_mb * 2**20)), prepare, send)
-        except BaseException:
-            self._group = None  # never reused after a broadcast that may have stopped half-way
-            raise
-        self._version = version
+            await self._own_group.update([self._own_member], 0, named_tensors, version)
+        except GroupMemberFailed as failed:
+            raise failed.cause from None  # the one member is this engine: its own error names the server
 
-    async def _join_group(self) -> WeightGroup:
-        """Make the weight-update group with the server (``/init_weights_update_group``), waiting for both sides."""
-        group = WeightGroup(f"areal-weights-{os.getpid()}-{next(_groups)}", self.weight_group_host,
-                            free_port(self.weight_group_host), 1 + self.tensor_parallel, self.weight_group_backend,
-                            self.request_timeout_s)
-        await self._together(
-            self.request("POST", "/init_weights_update_group", json={
-                "master_address": group.host, "master_port": group.port, "rank_offset": 1,
-                "world_size": group.world_size, "group_name": group.name, "backend": group.backend}, retries=0),
-            asyncio.to_thread(group.connect), f"join weight-update group {group.name!r}")
-        self._group = group
-        return group
+    async def join_weight_group(self, layout: GroupLayout, rank_offset: int) -> None:
+        out = await self.request("POST", "/init_weights_update_group", json={
+            "master_address": layout.host, "master_port": layout.port, "rank_offset": rank_offset,
+            "world_size": layout.world_size, "group_name": layout.name, "backend": layout.backend}, retries=0)
+        self._succeeded(out, f"join weight-update group {layout.name!r}")
 
-    async def _together(self, answer: Any, work: Any, what: str) -> None:
-        """Await a request to the server and the local ``work`` that pairs with it (a broadcast, joining the
-        group). A refusal is raised at once: the local side would wait for a server that gave up."""
-        answer, work = asyncio.ensure_future(answer), asyncio.ensure_future(work)
-        try:
-            await asyncio.wait({answer, work}, return_when=asyncio.FIRST_EXCEPTION)
-            if answer.done():
-                self._succeeded(answer.result(), what)
-            await work
-            self._succeeded(await answer, what)
-        finally:
-            answer.cancel()  # when the local side failed first
-            # When the server refused first, the local side ends by its own timeout, later: its failure is
-            # expected then, and retrieved here so that it is not reported as never retrieved.
-            work.add_done_callback(lambda f: f.cancelled() or f.exception())
+    async def receive_weight_bucket(self, layout: GroupLayout, names: list[str], dtypes: list[str],
+                                    shapes: list[list[int]]) -> None:
+        out = await self.request("POST", "/update_weights_from_distributed", json={
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": layout.name, "flush_cache": True},
+            retries=0)
+        self._succeeded(out, f"load a weight bucket ({len(names)} tensors, the first {names[0]!r}) over "
+                             f"{layout.name!r}")
+
+    async def leave_weight_group(self, layout: GroupLayout) -> None:
+        out = await self.request("POST", "/destroy_weights_update_group", json={"group_name": layout.name},
+                                 retries=0, timeout=30)
+        self._succeeded(out, f"destroy weight-update group {layout.name!r}")
 
     def _succeeded(self, out: Any, what: str) -> None:
         if not (isinstance(out, dict) and out.get("success", False)):
@@ -236,12 +258,7 @@ class SGLangEngine(RemoteEngine):
             raise RuntimeError(f"the {self.describe()} could not {what}: {message}")
 
     async def aclose(self) -> None:
-        if self._group is not None:
-            group, self._group = self._group, None
-            try:
-                await self.request("POST", "/destroy_weights_update_group", json={"group_name": group.name},
-                                   retries=0, timeout=30)
-            except (ConnectionError, TimeoutError, RuntimeError, ValueError):
-                pass  # the server is gone or already forgot the group; nothing to release on its side
-            group.close()
+        if self._own_group is not None:
+            group, self._own_group = self._own_group, None
+            await group.close([self._own_member])
         await super().aclose()

@@ -9,11 +9,27 @@ answers ``output_ids`` and ``meta_info`` with ``output_token_logprobs`` as
 ``/pause_generation`` (mode ``abort``), ``/continue_generation``,
 ``/abort_request``, ``/update_weights_from_disk`` (``model_path``),
 ``/init_weights_update_group`` (``master_address``, ``master_port``,
-``rank_offset``, ``world_size``, ``group_name``, ``backend``: it joins a real
-torch.distributed gloo group as rank ``rank_offset``),
+``rank_offset``, ``world_size``, ``group_name``, ``backend``: its ``--tp``
+workers join a real torch.distributed gloo group as ranks ``rank_offset`` ..
+``rank_offset + tp - 1``, as SGLang's ``ModelRunner.init_weights_update_group``
+computes ``rank = rank_offset + tp_rank``; a name it holds already is refused,
+as SGLang does: "group ... already exists"),
 ``/update_weights_from_distributed`` (``names``, ``dtypes``, ``shapes``,
-``group_name``: it receives each tensor by broadcast from rank 0),
-``/destroy_weights_update_group``, ``/get_server_info`` (``version``), ``/health``.
+``group_name``: every rank receives each tensor by broadcast from rank 0; a
+group name it does not hold is refused),
+``/destroy_weights_update_group``, ``/get_server_info`` (``version``,
+``tp_size``; and, for tests only, ``groups``: name -> world size and ranks),
+``/health``. A ``world_size`` that does not match the ranks that join fails
+the way torch fails: the rendezvous waits, then times out.
+
+Pause as SGLang does it (``TokenizerManager.pause_generation`` /
+``generate_request`` in ``python/sglang/srt/managers/tokenizer_manager.py``):
+mode ``abort`` aborts what is running and waits until nothing runs; a
+``/generate`` that arrives while paused is HELD (``generate_request`` waits on
+``is_pause_cond`` until ``continue_generation``) and then runs under whatever
+weights are loaded by then. A held request whose client has gone is aborted
+when it is let through (SGLang notices disconnected clients while it waits
+for a request's output).
 
 Tokens are a deterministic function of (weights, context, position),
 decoded at ``token_latency_s`` each, so pausing mid-request and continuing
@@ -68,36 +84,55 @@ def load_folder(path: str) -> dict | None:
     return tensors
 
 
-def join_group(body: dict):
+def join_group(body: dict, tp: int, timeout_s: float) -> list:
+    """The server's ``tp`` ranks joined to the group (one thread each: a rank's rendezvous waits for all)."""
     import datetime
+    from concurrent.futures import ThreadPoolExecutor
 
     import torch.distributed as dist
 
-    timeout = datetime.timedelta(seconds=60)
-    store = dist.TCPStore(body["master_address"], int(body["master_port"]), int(body["world_size"]),
-                          is_master=False, timeout=timeout)
-    return store, dist.ProcessGroupGloo(dist.PrefixStore(body["group_name"], store), int(body["rank_offset"]),
-                                        int(body["world_size"]), timeout)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    world, offset = int(body["world_size"]), int(body["rank_offset"])
+
+    def join(rank: int):
+        store = dist.TCPStore(body["master_address"], int(body["master_port"]), world, is_master=False,
+                              timeout=timeout)
+        return rank, store, dist.ProcessGroupGloo(dist.PrefixStore(body["group_name"], store), rank, world, timeout)
+
+    with ThreadPoolExecutor(tp) as pool:
+        return list(pool.map(join, range(offset, offset + tp)))
 
 
-def receive(group, names: list, dtypes: list, shapes: list) -> dict:
+def receive(ranks: list, names: list, dtypes: list, shapes: list) -> dict:
+    """Every rank receives every tensor (a real server keeps its shard; the double keeps rank 0's copy and
+    checks that the ranks agree)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import torch
     import torch.distributed as dist
 
-    tensors = {}
-    for name, dtype, shape in zip(names, dtypes, shapes):
-        tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-        options = dist.BroadcastOptions()
-        options.rootRank = 0
-        group.broadcast([tensor], options).wait()
-        tensors[name] = tensor
-    return tensors
+    def on(rank) -> dict:
+        tensors = {}
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+            options = dist.BroadcastOptions()
+            options.rootRank = 0
+            rank[2].broadcast([tensor], options).wait()
+            tensors[name] = tensor
+        return tensors
+
+    with ThreadPoolExecutor(len(ranks)) as pool:
+        copies = list(pool.map(on, ranks))
+    if any(digest(c) != digest(copies[0]) for c in copies[1:]):
+        raise RuntimeError("the server's ranks received different tensors")
+    return copies[0]
 
 
-def build_app(version: str = "0.5.23", token_latency_s: float = 0.002, eos: int = 2) -> FastAPI:
+def build_app(version: str = "0.5.23", token_latency_s: float = 0.002, eos: int = 2, tp: int = 1,
+              group_timeout_s: float = 60.0) -> FastAPI:
     app = FastAPI()
     state = {"weights": "initial", "paused": False, "aborted": set(), "running": 0, "requests": 0,
-             "tensors": {}, "groups": {}, "buckets": 0}
+             "tensors": {}, "groups": {}, "buckets": 0, "held": 0}
     resumed = asyncio.Event()
     resumed.set()
 
@@ -107,8 +142,10 @@ def build_app(version: str = "0.5.23", token_latency_s: float = 0.002, eos: int 
 
     @app.get("/get_server_info")
     async def server_info():
-        return {"version": version, "weights": state["weights"], "requests": state["requests"],
-                "buckets": state["buckets"], "groups": sorted(state["groups"])}
+        return {"version": version, "tp_size": tp, "weights": state["weights"], "requests": state["requests"],
+                "buckets": state["buckets"], "held": state["held"],
+                "groups": {name: {"world_size": world, "ranks": [r[0] for r in ranks]}
+                           for name, (world, ranks) in state["groups"].items()}}
 
     @app.post("/generate")
     async def generate(request: Request):
@@ -119,7 +156,11 @@ def build_app(version: str = "0.5.23", token_latency_s: float = 0.002, eos: int 
         params = body.get("sampling_params") or {}
         rid = body.get("rid") or f"r{state['requests']}"
         state["requests"] += 1
-        await resumed.wait()
+        if not resumed.is_set():  # held until /continue_generation, as SGLang's is_pause_cond does
+            state["held"] += 1
+            await resumed.wait()
+            if await request.is_disconnected():
+                return JSONResponse({"error": {"message": "client disconnected"}}, 499)
         out: list[int] = []
         finish: dict = {"type": "length", "length": params.get("max_new_tokens", 16)}
         state["running"] += 1
@@ -181,8 +222,12 @@ def build_app(version: str = "0.5.23", token_latency_s: float = 0.002, eos: int 
         body = await request.json()
         if body.get("backend", "nccl") != "gloo":
             return {"success": False, "message": f"the double joins gloo groups only, not {body.get('backend')!r}"}
+        if body.get("group_name") in state["groups"]:
+            return {"success": False, "message": f"Failed to init process group: group {body['group_name']!r} "
+                    "already exists"}
         try:
-            state["groups"][body["group_name"]] = await asyncio.to_thread(join_group, body)
+            ranks = await asyncio.to_thread(join_group, body, tp, group_timeout_s)
+            state["groups"][body["group_name"]] = (int(body["world_size"]), ranks)
         except Exception as exc:
             return {"success": False, "message": f"Failed to init process group: {type(exc).__name__}: {exc}"}
         return {"success": True, "message": "Succeeded to initialize custom process group."}
@@ -193,7 +238,10 @@ def build_app(version: str = "0.5.23", token_latency_s: float = 0.002, eos: int 
         joined = state["groups"].get(body.get("group_name"))
         if joined is None:
             return {"success": False, "message": f"no weights update group named {body.get('group_name')!r}"}
-        received = await asyncio.to_thread(receive, joined[1], body["names"], body["dtypes"], body["shapes"])
+        try:
+            received = await asyncio.to_thread(receive, joined[1], body["names"], body["dtypes"], body["shapes"])
+        except Exception as exc:
+            return {"success": False, "message": f"Failed to update parameter online: {type(exc).__name__}: {exc}"}
         state["tensors"] = {**state["tensors"], **received}
         state["weights"] = digest(state["tensors"])
         state["buckets"] += 1
@@ -214,8 +262,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--version", default="0.5.23")
     parser.add_argument("--token-latency-s", type=float, default=0.002)
+    parser.add_argument("--tp", type=int, default=1, help="ranks the double joins a weight-update group with")
+    parser.add_argument("--group-timeout-s", type=float, default=60.0)
     args = parser.parse_args()
-    uvicorn.run(build_app(args.version, args.token_latency_s), host="127.0.0.1", port=args.port, log_level="warning")
+    uvicorn.run(build_app(args.version, args.token_latency_s, tp=args.tp, group_timeout_s=args.group_timeout_s),
+                host="127.0.0.1", port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -85,6 +85,38 @@ def test_continuation_after_pause_gives_the_uninterrupted_tokens(fleet):
     assert part.output_logprobs + rest.output_logprobs == whole.output_logprobs
 
 
+def test_a_request_that_arrives_while_paused_never_carries_the_old_version(fleet):
+    """SGLang holds a request that reaches it while paused and runs it after /continue_generation, under the
+    new weights (the double does the same). Such a request (in transit when the controller paused) must not
+    come back with tokens stamped with the version it was sent at: it comes back aborted and empty, to be
+    continued at the new version."""
+    async def body():
+        engine = SGLangEngine(None, fleet.servers[0].address)
+        await engine.start()
+        try:
+            await engine.pause()
+            held_before = (await engine.request("GET", "/get_server_info"))["held"]
+            late = asyncio.ensure_future(engine.agenerate(GenerationRequest(PROMPT, SamplingParams(
+                max_new_tokens=16))))
+            await asyncio.sleep(0.3)  # it reaches the server and is held there
+            assert not late.done(), f"a request sent while paused was answered: {late.result()}"
+            held = (await engine.request("GET", "/get_server_info"))["held"] - held_before
+            await engine.update_weights_from_disk("/weights/after-pause", engine.version + 1)
+            await engine.resume()
+            late = await asyncio.wait_for(late, 30)
+            after = await engine.agenerate(GenerationRequest(PROMPT, SamplingParams(max_new_tokens=4)))
+            return held, late, after, engine.version
+        finally:
+            await engine.aclose()
+
+    held, late, after, version = run(body())
+    assert held == 1, "the request did not reach the server while it was paused: the test tested nothing"
+    assert late.stop_reason == "abort" or set(late.output_versions) <= {version}, (
+        f"{len(late.output_ids)} tokens generated after the update to version {version} carry "
+        f"{sorted(set(late.output_versions))}")
+    assert set(after.output_versions) == {version} and len(after.output_ids) == 4  # resumed for real
+
+
 def test_weights_from_disk_change_tokens_and_version(fleet):
     async def body():
         engine = SGLangEngine(None, fleet.servers[0].address)
@@ -137,20 +169,8 @@ def test_entry_point_resolves():
     assert resolve("inference_engine", "sglang") is SGLangEngine
 
 
-def weights(seed: int) -> dict:
-    """A small Llama-shaped state dict in bfloat16: embeddings, 3 decoder layers, final norm."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    tensors = {"model.embed_tokens.weight": torch.randn(32, 64, generator=g).bfloat16()}
-    for i in range(3):
-        for part in ("self_attn.qkv_proj", "mlp.gate_up_proj"):
-            tensors[f"model.layers.{i}.{part}.weight"] = torch.randn(64, 64, generator=g).bfloat16()
-    tensors["model.norm.weight"] = torch.randn(64, generator=g).bfloat16()
-    return tensors
-
-
-def test_weights_over_a_process_group_equal_the_same_weights_from_disk(fleet, tmp_path):
+def test_weights_over_a_process_group_equal_the_same_weights_from_disk(fleet, tmp_path, make_weights):
+    weights = make_weights
     from safetensors.torch import save_file
 
     folders = {}
@@ -188,7 +208,7 @@ def test_weights_over_a_process_group_equal_the_same_weights_from_disk(fleet, tm
     assert set(over_group.output_versions) == {3}
     assert info["buckets"] - before == 8  # 4 buckets per update, 2 updates
     assert len(info["groups"]) == 1, "a second update made a second group"
-    assert closed["groups"] == [], "aclose() left the weight-update group on the server"
+    assert closed["groups"] == {}, "aclose() left the weight-update group on the server"
 
 
 def test_a_refused_weight_group_is_a_clear_error_not_a_hang(fleet):
