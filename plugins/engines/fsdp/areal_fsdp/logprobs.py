@@ -18,10 +18,25 @@ back. Two pieces make that row behave like separate sequences:
 for every token ``t`` but the first of each sequence, which gets 0.0
 (:func:`next_token_logprobs` is the same with the targets given per
 position, for rows whose positions are not contiguous). The
-logits are computed in float32 ``chunk`` positions at a time; with grad each
-chunk runs under activation checkpointing, so only ``h`` is kept and the
-[chunk, V] float32 logits are recomputed in backward: the full-vocabulary
-logits of the whole micro-batch never exist at once.
+logits are computed in float32 ``chunk`` positions at a time, and with grad
+only ``h`` and two floats per position are kept: the [chunk, V] logits are
+recomputed in backward, so the full-vocabulary logits of the whole
+micro-batch never exist at once.
+
+With grad, a chunk goes through :class:`VocabLogprobs`, whose backward is
+written out (below) instead of being autograd's trace of the forward. For a
+small model this vocabulary-wide float32 work is a large share of a train
+step, and autograd's version of it (a checkpointed chunk: the forward run
+twice, then the backward of logsumexp, softmax, product and sum, each a
+pass over [chunk, V]) made ~25 passes over the logits where this makes ~12.
+With ``z = logits / tau``, ``lse = logsumexp(z)``, ``p = exp(z - lse)`` and
+``E[z] = sum_v p_v z_v = lse - H``:
+
+    d logp / dz = onehot(x) - p
+    d H / dz    = -p * (z - E[z])
+
+so ``dL/dz = g_lp * onehot(x) - p * (g_lp + g_H * (z - E[z]))``. A model
+with soft-capped logits (Gemma 2) keeps the autograd path.
 """
 
 from __future__ import annotations
@@ -59,8 +74,10 @@ def packed_attention_mask(seq_lens: list[int], *, additive_dtype: torch.dtype | 
 
 def _chunk_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
                     temperature: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logp [n] and entropy [n] of ``labels`` [n] under ``softmax(linear(h) / temperature)`` in float32."""
-    logits = F.linear(h, weight, bias).float()  # [n, V]
+    """logp [n] and entropy [n] of ``labels`` [n] under ``softmax(linear(h) / temperature)`` in float32, by
+    autograd's ops (soft-capped models, and the reference :class:`VocabLogprobs` is tested against)."""
+    logits = F.linear(h, weight, bias)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # [n, V]
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     logits = logits / temperature
@@ -68,6 +85,95 @@ def _chunk_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     logp = logits.gather(-1, labels[:, None]).squeeze(-1) - lse
     entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
     return logp, entropy
+
+
+def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype the output projection runs in: autocast's where it is on, else the weight's."""
+    kind = weight.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else weight.dtype
+
+
+def _projection(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                inv_temp: float) -> torch.Tensor:
+    """``z = (h W^T + b) / tau`` in float32 (float64 stays so) [n, V], the matmul in ``h``'s dtype (the caller
+    casts)."""
+    with torch.autocast(weight.device.type, enabled=False):
+        z = F.linear(h, weight, bias)
+    z = z.to(torch.promote_types(z.dtype, torch.float32))
+    return z.mul_(inv_temp) if inv_temp != 1.0 else z
+
+
+def _lse_and_mean(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logsumexp(z), E_p[z])`` per row of ``z`` [n, V], ``p = softmax(z)``; ``z`` is left as it was."""
+    top = z.amax(-1, keepdim=True)
+    e = torch.sub(z, top).exp_()
+    total = e.sum(-1)
+    with torch.autocast(z.device.type, enabled=False):  # CPU autocast runs vecdot in bf16
+        mean = torch.linalg.vecdot(e, z) / total  # sum_v e_v z_v without an [n, V] product
+    return top.squeeze(-1) + total.log(), mean
+
+
+class VocabLogprobs(torch.autograd.Function):
+    """``(logp [n], entropy [n])`` of ``labels`` [n] under ``softmax((h W^T + b) / tau)``; see the module text.
+
+    The projection runs in the compute dtype (autocast's, or the weight's);
+    everything over the vocabulary is float32. Saved for backward: ``h`` and
+    the weight cast to the compute dtype (so backward does not cast it again),
+    ``labels``, ``lse`` and ``E[z]``.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, labels, inv_temp):
+        dtype = _compute_dtype(weight)
+        hc, wc = h.to(dtype), weight.to(dtype)
+        bc = bias.to(dtype) if bias is not None else None
+        z = _projection(hc, wc, bc, inv_temp)
+        lse, mean = _lse_and_mean(z)
+        logp = z.gather(-1, labels[:, None]).squeeze(-1) - lse
+        ctx.save_for_backward(hc, wc, bc, labels, lse, mean)
+        ctx.inv_temp = inv_temp
+        ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.set_materialize_grads(False)  # entropy often feeds only the stats: skip its term then
+        return logp, lse - mean
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy):
+        hc, wc, bc, labels, lse, mean = ctx.saved_tensors
+        if g_logp is None and g_entropy is None:
+            return None, None, None, None, None
+        z = _projection(hc, wc, bc, ctx.inv_temp)
+        p = torch.sub(z, lse[:, None]).exp_()
+        # dL/dz = g_lp * onehot - p * (g_lp + g_H * (z - E[z])), built in z's buffer.
+        if g_entropy is not None:
+            grad = z.sub_(mean[:, None]).mul_(g_entropy[:, None])
+            if g_logp is not None:
+                grad.add_(g_logp[:, None])
+        else:
+            grad = z.copy_(g_logp[:, None].expand_as(z))
+        grad.mul_(p).neg_()
+        if g_logp is not None:
+            grad.scatter_add_(-1, labels[:, None], g_logp[:, None])
+        if ctx.inv_temp != 1.0:
+            grad.mul_(ctx.inv_temp)
+        gc = grad.to(hc.dtype)
+        h_dtype, w_dtype, b_dtype = ctx.dtypes
+        g_h = (gc @ wc).to(h_dtype) if ctx.needs_input_grad[0] else None
+        g_w = (gc.t() @ hc).to(w_dtype) if ctx.needs_input_grad[1] else None
+        g_b = grad.sum(0).to(b_dtype) if bc is not None and ctx.needs_input_grad[2] else None
+        return g_h, g_w, g_b, None, None
+
+
+def _chunk_values(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                  temperature: float, softcap: float | None, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if softcap is not None:
+        args = (h, weight, bias, labels, temperature, softcap)
+        return checkpoint(_chunk_logprobs, *args, use_reentrant=False) if grad else _chunk_logprobs(*args)
+    if grad:
+        return VocabLogprobs.apply(h, weight, bias, labels, 1.0 / temperature)
+    dtype = _compute_dtype(weight)
+    z = _projection(h.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None, 1.0 / temperature)
+    lse, mean = _lse_and_mean(z)
+    return z.gather(-1, labels[:, None]).squeeze(-1) - lse, lse - mean
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, input_ids: torch.Tensor,
@@ -109,8 +215,7 @@ def next_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.
     pieces_lp, pieces_ent = [], []
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     for s in range(0, len(positions), chunk):
-        args = (pred[s:s + chunk], weight, bias, labels[s:s + chunk], temperature, softcap)
-        lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if grad else _chunk_logprobs(*args)
+        lp, ent = _chunk_values(pred[s:s + chunk], weight, bias, labels[s:s + chunk], temperature, softcap, grad)
         pieces_lp.append(lp)
         pieces_ent.append(ent)
     empty = hidden.new_zeros(0, dtype=torch.float32)
