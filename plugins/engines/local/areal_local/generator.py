@@ -27,7 +27,10 @@ builds one) and per-row position ids ``column - start``:
   waiting request can join in the same step.
 
 Joiners are prefilled longest first, in groups of similar lengths (at most
-10% padding once a group holds 128 tokens). Buffers grow by doubling (rows up to
+10% padding once a group holds 128 tokens). Identical sequences run once; a
+prefix every joiner starts with (a chat template's system prompt, a few-shot
+header) runs once when that saves at least 64 tokens, its K/V placed into each
+row, and the groups' forwards start after it. Buffers grow by doubling (rows up to
 ``max_batch``, columns up to what the running requests can reach) and are only
 copied when they grow. Attention runs through the model's own attention code
 (``sdpa`` with a boolean mask, or ``eager`` with an additive one); the cache
@@ -68,6 +71,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import random
 from collections import deque
 from dataclasses import dataclass
@@ -188,9 +192,23 @@ class SlotCache(Cache):
                     buf[first:first + len(source), :, :columns] = buf[src, :, :columns]  # gathers before writing
 
     # -- what the next forward writes -----------------------------------------
-    def plan_prefill(self, first_row: int, n: int, length: int) -> None:
-        self._plan = ("prefill", first_row, n, length)
+    def plan_prefill(self, first_row: int, n: int, length: int, first_column: int = 0) -> None:
+        """Rows ``first_row .. first_row + n - 1`` write columns ``first_column .. length - 1``; attention
+        reads columns ``0 .. length - 1`` (what lies before ``first_column`` was placed there already)."""
+        self._plan = ("prefill", first_row, n, length, first_column)
         self._length = length
+
+    def place(self, prefix: SlotCache, first: int, offsets: list[int], columns: int) -> None:
+        """Row ``first + j`` gets ``prefix``'s row 0 (its first ``columns`` columns) at columns
+        ``offsets[j] ..``: a prompt prefix computed once, placed where each row's copy of it lies."""
+        for store, source in ((self.keys, prefix.keys), (self.values, prefix.values)):
+            while len(store) < len(source):
+                store.append(None)
+            for i, src in enumerate(source):
+                if store[i] is None:
+                    store[i] = src.new_zeros((self.rows, src.shape[1], self.columns, src.shape[3]))
+                for j, offset in enumerate(offsets):
+                    store[i][first + j, :, offset:offset + columns] = src[0, :, :columns]
 
     def plan_decode(self, n: int, columns: torch.Tensor, length: int) -> None:
         """Row ``i`` (of ``0 .. n-1``) writes at column ``columns[i]``; attention reads ``length`` columns."""
@@ -220,9 +238,9 @@ class SlotCache(Cache):
             values.view(-1, values.shape[3]).index_copy_(0, flat, value_states[:, :, 0].reshape(-1, values.shape[3]))
             return keys[:n, :, :length], values[:n, :, :length]
         if plan[0] == "prefill":
-            _, r0, n, length = plan
-            keys[r0 : r0 + n, :, :length] = key_states
-            values[r0 : r0 + n, :, :length] = value_states
+            _, r0, n, length, c0 = plan
+            keys[r0 : r0 + n, :, c0:length] = key_states
+            values[r0 : r0 + n, :, c0:length] = value_states
             return keys[r0 : r0 + n, :, :length], values[r0 : r0 + n, :, :length]
         raise RuntimeError("SlotCache.update called without a plan; the Generator sets one before each forward")
 
@@ -457,11 +475,16 @@ class Generator:
         with torch.inference_mode():
             free = min(len(self._waiting), self.max_batch - len(self._rows))
             joining = [self._waiting.popleft() for _ in range(free)]
-            groups = self._prefill_groups(joining)
+            try:
+                prefix = self._shared_prefix(joining)
+            except BaseException:  # nobody joined: everyone waits again
+                self._waiting.extendleft(reversed(joining))
+                raise
+            groups = self._prefill_groups(joining, prefix[0] if prefix is not None else 0)
             while groups:
                 group = groups.pop(0)
                 try:
-                    logits = self._prefill(group)
+                    logits = self._prefill(group, prefix)
                 except BaseException:  # the forward failed: nobody joined, everyone waits again
                     for unstarted in [group, *groups][::-1]:
                         self._waiting.extendleft(reversed(unstarted))
@@ -473,16 +496,17 @@ class Generator:
             self._cache.clear()
         return finished
 
-    def _prefill_groups(self, joining: list[_Request]) -> list[list[_Request]]:
+    def _prefill_groups(self, joining: list[_Request], shared: int = 0) -> list[list[_Request]]:
         """Split the joiners into prefill forwards of similar lengths.
 
         Longest first; a group closes when the next prompt would push it past
         ``max_prefill_tokens`` padded tokens, or (once it holds 128 real tokens)
-        make more than 10% of it padding.
+        make more than 10% of it padding. Lengths count from after the
+        ``shared`` prefix tokens, which the forwards do not run.
         """
 
         def length(r: _Request) -> int:
-            return len(r.input_ids) + len(r.output_ids)
+            return len(r.input_ids) + len(r.output_ids) - shared
 
         groups: list[list[_Request]] = []
         group: list[_Request] = []
@@ -498,13 +522,46 @@ class Generator:
             real += size
         return groups + [group] if group else groups
 
-    def _prefill(self, group: list[_Request]) -> torch.Tensor:
+    def _shared_prefix(self, joining: list[_Request]) -> tuple[int, SlotCache] | None:
+        """The joiners' common first tokens, run once: ``(length, a one-row cache holding their K/V)``, or
+        None when too little would be saved.
+
+        Prompts of an RL batch often start alike (a chat template's system
+        prompt, a few-shot header: the demo's prompts share 20 of 26 tokens,
+        SmolLM2's chat prompts 24): each group's forward then starts after
+        them and the prefix's K/V are copied in. Every sequence keeps at least
+        its last token for its group's forward, which gives its logits.
+        Exact, as any split of a causal forward; not used with sliding-window
+        layers (their mask per layer type is left as it was).
+        """
+        if self._sliding_window is not None or len(joining) < 2:
+            return None
+        seqs = {tuple(r.input_ids + r.output_ids) for r in joining}
+        if len(seqs) < 2:
+            return None  # identical sequences are computed once anyway (_prefill)
+        common = min(len(os.path.commonprefix(list(seqs))), min(map(len, seqs)) - 1)
+        # The prefix costs one more forward (every weight read once more): worth it past ~64 saved tokens.
+        if common < _MIN_SHARED_PREFIX or (len(seqs) - 1) * common < _MIN_SHARED_SAVING:
+            return None
+        cache = SlotCache()
+        cache.reserve(1, common, 1, common)
+        cache.plan_prefill(0, 1, common)
+        ids = torch.tensor([next(iter(seqs))[:common]])
+        causal = torch.ones(common, common, dtype=torch.bool).tril_()[None, None]
+        self._forward(ids, torch.arange(common)[None], causal, None, cache=cache)
+        return common, cache
+
+    def _prefill(self, group: list[_Request], prefix: tuple[int, SlotCache] | None = None) -> torch.Tensor:
         """Write the group's prompts (+ output so far) into new rows; their last logits ``[n, vocab]``.
 
         Identical sequences are computed once: GRPO-style workflows send every
         prompt ``group_size`` times, so the forward runs on the distinct ones
         and their K/V rows are copied to the repeats (8 samples per prompt: an
         eighth of the prefill work). Each request still samples on its own.
+        With a ``prefix`` (:meth:`_shared_prefix`) its K/V are placed in each
+        row and the forward covers only the columns after the latest-ending
+        copy of it (rows that are shorter recompute a few of their prefix
+        tokens, to the same values, so every row still ends at the last column).
         """
         everyone = [r.input_ids + r.output_ids for r in group]
         index: dict[tuple[int, ...], int] = {}
@@ -513,19 +570,24 @@ class Generator:
         n, length = len(seqs), max(len(s) for s in seqs)
         first = len(self._rows)
         starts = [length - len(s) for s in seqs]
-        ids = torch.tensor([[0] * st + s for st, s in zip(starts, seqs)])  # [n, P], left-padded
+        self._cache.reserve(first + len(group), length, self.max_batch, self._reach(group, length))
+        skip = 0  # columns before the forward's window: the shared prefix, placed
+        if prefix is not None:
+            common, cache = prefix
+            self._cache.place(cache, first, starts, common)
+            skip = min(starts) + common
+        ids = torch.tensor([[0] * st + s for st, s in zip(starts, seqs)])[:, skip:]  # [n, P - skip], left-padded
         start = torch.tensor(starts)
         col = torch.arange(length)
-        position_ids = (col[None, :] - start[:, None]).clamp_(min=0)  # [n, P]
-        q, k = col[:, None], col[None, :]
-        causal = (k <= q)[None] & (k[None] >= start[:, None, None])  # [n, P(q), P(k)]
+        q, k = col[skip:, None], col[None, :]
+        position_ids = (q.T - start[:, None]).clamp_(min=0)  # [n, P - skip]
+        causal = (k <= q)[None] & (k[None] >= start[:, None, None])  # [n, P - skip (q), P (k)]
         # A padding query attends to itself only, so nothing it computes is NaN.
-        causal |= torch.eye(length, dtype=torch.bool)[None]
+        causal |= (k == q)[None]
         sliding = None
         if self._sliding_window is not None:
             sliding = causal & ((q - k) < self._sliding_window)[None]
-        self._cache.reserve(first + len(group), length, self.max_batch, self._reach(group, length))
-        self._cache.plan_prefill(first, n, length)
+        self._cache.plan_prefill(first, n, length, skip)
         logits = self._forward(ids, position_ids, causal[:, None], None if sliding is None else sliding[:, None])
         if n < len(group):
             self._cache.copy_rows(first, source, length)
@@ -563,8 +625,8 @@ class Generator:
         reach = max((start + len(r.input_ids) + r.sampling.max_new_tokens for r, start in rows), default=0)
         return max([reach] + [length - len(r.output_ids) + r.sampling.max_new_tokens for r in joining])
 
-    def _forward(self, ids, position_ids, mask, sliding) -> torch.Tensor:
-        """Last-position logits, float32 ``[rows, vocab]``."""
+    def _forward(self, ids, position_ids, mask, sliding, cache: SlotCache | None = None) -> torch.Tensor:
+        """Last-position logits, float32 ``[rows, vocab]``; K/V go to ``cache`` (default: the generator's)."""
         mask = self._mask_format(mask)
         if self._mask_per_type:
             mask = {"full_attention": mask, "sliding_attention": self._mask_format(sliding)}
@@ -573,7 +635,7 @@ class Generator:
             input_ids=ids,
             attention_mask=mask,
             position_ids=position_ids,
-            past_key_values=self._cache,
+            past_key_values=self._cache if cache is None else cache,
             use_cache=True,
             **kwargs,
         )
@@ -689,6 +751,11 @@ class Generator:
         self._rows, self._start, self._end = [], [], []
         self._cache.clear()
 
+
+# A prompt prefix shared by the joiners is run once (Generator._shared_prefix) when it is at least this
+# long and saves at least this many tokens of prefill in all.
+_MIN_SHARED_PREFIX = 8
+_MIN_SHARED_SAVING = 64
 
 # exp() of float32 inputs below about -87 (results in the subnormal range or 0, -inf included)
 # takes a slow path in torch's CPU kernel, 30-80x slower; differences from the row's max are

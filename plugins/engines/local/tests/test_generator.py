@@ -201,6 +201,63 @@ def test_repeated_prompts_are_prefilled_once_and_sample_like_separate_ones(llama
     assert len({tuple(shared[f"g{i}"].output_ids) for i in range(4)}) > 1  # seeds still differ per request
 
 
+HEADER = [7, 300, 301, 12, 13, 99, 98, 97, 400, 401, 402, 5, 6, 7, 8, 9, 250, 251, 252, 253]  # a few-shot header
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_prompt_prefix_shared_by_the_joiners_runs_once_and_changes_no_token(folders, arch):
+    model = load(folders[arch], seed=3)
+    tails = [[30, 31], list(range(40, 49)), [60], [70, 71, 72, 73], list(range(80, 86)), [90, 91, 92]]
+    prompts = [HEADER + t for t in tails]
+    joined = [(f"p{i}", p, greedy(8)) for i, p in enumerate(prompts)]
+    joined += [(f"s{i}", prompts[1], SamplingParams(max_new_tokens=8, seed=i)) for i in range(3)]  # a GRPO group
+    late = [("late0", HEADER + [5, 5], greedy(8)), ("late1", HEADER + [6, 6, 6], greedy(8)),
+            ("late2", HEADER[:12] + [1, 2], greedy(8))]
+    gen = Generator(model, eos_token_ids=[])
+    seen: list[tuple[int, int]] = []
+    original = gen._forward
+    gen._forward = lambda ids, *a, **kw: seen.append(tuple(ids.shape)) or original(ids, *a, **kw)
+    shared, _ = drain(gen, {0: joined, 2: late})
+    # Step 0: the header once, then the six distinct prompts from the column where the longest tail starts
+    # (the others recompute a little of their copy of the header), then the decode step.
+    assert seen[0] == (1, len(HEADER))
+    assert seen[1] == (6, max(map(len, tails)))
+    # Step 2: the late joiners share 12 header tokens, too few to save 64 tokens: one plain prefill.
+    assert (3, len(HEADER) + 3) in seen
+    for rid, prompt, sampling in joined + late:
+        alone, _ = drain(Generator(model, eos_token_ids=[]), {0: [(rid, prompt, sampling)]})
+        assert shared[rid].output_ids == alone[rid].output_ids, rid
+        assert shared[rid].logprobs == pytest.approx(alone[rid].logprobs, abs=1e-5), rid
+
+
+def test_the_shared_prefix_is_run_only_when_it_saves_enough(llama):
+    gen = Generator(llama, eos_token_ids=[])
+    few = [gen._validate(f"a{i}", HEADER[:7] + [i + 3] * 40, greedy(2)) for i in range(20)]
+    assert gen._shared_prefix(few) is None  # 7 common tokens: below the 8-token floor
+    two = [gen._validate(f"b{i}", HEADER + [i + 3], greedy(2)) for i in range(2)]
+    assert gen._shared_prefix(two) is None  # 20 tokens saved once: below the 64-token floor
+    same = [gen._validate(f"c{i}", HEADER, greedy(2)) for i in range(8)]
+    assert gen._shared_prefix(same) is None  # identical prompts are deduplicated instead
+    five = [gen._validate(f"d{i}", HEADER + [i + 3, 4], greedy(2)) for i in range(5)]
+    common, cache = gen._shared_prefix(five)
+    assert common == len(HEADER) and cache.keys[0].shape[2] == len(HEADER)
+
+
+def test_a_failing_shared_prefix_forward_puts_every_joiner_back(llama, monkeypatch):
+    prompts = [HEADER + [i + 3] for i in range(6)]
+    refs = [hf_greedy(llama, p, 5, eos=None) for p in prompts]
+    gen = Generator(llama, eos_token_ids=[])
+    for i, p in enumerate(prompts):
+        gen.add(f"r{i}", p, greedy(5))
+    with monkeypatch.context() as patch:
+        patch.setattr(gen, "_forward", lambda *a, **kw: (_ for _ in ()).throw(MemoryError("no room")))
+        with pytest.raises(MemoryError):
+            gen.step()
+    assert (gen.num_running, gen.num_waiting) == (0, 6)
+    results, _ = drain(gen)
+    assert [results[f"r{i}"].output_ids for i in range(6)] == refs
+
+
 # ---------------------------------------------------------------------------
 # Stops
 # ---------------------------------------------------------------------------
