@@ -34,6 +34,11 @@ from areal_core.problems import Problem
 
 Recipe = Callable[[int, int], ServerProcess]  # (index, port) -> how to start that server
 T = TypeVar("T")
+# Idle pooled connections are dropped after this many seconds, well before the servers we drive close them:
+# vLLM's and SGLang's uvicorn close idle connections after 5 s, httpx's own default. With equal timeouts a
+# request could go out on a connection the server was closing, and fail with ReadError although the server
+# was healthy (a known httpx / uvicorn keep-alive race); a generate request is not retried, so the run failed.
+KEEPALIVE_EXPIRY_S = 2.0
 U = TypeVar("U")
 
 
@@ -265,7 +270,8 @@ class RemoteEngine(InferenceEngine):
 
         if self._client is None:
             self._client = httpx.AsyncClient(base_url=f"http://{self.address}", timeout=self.request_timeout_s,
-                                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+                                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
+                                                                 keepalive_expiry=KEEPALIVE_EXPIRY_S),
                                              transport=self._transport)
         return self._client
 

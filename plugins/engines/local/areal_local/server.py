@@ -265,6 +265,9 @@ def load_engine(model_path: str, dtype: str, max_batch: int) -> EngineLoop:
     return EngineLoop(generator, generator.load_safetensors_dir)
 
 
+KEEP_ALIVE_S = 120  # seconds an idle HTTP connection stays open on the server; see main()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m areal_local.server", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="HF model folder, or 'demo' for SmolLM2-135M-Instruct")
@@ -297,7 +300,11 @@ def main(argv: list[str] | None = None) -> None:
     engine.start()
     import uvicorn
 
-    uvicorn.run(build_app(engine), host=args.host, port=args.port, log_level="warning")
+    # Keep idle connections far longer than clients pool them (httpx: 5 s). With uvicorn's default of 5 s
+    # both sides timed out together: the client reused a connection the server was closing, and a demo run
+    # died with "ReadError" on /generate from a healthy server (a known httpx / uvicorn keep-alive race).
+    uvicorn.run(build_app(engine), host=args.host, port=args.port, log_level="warning",
+                timeout_keep_alive=KEEP_ALIVE_S)
 
 
 if __name__ == "__main__":

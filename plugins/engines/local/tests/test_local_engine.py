@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -197,3 +198,19 @@ def test_a_crashed_server_is_reported_with_its_own_log_lines(tmp_path):
         crashing.close()
     assert "embedded engine 0 at 127.0.0.1:" in message and "has probably crashed" in message
     assert "last lines of its log:" in message and "areal_local.server" in message
+
+
+def test_the_server_keeps_an_idle_connection_open_longer_than_clients_pool_it(server):
+    # httpx drops pooled connections after 5 s idle. A server that closes them at the same moment races the
+    # client: a request sent on a connection the server is closing fails with ReadError (a demo run died so).
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        connection.request("GET", "/health")
+        assert connection.getresponse().read()
+        time.sleep(6.0)  # past httpx's 5 s: a server still at uvicorn's 5 s default has hung up by now
+        connection.request("GET", "/health")  # the same socket: http.client does not reconnect by itself
+        assert json.loads(connection.getresponse().read())["status"] == "ok"
+    finally:
+        connection.close()
