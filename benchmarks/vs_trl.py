@@ -29,9 +29,9 @@ sequence-mean of token-mean (TRL ``loss_type="grpo"``, ``scale_rewards="group"``
 ``beta=0``, ``num_iterations=1``; areal ``algorithm.name=grpo``).
 Dynamic filtering is off on the areal side (TRL has none), so both generate exactly the
 completions they train on. Completion length is matched too: TRL generates all 16 tokens (no stop string;
-its reward reads only the start), so areal runs with ``dataset.stop_at_newline=false`` and does the same
-(``--areal-stop-at-newline`` runs areal as its demo does instead, ending each completion at its first
-newline: ~3 tokens, much less work per sample and a different loss, so not a like-for-like comparison).
+its reward reads only the start), so areal runs with ``dataset.stop_at_newline=false`` and does the same,
+as its demo now does (``--areal-stop-at-newline`` ends each areal completion at its first newline instead:
+~3 tokens, much less work per sample and a different loss, so not a like-for-like comparison).
 The difference that remains: areal's decoupled PPO weights each token by pi_prox / pi_behav, the
 trainer's probability over the inference engine's (1 up to the rounding of the engine's bf16 copy at η = 0).
 
@@ -206,8 +206,8 @@ def main() -> None:
                         help="comma-separated seeds (train prompts, held-out problems, sampling): every run once per "
                              "seed, figures as mean +- std; single 30-step runs scatter by about +-0.15 in accuracy")
     parser.add_argument("--areal-stop-at-newline", action="store_true",
-                        help="areal ends completions at their first newline (its demo's setting) instead of "
-                             "generating all 16 tokens as TRL does")
+                        help="areal ends completions at their first newline instead of generating all 16 "
+                             "tokens as TRL (and areal's demo) does")
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--skip-sync", action="store_true", help="skip areal at eta = 0")
     args = parser.parse_args()

@@ -2,9 +2,11 @@
 
 Two styles:
 
-- ``few_shot`` (raw text, no chat template): ``3+4=7\\n10+5=15\\n8+9=17\\n{a}+{b}=``
-  with stop ``"\\n"``; the completion is right when it *starts with* the
-  answer. The defaults give exactly this prompt with a, b in 0..20.
+- ``few_shot`` (raw text, no chat template): ``3+4=7\\n10+5=15\\n8+9=17\\n{a}+{b}=``,
+  no stop string unless ``stop_at_newline`` (the completion runs on to
+  ``max_new_tokens``, as in TRL's GRPOTrainer); the completion is right when
+  it *starts with* the answer. The defaults give exactly this prompt with a, b
+  in 0..20.
 - ``chat``: one user message asking for the value of a longer expression;
   the completion is right when its final answer (the number after the last
   ``Answer:``, else its last number) equals the value.
@@ -38,7 +40,7 @@ class ArithmeticConfig:
     """Keys of ``dataset`` when ``dataset.name: arithmetic``."""
 
     style: str = spec("few_shot", choices=list(STYLES),
-                      help="few_shot: raw prompt '<prefix>{expression}=' cut at a newline; chat: a user message")
+                      help="few_shot: raw prompt '<prefix>{expression}='; chat: a user message")
     operands: int = spec(2, ge=2, le=8, help="numbers per expression")
     operators: list = spec(factory=lambda: ["+"], help="operators drawn between operands, from + - *")
     min_value: int = spec(0, ge=0, help="smallest operand (when digits is 0)")
@@ -47,8 +49,10 @@ class ArithmeticConfig:
                        help="> 0: each operand has 1..digits digits, drawn per operand (graded difficulty); "
                             "0: operands in [min_value, max_value]")
     few_shot_prefix: str = spec(ISSUE_PREFIX, help="solved examples before the problem in the few_shot style")
-    stop_at_newline: bool = spec(True, help="few_shot: end each completion at its first newline (the answer "
-                                            "line); false lets it run on to max_new_tokens, as TRL does")
+    stop_at_newline: bool = spec(False, help="few_shot: end each completion at its first newline (the answer "
+                                             "line); false (default) lets it run on to max_new_tokens, as TRL "
+                                             "does: the built-in demo learned clearly so, and plateaued near 0.5 "
+                                             "accuracy with answer-line completions")
     instruction: str = spec(CHAT_INSTRUCTION, help="the chat style's user message; {expression} is the problem")
     size: int = spec(0, ge=0, help="train problems; 0 = an endless stream")
     validation_size: int = spec(64, ge=0, help="held-out problems, never in the train split")

@@ -25,11 +25,12 @@ def test_default_arithmetic_is_the_issue_8_few_shot_prompt():
         a, b = map(int, item["expression"].split("+"))
         assert 0 <= a <= 20 and 0 <= b <= 20
         assert item["prompt"] == f"3+4=7\n10+5=15\n8+9=17\n{a}+{b}="
-        assert item["answer"] == str(a + b) and item["stop"] == ["\n"] and "messages" not in item
+        # As TRL's GRPOTrainer: no stop string, the completion runs on to max_new_tokens (the reward reads its start)
+        assert item["answer"] == str(a + b) and "stop" not in item and "messages" not in item
     assert len({i["expression"] for i in items}) > 150  # spread over the 441 problems
-    unstopped = take(ArithmeticDataset(Context(options=ArithmeticConfig(stop_at_newline=False))), 5)
-    assert [i["prompt"] for i in unstopped] == [i["prompt"] for i in items[:5]]
-    assert all("stop" not in i for i in unstopped)
+    stopped = take(ArithmeticDataset(Context(options=ArithmeticConfig(stop_at_newline=True))), 5)
+    assert [i["prompt"] for i in stopped] == [i["prompt"] for i in items[:5]]
+    assert all(i["stop"] == ["\n"] for i in stopped)
 
 
 def test_chat_style_grades_difficulty_by_digits_and_computes_answers():
