@@ -242,9 +242,8 @@ class Trainer:
                 metrics["time/checkpoint_s"] = checkpoint_s  # the previous step's save
                 every, every_s = self.cfg.trainer.save_every, self.cfg.trainer.save_every_s
                 due = (every and self.step % every == 0) or (every_s and time.monotonic() - last_save >= every_s)
-                evaluating = self.controller is not None and self.eval_items and (
-                    self.step == total or (self.cfg.eval.every and self.step % self.cfg.eval.every == 0))
-                if due or evaluating or self.step == total:
+                eval_due = bool(self.cfg.eval.every) and self.step % self.cfg.eval.every == 0
+                if due or self.step == total or (eval_due and self.controller is not None and self.eval_items):
                     # Evaluations and checkpoints see the engines at this step's weights.
                     metrics["time/generation_paused_s"] = metrics.get("time/generation_paused_s", 0.0) + \
                         self._finish_weight_sync()
@@ -255,7 +254,7 @@ class Trainer:
                         metrics.update(self._collect_eval(wait=True))
                         self._start_eval()
                         metrics.update(self._collect_eval(wait=True))
-                    elif self.cfg.eval.every and self.step % self.cfg.eval.every == 0:
+                    elif eval_due:
                         self._start_eval()
                 if logger is not None:  # before the save: a step in a checkpoint always has its metrics
                     logger.log(self.step, metrics)
@@ -345,8 +344,8 @@ class Trainer:
             named = [pair for bucket in self.actor.export_tensors(WEIGHT_BUCKET_BYTES) for pair in bucket]
             if self.rank != 0:
                 return 0.0
-            if not wait:  # the next optimizer step must not change what the engines are still reading
-                named = [(name, tensor.detach().clone()) for name, tensor in named]
+            # export_tensors hands out copies (its contract), so the next optimizer step cannot change what the
+            # engines are still reading at eta > 0
             pending = self.controller.update_weights_from_tensors(named, version, wait=wait)
         else:
             weights = self.run_dir / "weights" / f"v{version:06d}"

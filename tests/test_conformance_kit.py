@@ -81,6 +81,7 @@ KIT_ENTRY_POINTS = {
         "bigram_train_engine_double": "train_engine_doubles:BigramTrainEngineDouble",
         "no_step_train_engine_double": "train_engine_doubles:NoStepTrainEngineDouble",
         "forgetful_load_train_engine_double": "train_engine_doubles:ForgetfulLoadTrainEngineDouble",
+        "view_export_train_engine_double": "train_engine_doubles:ViewExportTrainEngineDouble",
     },
 }
 
@@ -397,16 +398,27 @@ def test_train_engine_suite_checks_steps_and_checkpoints(pytester, kit_doubles):
 
         class TestForgetfulLoadEngine(TrainSuite):
             component_name = "forgetful_load_train_engine_double"
+
+        class TestViewExportEngine(TrainSuite):
+            component_name = "view_export_train_engine_double"
     """)
     every = set(public_tests(TrainEngineConformance))
     assert outcomes(results, "TestBigramEngine") == {"passed": every, "skipped": set(), "failed": set()}
-    # Without steps the weights never move, so a load has nothing to restore: only the loss test fails.
-    assert failed(results, "TestNoStepEngine") == {"test_training_lowers_the_loss"}
+    # Without steps the weights never move, so a load has nothing to restore: the loss test fails, and the
+    # export test, which then sees no update to guard against, says so.
+    assert failed(results, "TestNoStepEngine") == {"test_training_lowers_the_loss",
+                                                  "test_exported_tensors_are_copies_that_a_later_step_leaves_alone"}
+    assert "saw no update to guard against" in message(
+        results, "TestNoStepEngine::test_exported_tensors_are_copies_that_a_later_step_leaves_alone")
     assert "train_batch must step the optimizer on the loss_fn it is given" in message(
         results, "TestNoStepEngine::test_training_lowers_the_loss")
     assert failed(results, "TestForgetfulLoadEngine") == {"test_load_restores_the_saved_weights"}
     assert "load must restore the weights saved" in message(
         results, "TestForgetfulLoadEngine::test_load_restores_the_saved_weights")
+    assert failed(results, "TestViewExportEngine") == {
+        "test_exported_tensors_are_copies_that_a_later_step_leaves_alone"}
+    assert "export_tensors must hand out copies" in message(
+        results, "TestViewExportEngine::test_exported_tensors_are_copies_that_a_later_step_leaves_alone")
 
 
 # ------------------------------------------------------------------ algorithms

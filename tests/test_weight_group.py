@@ -97,7 +97,7 @@ def test_the_group_is_rebuilt_when_the_topology_changes_and_a_leaver_is_never_as
         b_calls = len(b.calls)
         await group.update([ma, mc], 1, tensors(3), 3)  # b left, c joined: topology version 1
         second = group.layout
-        await group.close([ma, mc])
+        await group.drop([ma, mc])
         return a, b, c, first, second, b_calls, group
 
     a, b, c, first, second, b_calls, group = asyncio.run(body())

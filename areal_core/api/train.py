@@ -84,7 +84,12 @@ class TrainEngine(Component):
         raise NotImplementedError(f"{type(self).__name__} does not declare 'export_disk'")
 
     def export_tensors(self, bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
-        """Full tensors in HF names, in buckets of at most ``bucket_bytes``."""
+        """Full tensors in HF names, in buckets of at most ``bucket_bytes``.
+
+        The tensors are the caller's: copies, never views of the engine's
+        parameters, so the next optimizer step does not change them (the
+        trainer hands them to inference engines that may still be reading them
+        while it trains on, at eta > 0)."""
         raise NotImplementedError(f"{type(self).__name__} does not declare 'export_tensors'")
 
     def close(self) -> None:

@@ -171,7 +171,7 @@ class RolloutController:
             if self.monitor is not None:
                 await self.monitor.stop()
             if self.weight_group is not None:
-                await self.weight_group.close(self.pool.active())
+                await self.weight_group.drop(self.pool.active())
             # what is left (evaluation episodes, their engine calls) ends before the loop does
             others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for task in others:

@@ -233,9 +233,6 @@ class FleetWeightGroup:
         if rank is not None:
             rank.close()
 
-    async def close(self, alive: Sequence[Member]) -> None:
-        await self.drop(alive)
-
     async def _ensure(self, members: list[Member], topology_version: int) -> GroupLayout:
         wanted = tuple((m.name, int(getattr(m.engine, "weight_group_ranks", 1))) for m in members)
         held = self.layout

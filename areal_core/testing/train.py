@@ -28,7 +28,7 @@ class TrainEngineConformance(ComponentConformance):
     ``position_ids`` [T], ``cu_seqlens`` [B+1], ``loss_mask`` [T], as the
     engine's tensors).
 
-    Capabilities tested: ``save_load``.
+    Capabilities tested: ``save_load``, ``export_tensors``.
     """
 
     kind: ClassVar[str] = "train_engine"
@@ -107,3 +107,20 @@ class TrainEngineConformance(ComponentConformance):
         worst = max(abs(a - b) for a, b in zip(saved, loaded))
         assert worst <= 1e-6, (f"after save, train, load the logprobs differ from the saved state's by up to "
                                f"{worst}; load must restore the weights saved")
+
+    @requires("export_tensors")
+    def test_exported_tensors_are_copies_that_a_later_step_leaves_alone(self) -> None:
+        # The trainer hands them to inference engines that may still read them while it trains on (eta > 0).
+        import torch
+
+        with self.engine() as engine:
+            exported = [pair for bucket in engine.export_tensors(1 << 30) for pair in bucket]
+            kept = {name: t.clone() for name, t in exported}
+            engine.train_batch(self.make_batch(), neg_logprob_loss)
+            after = dict(pair for bucket in engine.export_tensors(1 << 30) for pair in bucket)
+        moved = [name for name, t in exported if not torch.equal(t, kept[name])]
+        assert not moved, (f"a train_batch after export_tensors changed the exported {moved[:5]}: they are views "
+                           f"of the engine's parameters; export_tensors must hand out copies")
+        assert any(not torch.equal(after[name], kept[name]) for name in kept), (
+            "train_batch left every exported weight as it was, so this test saw no update to guard against; "
+            "raise the test engine's learning rate")

@@ -24,7 +24,7 @@ class BigramTrainEngineDoubleConfig:
 
 class BigramTrainEngineDouble(TrainEngine):
     config_class = BigramTrainEngineDoubleConfig
-    capabilities = frozenset({"save_load"})
+    capabilities = frozenset({"save_load", "export_tensors"})
 
     def initialize(self) -> None:
         options = self.context.options or BigramTrainEngineDoubleConfig()
@@ -82,6 +82,10 @@ class BigramTrainEngineDouble(TrainEngine):
         self._version = state["version"]
 
 
+    def export_tensors(self, bucket_bytes):
+        yield [("table", self.table.detach().clone())]
+
+
 class NoStepTrainEngineDouble(BigramTrainEngineDouble):
     """Broken: computes gradients but never steps the optimizer."""
 
@@ -94,3 +98,10 @@ class ForgetfulLoadTrainEngineDouble(BigramTrainEngineDouble):
 
     def load(self, path, *, with_optimizer=True):
         return None
+
+
+class ViewExportTrainEngineDouble(BigramTrainEngineDouble):
+    """Broken: export_tensors hands out a view of the parameter, which the next step changes."""
+
+    def export_tensors(self, bucket_bytes):
+        yield [("table", self.table.detach())]

@@ -832,7 +832,8 @@ class FSDPEngine(TrainEngine):
         ``redistribute(async_op=True)``) before the current bucket is handed
         out, so gathering overlaps with whatever the caller does with it.
         Tied aliases (a tied ``lm_head.weight``) are left out, as on disk;
-        LoRA adapters are merged in (the names are the plain model's).
+        LoRA adapters are merged in (the names are the plain model's). The
+        tensors are copies (``_finish``), never views of the parameters.
         """
         self._require_model("export_tensors")
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -16,13 +18,17 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from areal_core.api import Context  # noqa: E402
 from areal_core.config.schema import RunConfig  # noqa: E402
 from areal_fsdp import attention  # noqa: E402
 from areal_fsdp import engine as engine_module  # noqa: E402
-from areal_fsdp.engine import FSDPEngine, FSDPEngineConfig  # noqa: E402
 from areal_fsdp.prefix import attention_plan, share_prefixes  # noqa: E402
 from areal_local.models import tiny_model  # noqa: E402
+
+# The engine tests' helpers (config, engine, worst), loaded as test_fsdp_lora.py does.
+_spec = importlib.util.spec_from_file_location("areal_fsdp_engine_tests",
+                                               Path(__file__).with_name("test_fsdp_engine.py"))
+base = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(base)
 
 VOCAB = 512
 
@@ -66,19 +72,11 @@ def grpo_batch(seed: int = 0) -> dict:
 
 
 def config(path, *, dtype="float32", mb_max_tokens=8192) -> RunConfig:
-    cfg = RunConfig()
-    cfg.model.path, cfg.model.dtype = str(path), dtype
-    cfg.actor.mb_max_tokens = mb_max_tokens
     # lr 1, eps 1: AdamW's first step moves each weight by about its gradient, so weights compare gradients.
-    cfg.actor.optimizer.lr, cfg.actor.optimizer.eps, cfg.actor.optimizer.grad_clip = 1.0, 1.0, 0.0
-    cfg.trainer.total_steps = 10
-    return cfg
+    return base.config(path, dtype=dtype, mb_max_tokens=mb_max_tokens, lr=1.0, eps=1.0, grad_clip=0.0)
 
 
-def engine(cfg: RunConfig, role: str = "actor", **options) -> FSDPEngine:
-    e = FSDPEngine.create(Context(config=cfg, options=FSDPEngineConfig(**options), extras={"role": role}))
-    e.initialize()
-    return e
+engine, worst = base.engine, base.worst
 
 
 def policy_loss(logprobs, entropy, mb):
@@ -88,12 +86,6 @@ def policy_loss(logprobs, entropy, mb):
     ratio = torch.exp(logprobs - mb["logprobs"])
     loss = -(ratio * mb["advantages"] * mask).sum() / mask.sum() - 0.01 * (entropy * mask).sum() / mask.sum()
     return loss, {"ratio": (ratio * mask).sum() / mask.sum()}
-
-
-def worst(a, b) -> float:
-    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
-    assert a.shape == b.shape
-    return (a - b).abs().max().item()
 
 
 def rows_run(monkeypatch) -> list[int]:

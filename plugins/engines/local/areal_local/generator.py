@@ -170,6 +170,11 @@ class SlotCache(Cache):
                 store[i] = grown
         self.rows, self.columns = new_rows, new_cols
 
+    def _buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """A layer's zeroed K or V buffer at the reserved capacity, for states shaped like ``like`` [., heads,
+        ., dim]."""
+        return like.new_zeros((self.rows, like.shape[1], self.columns, like.shape[3]))
+
     def clear(self) -> None:
         """Drop every buffer (memory is returned; the next write allocates again)."""
         self.keys, self.values = [], []
@@ -206,7 +211,7 @@ class SlotCache(Cache):
                 store.append(None)
             for i, src in enumerate(source):
                 if store[i] is None:
-                    store[i] = src.new_zeros((self.rows, src.shape[1], self.columns, src.shape[3]))
+                    store[i] = self._buffer(src)
                 for j, offset in enumerate(offsets):
                     store[i][first + j, :, offset:offset + columns] = src[0, :, :columns]
 
@@ -223,10 +228,8 @@ class SlotCache(Cache):
             self.values.append(None)
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         if keys is None:
-            _, heads, _, k_dim = key_states.shape
-            shape = (self.rows, heads, self.columns, k_dim)
-            keys = self.keys[layer_idx] = key_states.new_zeros(shape)
-            values = self.values[layer_idx] = value_states.new_zeros(shape[:3] + (value_states.shape[3],))
+            keys = self.keys[layer_idx] = self._buffer(key_states)
+            values = self.values[layer_idx] = self._buffer(value_states)
         plan = self._plan
         if plan[0] == "decode":
             _, rows, cols, n, length = plan

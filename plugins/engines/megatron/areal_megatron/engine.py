@@ -654,14 +654,15 @@ class MegatronEngine(TrainEngine):
 
     def export_tensors(self, bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
         """Full tensors in HF names and ``model.dtype``, in buckets of at most ``bucket_bytes`` (one tensor
-        larger than that comes alone). Collective: every rank iterates; every rank gets the tensors."""
+        larger than that comes alone). Collective: every rank iterates; every rank gets the tensors, copies
+        that later steps leave alone (at t1 / p1 in float32 the HF tensors can be the parameters themselves)."""
         self._require_model("export_tensors")
         if bucket_bytes < 1:
             raise ValueError(f"MegatronEngine.export_tensors: bucket_bytes must be >= 1, got {bucket_bytes}")
         bucket: list[tuple[str, Any]] = []
         size = 0
         for name, tensor in self._gather_hf().items():
-            tensor = tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+            tensor = tensor.to(self.dtype if tensor.is_floating_point() else tensor.dtype, copy=True)
             nbytes = tensor.numel() * tensor.element_size()
             if bucket and size + nbytes > bucket_bytes:
                 yield bucket

@@ -260,5 +260,5 @@ class SGLangEngine(RemoteEngine):
     async def aclose(self) -> None:
         if self._own_group is not None:
             group, self._own_group = self._own_group, None
-            await group.close([self._own_member])
+            await group.drop([self._own_member])
         await super().aclose()
