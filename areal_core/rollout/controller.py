@@ -39,6 +39,7 @@ from areal_core.rollout.elastic import (DOWN, JOINING, ElasticConfig, EngineLost
 from areal_core.rollout.interruptible import ENGINE_FAILURES, InterruptibleEngine
 from areal_core.rollout.weight_group import FleetWeightGroup, GroupMemberFailed
 from areal_core.rollout.staleness import StalenessManager
+from areal_core.threads import serial_torch
 
 ShouldAccept = Callable[[EpisodeGroup], bool]
 
@@ -132,9 +133,13 @@ class RolloutController:
         ready = threading.Event()
 
         def run() -> None:
+            # Torch work here (weight staging, collectives) must not form a second OpenMP team beside the
+            # training thread's: see areal_core.threads.
+            serial_torch()
             loop = asyncio.new_event_loop()
             asyncio.set_event_loop(loop)
-            loop.set_default_executor(ThreadPoolExecutor(self._reward_workers, thread_name_prefix="areal-reward"))
+            loop.set_default_executor(ThreadPoolExecutor(self._reward_workers, thread_name_prefix="areal-reward",
+                                                         initializer=serial_torch))
             self._loop = loop
             self.pool = EnginePool(self._initial_engines, self.elastic)
             self.engine = InterruptibleEngine(self.pool, self.request_timeout_s)

@@ -79,9 +79,11 @@ def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
 class EngineLoop:
     """The one thread that touches the model. Commands arrive through a queue."""
 
-    def __init__(self, generator: Any, load_weights: Any) -> None:
+    def __init__(self, generator: Any, load_weights: Any, threads: int | None = None) -> None:
+        """``threads``: torch threads of the engine thread (None: the process's count when it starts)."""
         self.gen = generator
         self.load_weights = load_weights
+        self.threads = threads
         self.version = 0
         self.paused = False
         self.pending: dict[str, Pending] = {}
@@ -102,10 +104,16 @@ class EngineLoop:
     def health(self) -> dict:
         return {"status": "ok" if self.error is None else "error", "version": self.version,
                 "running": self.gen.num_running, "waiting": self.gen.num_waiting, "paused": self.paused,
+                "threads": self.threads,
                 "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}"}
 
     # -- the engine thread -------------------------------------------------
     def _run(self) -> None:
+        import torch
+
+        if self.threads is not None:  # main() keeps the HTTP thread serial and gives the cores to this one
+            torch.set_num_threads(self.threads)
+        self.threads = torch.get_num_threads()  # what generation runs on, for /health
         try:
             while True:
                 busy = self.gen.num_running or self.gen.num_waiting
@@ -188,6 +196,13 @@ class EngineLoop:
                  time.monotonic() - began, len(interrupted))
 
 
+def _torch_threads() -> int:
+    """The calling thread's torch thread count."""
+    import torch
+
+    return torch.get_num_threads()
+
+
 def build_app(engine: EngineLoop) -> Any:
     from fastapi import FastAPI, HTTPException
     from pydantic import BaseModel, Field
@@ -218,7 +233,7 @@ def build_app(engine: EngineLoop) -> Any:
     async def health() -> dict:
         if engine.error is not None:
             raise HTTPException(503, engine.health()["error"])
-        return engine.health()
+        return {**engine.health(), "http_threads": _torch_threads()}
 
     @app.post("/generate")
     async def generate(body: Generate) -> dict:
@@ -248,7 +263,7 @@ def build_app(engine: EngineLoop) -> Any:
     return app
 
 
-def load_engine(model_path: str, dtype: str, max_batch: int) -> EngineLoop:
+def load_engine(model_path: str, dtype: str, max_batch: int, threads: int | None = None) -> EngineLoop:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -262,7 +277,7 @@ def load_engine(model_path: str, dtype: str, max_batch: int) -> EngineLoop:
                       *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])})
     generator = Generator(model, eos_token_ids=eos_ids, max_batch=max_batch,
                           decode_fn=lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
-    return EngineLoop(generator, generator.load_safetensors_dir)
+    return EngineLoop(generator, generator.load_safetensors_dir, threads)
 
 
 KEEP_ALIVE_S = 120  # seconds an idle HTTP connection stays open on the server; see main()
@@ -290,8 +305,16 @@ def main(argv: list[str] | None = None) -> None:
         from areal_local.models import demo_model_path
 
         model = str(demo_model_path(args.dtype))
+    # Only the engine thread may run torch on several cores: a second multi-threaded OpenMP team (this
+    # thread's, had it loaded the model at full width) throttles every kernel of the first (areal_core.threads).
+    import torch
+
+    from areal_core.threads import serial_torch
+
+    threads = torch.get_num_threads()
+    serial_torch()
     began = time.monotonic()
-    engine = load_engine(model, args.dtype, args.max_batch)
+    engine = load_engine(model, args.dtype, args.max_batch, threads)
     log.info("loaded %s (%s) in %.1f s", model, args.dtype, time.monotonic() - began)
     # The engine thread runs Python between torch ops; with the default 5 ms GIL switch
     # interval every HTTP request waited up to 5 ms for the event loop to get a turn

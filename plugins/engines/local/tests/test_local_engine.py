@@ -36,7 +36,7 @@ class Server:
         recipe = LocalEngine.server_process(Context(config=self.config, options=LocalEngineConfig(max_batch=8)),
                                             0, self.port)
         self.supervisor = Supervisor(root / "runs" / "e" / "t" / "logs", term_timeout_s=5)
-        self.process = self.supervisor.start(ProcessSpec("rollout-0", recipe.argv, threads=1))
+        self.process = self.supervisor.start(ProcessSpec("rollout-0", recipe.argv, threads=2))
         self.supervisor.wait_ready(self.process, recipe.ready, 120, recipe.what)
 
     def engine(self) -> LocalEngine:
@@ -70,6 +70,15 @@ async def with_engine(server, body):
         return await body(engine)
     finally:
         await engine.aclose()
+
+
+def test_generation_runs_on_the_process_threads_and_the_http_thread_does_not(server):
+    """The engine thread generates on the threads the launcher gave the process (2 here); the main thread, which
+    loaded the model and serves HTTP, stays serial, so OpenMP keeps one multi-threaded team (areal_core.threads)."""
+    import httpx
+
+    health = httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=10).json()
+    assert (health["threads"], health["http_threads"]) == (2, 1)
 
 
 def test_concurrent_greedy_requests_match_requests_run_alone(server):
