@@ -65,17 +65,18 @@ def buckets(lens: list[int], slack: float = PADDING_SLACK) -> list[list[int]]:
 
 
 @lru_cache(maxsize=8)
-def _gather_plan(cu: tuple[int, ...]) -> list[tuple]:
+def _gather_plan(cu: tuple[int, ...], device: torch.device) -> list[tuple]:
     """Per bucket: (sequences, longest, longest, src, dst, src, dst, no mask). Token j of the bucket's r-th
     sequence i is row cu[i] + j of the packed tensors and row r * longest + j of the padded ones. Every layer of
     a forward (and its backward) shares one row layout, so this is computed once per micro-batch, not once per
-    layer."""
+    layer. The indices live on ``device`` (the activations' device: index_copy and fancy indexing on a CUDA tensor
+    need CUDA indices)."""
     lens = [e - s for s, e in zip(cu[:-1], cu[1:])]
     plan = []
     for group in buckets(lens):
         longest = lens[group[0]]
-        src = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in group])
-        dst = torch.cat([torch.arange(lens[i]) + r * longest for r, i in enumerate(group)])
+        src = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in group]).to(device)
+        dst = torch.cat([torch.arange(lens[i]) + r * longest for r, i in enumerate(group)]).to(device)
         plan.append((len(group), longest, longest, src, dst, src, dst, None))
     return plan
 
@@ -98,13 +99,13 @@ def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
         if cu is None:
             raise RuntimeError(f"{PACKED_SDPA}: the model was called without {CU_SEQLENS}; the fsdp engine passes "
                                "the packed row's sequence boundaries with every forward")
-        plan = _gather_plan(tuple(cu))
+        plan = _gather_plan(tuple(cu), query.device)
     if query.shape[0] != 1:
         raise RuntimeError(f"{PACKED_SDPA}: expects one packed row, got a batch of {query.shape[0]}")
     gqa = query.shape[1] != key.shape[1]
     drop = dropout if module.training else 0.0
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
-    out = q.new_empty(q.shape)
+    out = None  # in the dtype attention returns: bfloat16 under CUDA autocast, whatever q's own dtype
     for count, q_len, k_len, q_src, q_dst, k_src, k_dst, mask in plan:
 
         def padded(x: torch.Tensor, length: int, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
@@ -116,6 +117,8 @@ def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                                                padded(v, k_len, k_src, k_dst), attn_mask=mask, dropout_p=drop,
                                                is_causal=mask is None, scale=scaling, enable_gqa=gqa)
         o = o.transpose(1, 2).reshape(count * q_len, *o.shape[1:2], o.shape[-1])
+        if out is None:
+            out = o.new_empty((q.shape[0],) + tuple(o.shape[1:]))
         out = out.index_copy(0, q_src, o[q_dst])
     return out[None], None
 

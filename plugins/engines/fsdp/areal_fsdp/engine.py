@@ -341,6 +341,12 @@ class FSDPEngine(TrainEngine):
     def _pick_device(self) -> torch.device:
         wanted = getattr(self.context.placement, "device", None)
         if wanted != "cpu" and torch.cuda.is_available():
+            if dist.is_initialized() and dist.get_world_size() > 1 and "nccl" not in str(dist.get_backend()):
+                # FSDP's collectives on CUDA tensors through a gloo-only group crashed the ranks (SIGSEGV).
+                raise RuntimeError(f"FSDPEngine: torch.distributed was initialised with backend "
+                                   f"{dist.get_backend()!r}, which cannot reduce CUDA tensors, and this rank would "
+                                   f"train on cuda; initialise it with 'cpu:gloo,cuda:nccl' (as areal's trainer does) "
+                                   f"or place the actor with '@cpu'")
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
             torch.cuda.set_device(device)
             return device
@@ -520,6 +526,12 @@ class FSDPEngine(TrainEngine):
             mb["position_ids"] = torch.cat([torch.arange(n) for n in lens])
         return mb
 
+    def _on_device(self, mb: dict) -> dict:
+        """The micro-batch as ``loss_fn`` sees it: its tensors on the engine's device, beside the logprobs."""
+        if self.device.type == "cpu":
+            return mb
+        return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+
     def _forward(self, mb: dict, temperature: float,
                  only: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprobs [T_mb], entropy [T_mb]) float32 of one packed micro-batch (``only``: just those tokens)."""
@@ -689,7 +701,7 @@ class FSDPEngine(TrainEngine):
                     # No loss tokens: a zero gradient, but every FSDP collective still runs.
                     (logprobs.sum() * 0.0).backward()
                     continue
-                loss, stats = loss_fn(logprobs, entropy, mb)
+                loss, stats = loss_fn(logprobs, entropy, self._on_device(mb))
                 weight = n_loss / total_loss_tokens
                 # FSDP averages gradients over the dp x cp ranks it shards over; scaling by dp makes that a sum
                 # over dp. The cp ranks of a group compute the same loss on the same gathered row, and the

@@ -54,7 +54,7 @@ def test_values_are_the_value_head_on_the_previous_tokens_hidden_state(model_dir
     with torch.no_grad():
         for a, z in zip(b["cu_seqlens"][:-1], b["cu_seqlens"][1:]):
             h = hf.model(torch.tensor([b["input_ids"][a:z]])).last_hidden_state[0]
-            v = (h @ head.weight[0] + head.bias[0]).tolist()
+            v = (h @ head.weight[0].cpu() + head.bias[0].cpu()).tolist()  # the engine's head may be on a GPU
             expected += [0.0] + v[:-1]
     assert values == pytest.approx(expected, abs=1e-5)
     assert all(values[s] == 0.0 for s in b["cu_seqlens"][:-1])

@@ -384,7 +384,8 @@ def run_ranks(spec: dict, folder: Path, world: int = 2, timeout: float = 240) ->
     for rank in range(world):
         log = open(folder / f"rank{rank}.log", "w")
         logs.append(log)
-        env = {**os.environ, **rendezvous_env(rank, world, port), "OMP_NUM_THREADS": "1"}
+        # The ranks meet over gloo (dist_worker.py): keep them on the CPU on a machine with a GPU too.
+        env = {**os.environ, **rendezvous_env(rank, world, port), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
         procs.append(subprocess.Popen([sys.executable, str(WORKER), str(folder / "spec.json")], env=env,
                                       stdout=log, stderr=subprocess.STDOUT))
     try:
