@@ -740,11 +740,11 @@ class FSDPEngine(TrainEngine):
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
         if self.tp > 1:
             return self._clip_tensor_parallel(params, max_norm)
-        if all(group.get("fused") for group in self.optimizer.param_groups):  # what step() goes by (a loaded
-            # optimizer state carries its own groups: a checkpoint of a sharded run steps with the default kernel)
-            # The fused AdamW kernel divides each gradient by the optimizer's ``grad_scale`` (the attribute
-            # torch's GradScaler sets) as it reads it, so clipping costs no pass of its own over the gradients:
-            # clip_grad_norm_'s multiply was ~47 ms of a 1.4 s bf16 step of SmolLM2-135M on one core.
+        # The fused AdamW kernel divides each gradient by the optimizer's ``grad_scale`` (the attribute torch's
+        # GradScaler sets) as it reads it, so clipping there costs no pass of its own over the gradients:
+        # clip_grad_norm_'s multiply was ~47 ms of a 1.4 s bf16 step of SmolLM2-135M on one core. The groups'
+        # own flag decides, as it does for step(): a loaded checkpoint of a sharded run keeps the default kernel.
+        if all(group.get("fused") for group in self.optimizer.param_groups):
             norm = float(torch.nn.utils.get_total_norm([p.grad for p in params], error_if_nonfinite=False))
             coef = max_norm / (norm + 1e-6)  # clip_grad_norm_'s coefficient
             self.optimizer.grad_scale = torch.tensor(1.0 / coef, device=self.device) if coef < 1.0 else None

@@ -22,18 +22,13 @@ if not torch.cuda.is_available():
 
 from areal_local.models import tiny_model  # noqa: E402
 
-_HERE = Path(__file__).parent
-
-
-def _load(name: str, file: str):
-    spec = importlib.util.spec_from_file_location(name, _HERE / file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-engine_tests = _load("areal_fsdp_test_engine_for_cuda", "test_fsdp_engine.py")
-worker = engine_tests.worker  # dist_worker.py: make_engine, scenario
+# The engine tests' helpers (make_batch, LENGTHS, and dist_worker's make_engine / scenario), loaded as
+# test_shared_prefixes.py does.
+_spec = importlib.util.spec_from_file_location("areal_fsdp_test_engine_for_cuda",
+                                               Path(__file__).with_name("test_fsdp_engine.py"))
+engine_tests = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(engine_tests)
+worker = engine_tests.worker
 BATCH = engine_tests.make_batch(engine_tests.LENGTHS + [4])
 
 
