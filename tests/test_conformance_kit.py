@@ -82,6 +82,7 @@ KIT_ENTRY_POINTS = {
         "no_step_train_engine_double": "train_engine_doubles:NoStepTrainEngineDouble",
         "forgetful_load_train_engine_double": "train_engine_doubles:ForgetfulLoadTrainEngineDouble",
         "view_export_train_engine_double": "train_engine_doubles:ViewExportTrainEngineDouble",
+        "racy_export_train_engine_double": "train_engine_doubles:RacyExportTrainEngineDouble",
     },
 }
 
@@ -401,6 +402,9 @@ def test_train_engine_suite_checks_steps_and_checkpoints(pytester, kit_doubles):
 
         class TestViewExportEngine(TrainSuite):
             component_name = "view_export_train_engine_double"
+
+        class TestRacyExportEngine(TrainSuite):
+            component_name = "racy_export_train_engine_double"
     """)
     every = set(public_tests(TrainEngineConformance))
     assert outcomes(results, "TestBigramEngine") == {"passed": every, "skipped": set(), "failed": set()}
@@ -419,6 +423,10 @@ def test_train_engine_suite_checks_steps_and_checkpoints(pytester, kit_doubles):
         "test_exported_tensors_are_copies_that_a_later_step_leaves_alone"}
     assert "export_tensors must hand out copies" in message(
         results, "TestViewExportEngine::test_exported_tensors_are_copies_that_a_later_step_leaves_alone")
+    assert failed(results, "TestRacyExportEngine") == {
+        "test_an_export_read_on_another_thread_holds_the_next_optimizer_step"}
+    assert "the optimizer step must wait until its last bucket is read" in message(
+        results, "TestRacyExportEngine::test_an_export_read_on_another_thread_holds_the_next_optimizer_step")
 
 
 # ------------------------------------------------------------------ algorithms

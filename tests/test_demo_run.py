@@ -27,7 +27,7 @@ def test_a_short_default_run_writes_a_complete_run_folder(tmp_path):
     model = tiny_model(tmp_path / "tiny", seed=0)
     overrides = [f"output_dir={tmp_path / 'runs'}", f"model.path={model}", "model.dtype=float32",
                  "trainer.total_steps=3", "trainer.save_every=2", "eval.size=6", "rollout.batch_size=2",
-                 "rollout.group_size=2", "rollout.max_head_offpolicyness=1", "actor.optimizer.lr=1e-3",
+                 "rollout.group_size=2", "rollout.max_head_offpolicyness=2", "actor.optimizer.lr=1e-3",
                  # a random model scores 0 on (nearly) every group: the demo's filter would reject them all
                  "rollout.dynamic_filtering=false"]
     proc = subprocess.run([AREAL, "run", *overrides], capture_output=True, text=True, timeout=900)
@@ -35,7 +35,8 @@ def test_a_short_default_run_writes_a_complete_run_folder(tmp_path):
     run_dir = tmp_path / "runs" / "demo" / "run0"
 
     config = (run_dir / "config.yaml").read_text()
-    for expected in ("name: grpo", "name: rlvr", "name: arithmetic", "max_head_offpolicyness: 1", "decoupled: true"):
+    for expected in ("name: grpo", "name: rlvr", "name: arithmetic", "max_head_offpolicyness: 2", "decoupled: true",
+                     "weight_sync: tensors", "pacing: true"):
         assert expected in config
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -47,9 +48,13 @@ def test_a_short_default_run_writes_a_complete_run_folder(tmp_path):
         assert all(v is not None for k, v in row.items() if k != "time"), row  # null = non-finite
     for row in rows[1:]:
         for key in ("reward/mean", "train/loss", "train/grad_norm", "staleness/token_lag_max",
-                    "throughput/gen_tokens_per_s"):
+                    "throughput/gen_tokens_per_s", "rollout/lead"):
             assert key in row, (key, sorted(row))
-        assert row["staleness/token_lag_max"] <= 1
+        assert row["staleness/token_lag_max"] <= 2 and 1 <= row["rollout/lead"] <= 2
+    # Every version reached the server through shared memory, exported beside the next step's training.
+    server_log = (run_dir / "logs" / "rollout-0.log").read_text()
+    for version in (1, 2, 3):
+        assert f"weights v{version} from /dev/shm/areal-weights-" in server_log, server_log[-2000:]
     assert 0.0 <= rows[-1]["eval/accuracy"] <= 1.0
     assert list((run_dir / "tensorboard").iterdir())
 

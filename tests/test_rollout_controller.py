@@ -46,6 +46,63 @@ def test_capacity_formula():
     assert StalenessManager(2, 0, 100).capacity(0) == 2
 
 
+def test_pacing_lead_grows_when_the_trainer_waits_and_shrinks_when_a_batch_is_spare():
+    m = StalenessManager(batch_size=2, max_head_offpolicyness=3, max_concurrent_rollouts=100, pacing=True)
+    assert m.lead == 1 and m.capacity(0) == (1 + 0 + 1) * 2  # starts one version ahead, not eta
+    assert m.on_hand_out(waited=True, ready=0) and m.lead == 2  # grew: admission may open
+    assert m.capacity(0) == (2 + 0 + 1) * 2
+    m.on_hand_out(waited=True, ready=1)
+    assert not m.on_hand_out(waited=True, ready=0) and m.lead == 3  # never past eta
+    m.on_hand_out(waited=False, ready=3)  # less than a whole spare batch beside the one taken: kept
+    assert m.lead == 3
+    assert not m.on_hand_out(waited=False, ready=4) and m.lead == 2
+    m.on_hand_out(waited=False, ready=9)
+    m.on_hand_out(waited=False, ready=9)
+    assert m.lead == 1  # never below one version ahead
+    unpaced = StalenessManager(2, 3, 100, pacing=False)
+    unpaced.on_hand_out(waited=False, ready=100)
+    assert unpaced.lead == 3 and unpaced.capacity(0) == 8
+    for eta in (0, 1):  # nothing between 1 and eta to adapt
+        tight = StalenessManager(2, eta, 100, pacing=True)
+        tight.on_hand_out(waited=True, ready=0)
+        assert not tight.pacing and tight.lead == eta
+
+
+def paced_run(pacing: bool, phases: list[tuple[float, float, int]]) -> list[tuple[list[int], int]]:
+    """Per phase (token latency s, train step s, steps): each batch's largest episode lag (trainer version -
+    start version), and the lead at the phase's end."""
+    data = items(400, seed=5, max_length=4)
+    engine = LatencyEngineDouble(seed=5)
+    out = []
+    with controller([engine], batch_size=2, eta=3, pacing=pacing) as ctrl:
+        for token_latency_s, train_s, steps in phases:
+            engine.max_token_latency_s = token_latency_s
+            lags = []
+            for _ in range(steps):
+                batch = ctrl.prepare_batch(data, timeout=30)
+                lags.append(max(ctrl.version - g.start_version for g in batch))
+                time.sleep(train_s)
+                ctrl.update_weights_from_disk(f"/ckpt/v{ctrl.version + 1}", ctrl.version + 1)
+            out.append((lags, ctrl.stats()["lead"]))
+    return out
+
+
+def test_pacing_keeps_samples_one_version_old_when_generation_outpaces_training():
+    # Generating a batch takes a few ms, a train step 100 ms: unpaced, the queue fills to the bound.
+    [(unpaced, lead)] = paced_run(False, [(0.0005, 0.1, 10)])
+    assert max(unpaced[5:]) == 3 and lead == 3
+    [(paced, lead)] = paced_run(True, [(0.0005, 0.1, 10)])
+    assert max(paced[5:]) <= 1 and lead == 1
+
+
+def test_pacing_follows_whichever_side_is_slower():
+    # First generation is slow (~100 ms a batch) and training instant: the trainer waits, the lead climbs to
+    # eta. Then generation gets fast and training slow: the lead comes back down and samples get fresh again.
+    (_, lead_slow_generation), (lags, lead_slow_training) = paced_run(True, [(0.05, 0.0, 6), (0.0005, 0.1, 10)])
+    assert lead_slow_generation == 3
+    assert lead_slow_training == 1 and max(lags[-3:]) <= 1
+
+
 def test_eta_zero_is_synchronous_order():
     data = items(40, seed=3)
     with controller([LatencyEngineDouble(seed=1)], batch_size=4, eta=0) as ctrl:
@@ -69,9 +126,9 @@ def test_eta_zero_reproduces_synchronous_order_under_random_latencies(batch_size
 
 @settings(max_examples=60, deadline=None)
 @given(eta=st.integers(0, 3), batch_size=st.integers(1, 4), max_concurrent=st.integers(1, 12),
-       seed=st.integers(0, 10**6), n_engines=st.integers(1, 3), group_size=st.integers(1, 2))
+       seed=st.integers(0, 10**6), n_engines=st.integers(1, 3), group_size=st.integers(1, 2), pacing=st.booleans())
 def test_staleness_bound_and_conservation_hold_under_random_latencies(eta, batch_size, max_concurrent, seed,
-                                                                     n_engines, group_size):
+                                                                     n_engines, group_size, pacing):
     data = items(200, seed=seed, max_length=6)
     engines = [LatencyEngineDouble(seed=seed + i, max_token_latency_s=0.001) for i in range(n_engines)]
     seen = []
@@ -91,8 +148,9 @@ def test_staleness_bound_and_conservation_hold_under_random_latencies(eta, batch
         seen.extend(g.item["id"] for g in batch)
 
     with controller(engines, batch_size=batch_size, eta=eta, max_concurrent=max_concurrent,
-                    group_size=group_size) as ctrl:
+                    group_size=group_size, pacing=pacing) as ctrl:
         train_steps(ctrl, data, 4, check)
+        assert 1 <= ctrl.stats()["lead"] <= eta if pacing and eta > 1 else ctrl.stats()["lead"] == eta
     assert len(seen) == len(set(seen)) == 4 * batch_size  # nothing handed out twice
 
 

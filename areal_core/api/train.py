@@ -18,7 +18,11 @@ class TrainEngine(Component):
     """Holds a model and its optimizer across ranks.
 
     Capabilities: ``"save_load"``, ``"export_disk"``, ``"export_tensors"``,
-    ``"reference"`` (frozen copy for KL), ``"critic"`` (value head).
+    ``"export_beside_training"`` (an ``export_tensors`` result may be read on
+    another thread while ``train_batch`` runs: the engine holds the weights
+    from the call until the last bucket is read or the result is closed, and
+    its optimizer step waits; one-process trainers only), ``"reference"``
+    (frozen copy for KL), ``"critic"`` (value head).
 
     ``context.extras["role"]`` is ``"actor"`` (trained), ``"reference"``
     (the initial weights, frozen: no optimizer, only ``forward_logprobs``) or

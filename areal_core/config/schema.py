@@ -74,6 +74,9 @@ class RolloutConfig:
     batch_size: int = spec(8, ge=1, help="prompt groups per training step")
     max_head_offpolicyness: int = spec(4, ge=0, help="staleness bound in versions; 0 = synchronous")
     max_concurrent_rollouts: int = spec(64, ge=1)
+    pacing: bool = spec(True, help="start episodes only as far ahead of the trainer as keeps it from waiting "
+                        "(1 to max_head_offpolicyness versions, adapted per batch; rollout/lead in the metrics); "
+                        "false: always run up to the bound")
     request_timeout_s: float = spec(600.0, gt=0.0)
     dynamic_filtering: bool = spec(False, help="drop groups whose rewards are all equal and sample more in their place")
     max_filtered_in_a_row: int = spec(512, ge=0, help="stop the run when filtering (rollout.dynamic_filtering or "

@@ -87,10 +87,11 @@ class RolloutController:
         call_timeout_s: float = 600.0,
         elastic: ElasticConfig | None = None,
         engine_factory: Callable[[str], InferenceEngine] | None = None,
+        pacing: bool = False,
     ) -> None:
         self.batch_size = batch_size
         self.eta = max_head_offpolicyness
-        self.staleness = StalenessManager(batch_size, max_head_offpolicyness, max_concurrent_rollouts)
+        self.staleness = StalenessManager(batch_size, max_head_offpolicyness, max_concurrent_rollouts, pacing)
         self._initial_engines = list(engines)
         self.elastic = elastic if elastic is None or elastic.enabled else None
         self.engine_factory = engine_factory  # address -> engine, for add_server() and discovery
@@ -370,7 +371,15 @@ class RolloutController:
         """
         if dataloader is not self._source_obj:
             self.set_source(dataloader)
-        return self.wait(self.batch_size, timeout)
+        with self._cond:
+            ready, waited = len(self._ready), not self._can_hand_out(self.batch_size)
+            first = self._consumed_accepted == 0  # nothing could have been generated ahead of it
+        groups = self.wait(self.batch_size, timeout)
+        with self._cond:
+            grew = self.staleness.on_hand_out(waited and not first, ready)
+        if grew:
+            self._kick()
+        return groups
 
     def _describe(self) -> str:
         c = self.staleness.counts
@@ -627,7 +636,7 @@ class RolloutController:
             return {"version": self._version, "queued": len(self._pending), "running": len(self._running),
                     "servers": servers,
                     "ready": len(self._ready), "started": c.started, "accepted": c.accepted,
-                    "rejected": c.rejected, "consumed": self._consumed_accepted,
+                    "rejected": c.rejected, "consumed": self._consumed_accepted, "lead": self.staleness.lead,
                     "generated_tokens": self._generated_tokens}
 
     def state_dict(self) -> dict:

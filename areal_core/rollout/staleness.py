@@ -7,7 +7,18 @@ With batch size ``B``, staleness bound ``eta`` and trainer version ``v``::
                    (eta + v + 1) * B - (accepted + running))
 
 ``accepted`` counts every group ever accepted (consumed or not); a rejected
-group gives its slot back. Admission alone bounds how many samples exist per
+group gives its slot back.
+
+Pacing (``pacing=True``): admission uses a *lead* ``L`` in place of ``eta``,
+``1 <= L <= eta``, adapted at every batch the trainer takes. Where generation
+outpaces training, running ``eta`` versions ahead only fills a queue whose
+samples are ``eta`` versions old when trained on; it buys no throughput. The
+lead grows by one when the trainer found its batch not ready (generation is
+behind: more episodes in flight) and shrinks by one when a whole further batch
+was ready besides the one taken (generation is ahead: start later). A run whose
+generation is the slower side keeps ``L = eta``; one whose training is slower
+settles at ``L = 1``, samples one version old instead of ``eta``, at the same
+throughput. ``eta`` stays the bound either way. Admission alone bounds how many samples exist per
 version; the controller also hands batches out oldest-first and holds a batch
 while an episode old enough to break the bound is still running, which makes
 the bound hold for every sample even when episodes finish out of order (see
@@ -28,7 +39,8 @@ class StalenessCounts:
 
 
 class StalenessManager:
-    def __init__(self, batch_size: int, max_head_offpolicyness: int, max_concurrent_rollouts: int) -> None:
+    def __init__(self, batch_size: int, max_head_offpolicyness: int, max_concurrent_rollouts: int,
+                 pacing: bool = False) -> None:
         if batch_size < 1 or max_head_offpolicyness < 0 or max_concurrent_rollouts < 1:
             raise ValueError(
                 "StalenessManager needs batch_size >= 1, max_head_offpolicyness >= 0 and "
@@ -39,12 +51,27 @@ class StalenessManager:
         self.eta = max_head_offpolicyness
         self.max_concurrent = max_concurrent_rollouts
         self.counts = StalenessCounts()
+        self.pacing = pacing and max_head_offpolicyness > 1  # with eta <= 1 there is nothing to adapt
+        self.lead = 1 if self.pacing else max_head_offpolicyness  # versions admission may run ahead
 
     def capacity(self, version: int) -> int:
         c = self.counts
         by_concurrency = self.max_concurrent - c.running
-        by_staleness = (self.eta + version + 1) * self.batch_size - (c.accepted + c.running)
+        by_staleness = (self.lead + version + 1) * self.batch_size - (c.accepted + c.running)
         return max(0, min(by_concurrency, by_staleness))
+
+    def on_hand_out(self, waited: bool, ready: int) -> bool:
+        """Pacing feedback from one batch taken by the trainer: ``waited`` when the batch was not ready as it
+        asked, ``ready`` the accepted groups ready then (the batch's own included). True when the lead grew
+        (admission may open now)."""
+        if not self.pacing:
+            return False
+        if waited and self.lead < self.eta:
+            self.lead += 1
+            return True
+        if not waited and ready >= 2 * self.batch_size and self.lead > 1:
+            self.lead -= 1
+        return False
 
     def on_start(self) -> None:
         self.counts.started += 1

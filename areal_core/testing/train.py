@@ -28,7 +28,7 @@ class TrainEngineConformance(ComponentConformance):
     ``position_ids`` [T], ``cu_seqlens`` [B+1], ``loss_mask`` [T], as the
     engine's tensors).
 
-    Capabilities tested: ``save_load``, ``export_tensors``.
+    Capabilities tested: ``save_load``, ``export_tensors``, ``export_beside_training``.
     """
 
     kind: ClassVar[str] = "train_engine"
@@ -124,3 +124,29 @@ class TrainEngineConformance(ComponentConformance):
         assert any(not torch.equal(after[name], kept[name]) for name in kept), (
             "train_batch left every exported weight as it was, so this test saw no update to guard against; "
             "raise the test engine's learning rate")
+
+    @requires("export_beside_training")
+    def test_an_export_read_on_another_thread_holds_the_next_optimizer_step(self) -> None:
+        # The trainer reads the export on a background thread while this one trains on (eta > 0): the step
+        # must wait until every bucket was read, so what the inference engines get is one version, whole.
+        import threading
+
+        import torch
+
+        with self.engine() as engine:
+            before = dict(pair for bucket in engine.export_tensors(1 << 30) for pair in bucket)
+            stream = iter(engine.export_tensors(1))  # one tensor per bucket: many reads
+            first = next(stream)
+            done = threading.Event()
+            step = threading.Thread(target=lambda: (engine.train_batch(self.make_batch(), neg_logprob_loss),
+                                                    done.set()), daemon=True)
+            step.start()
+            ran_early = done.wait(0.5)
+            rest = [pair for bucket in stream for pair in bucket]
+            step.join(60)
+            assert done.is_set(), "train_batch did not finish within 60 s after the export was read to the end"
+        assert not ran_early, ("train_batch finished while an export_tensors() result was still being read; with "
+                               "'export_beside_training' the optimizer step must wait until its last bucket is read")
+        exported = dict(first + rest)
+        torn = [name for name in before if not torch.equal(exported[name], before[name])]
+        assert not torn, f"the export read beside train_batch mixed in weights after the step: {torn[:5]}"

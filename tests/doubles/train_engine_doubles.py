@@ -8,6 +8,7 @@ as a fake distribution by ``tests/test_conformance_kit.py``; never shipped.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,9 +25,10 @@ class BigramTrainEngineDoubleConfig:
 
 class BigramTrainEngineDouble(TrainEngine):
     config_class = BigramTrainEngineDoubleConfig
-    capabilities = frozenset({"save_load", "export_tensors"})
+    capabilities = frozenset({"save_load", "export_tensors", "export_beside_training"})
 
     def initialize(self) -> None:
+        self.weights_read = threading.Lock()  # held by an export until its last bucket is read
         options = self.context.options or BigramTrainEngineDoubleConfig()
         generator = torch.Generator().manual_seed(0)
         self.table = torch.nn.Parameter(0.1 * torch.randn(options.vocab_size, options.vocab_size,
@@ -64,7 +66,8 @@ class BigramTrainEngineDouble(TrainEngine):
         return {"loss": float(loss), **{k: float(v) for k, v in stats.items()}}
 
     def step(self) -> None:
-        self.optimizer.step()
+        with self.weights_read:
+            self.optimizer.step()
 
     def save(self, path, *, with_optimizer=True):
         Path(path).mkdir(parents=True, exist_ok=True)
@@ -81,13 +84,22 @@ class BigramTrainEngineDouble(TrainEngine):
             self.optimizer.load_state_dict(state["optimizer"])
         self._version = state["version"]
 
-
     def export_tensors(self, bucket_bytes):
-        yield [("table", self.table.detach().clone())]
+        self.weights_read.acquire()  # at the call, before any bucket is read
+        return self._rows()
+
+    def _rows(self):
+        try:  # one row per bucket: the export is read in several steps
+            for i, row in enumerate(self.table.detach()):
+                yield [(f"table.{i}", row.clone())]
+        finally:
+            self.weights_read.release()
 
 
 class NoStepTrainEngineDouble(BigramTrainEngineDouble):
     """Broken: computes gradients but never steps the optimizer."""
+
+    capabilities = frozenset({"save_load", "export_tensors"})
 
     def step(self) -> None:
         return None
@@ -103,5 +115,14 @@ class ForgetfulLoadTrainEngineDouble(BigramTrainEngineDouble):
 class ViewExportTrainEngineDouble(BigramTrainEngineDouble):
     """Broken: export_tensors hands out a view of the parameter, which the next step changes."""
 
+    capabilities = frozenset({"save_load", "export_tensors"})
+
     def export_tensors(self, bucket_bytes):
         yield [("table", self.table.detach())]
+
+
+class RacyExportTrainEngineDouble(BigramTrainEngineDouble):
+    """Broken: declares export_beside_training, but its optimizer step does not wait for an export being read."""
+
+    def step(self) -> None:
+        self.optimizer.step()

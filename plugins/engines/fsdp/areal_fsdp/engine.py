@@ -49,7 +49,9 @@ import math
 import os
 import shutil
 import sys
+import threading
 import warnings
+import weakref
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
@@ -77,6 +79,7 @@ STATE_FILE = "engine_state.json"
 STATE_FORMAT = 1
 OPTIMIZER_DIR = "optimizer"
 ADAPTER_DIR = "adapter"
+EXPORT_WAIT_S = 600.0  # the longest an optimizer step waits for an export still being read, and vice versa
 
 
 @dataclass
@@ -182,7 +185,8 @@ class FSDPEngine(TrainEngine):
     """Train engine on PyTorch FSDP2 (``actor.backend: fsdp``). See the module docstring."""
 
     config_class = FSDPEngineConfig
-    capabilities = frozenset({"save_load", "export_disk", "export_tensors", "reference", "critic"})
+    capabilities = frozenset({"save_load", "export_disk", "export_tensors", "export_beside_training", "reference",
+                              "critic"})
 
     def __init__(self, context: Any = None) -> None:
         super().__init__(context)
@@ -196,6 +200,9 @@ class FSDPEngine(TrainEngine):
         self.scheduler: Any = None
         self._peft: Any = None  # the PEFT model around self.lm when LoRA is on
         self._lora_layers: dict[str, tuple[float, bool]] = {}
+        # Held by an export from its call until its last bucket is read; an optimizer step waits for it
+        # ("export_beside_training": another thread may read the export while this one trains).
+        self._export_lock = threading.Lock()
 
     # ------------------------------------------------------------------ setup
     @property
@@ -719,7 +726,8 @@ class FSDPEngine(TrainEngine):
         if skipped:
             self.optimizer.zero_grad(set_to_none=True)
         else:
-            self.optimizer.step()
+            with self._weights_unread():
+                self.optimizer.step()
         self.optimizer.grad_scale = None  # the clip's scale (_clip) is for this step only
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -861,7 +869,26 @@ class FSDPEngine(TrainEngine):
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ValueError(f"FSDPEngine.export_tensors: bucket_bytes must be a positive int, got {bucket_bytes!r}")
         state, items = self._items("merged")
-        return self._stream_buckets(state, items, _buckets(state, items, self.dtype, bucket_bytes), self.dtype)
+        if not self._export_lock.acquire(timeout=EXPORT_WAIT_S):
+            raise TimeoutError(f"FSDPEngine.export_tensors: waited {EXPORT_WAIT_S:.0f} s for the previous export's "
+                               f"buckets to be read to the end (or the export closed)")
+        try:
+            buckets = self._stream_buckets(state, items, _buckets(state, items, self.dtype, bucket_bytes), self.dtype)
+        except BaseException:
+            self._export_lock.release()
+            raise
+        return _Leased(buckets, self._export_lock)
+
+    @contextmanager
+    def _weights_unread(self) -> Iterator[None]:
+        """Hold off writing the weights while an export (maybe on another thread) has not read them all."""
+        if not self._export_lock.acquire(timeout=EXPORT_WAIT_S):
+            raise TimeoutError(f"FSDPEngine.train_batch: waited {EXPORT_WAIT_S:.0f} s before the optimizer step for "
+                               f"an export_tensors() whose buckets were neither all read nor closed")
+        try:
+            yield
+        finally:
+            self._export_lock.release()
 
     def _stream_buckets(self, state: dict, items: list, plan: list[list[int]],
                         dtype: torch.dtype | None) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -900,9 +927,11 @@ class FSDPEngine(TrainEngine):
         tensors = {}
         for name, values, combine in gathered:
             value = combine(values) if combine is not None else values[0]
-            if dtype is not None and value.is_floating_point():
-                value = value.to(dtype)
-            tensors[name] = value.to("cpu", copy=True)
+            fresh = combine is not None  # a combined tensor is already new
+            if dtype is not None and value.is_floating_point() and value.dtype != dtype:
+                value, fresh = value.to(dtype), True
+            # One pass per tensor: a cast on the CPU already made the copy the contract asks for
+            tensors[name] = value if fresh and value.device.type == "cpu" else value.to("cpu", copy=True)
         if dtype is None:
             return list(tensors.items())  # module names: the HF-folder writer renames
         return list(checkpoint_names(self.lm, tensors).items())
@@ -1009,6 +1038,33 @@ def _quiet_single_process_dcp() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
+
+
+class _Leased:
+    """An export's buckets, holding the engine's export lock until the last is read or the export is closed.
+
+    The lock is taken when ``export_tensors`` is called, not when iteration starts, so an optimizer step on the
+    calling thread cannot slip in before a consumer thread has begun. An export dropped unread releases it
+    when collected.
+    """
+
+    def __init__(self, buckets: Iterator[list[tuple[str, torch.Tensor]]], lock: threading.Lock) -> None:
+        self._buckets = buckets
+        self._release = weakref.finalize(self, lock.release)  # runs at most once: close() or collection
+
+    def __iter__(self) -> "_Leased":
+        return self
+
+    def __next__(self) -> list[tuple[str, torch.Tensor]]:
+        try:
+            return next(self._buckets)
+        except BaseException:  # StopIteration at the end, or a failed gather: the weights are free again
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self._buckets.close()
+        self._release()
 
 
 def _tied_aliases(lm: nn.Module) -> dict[str, str]:

@@ -527,6 +527,49 @@ def test_export_tensors_in_bfloat16_and_bad_bucket_sizes(models):
     e.close()
 
 
+def test_an_export_read_on_another_thread_holds_the_optimizer_step_until_it_is_read(models, monkeypatch):
+    import threading
+
+    import areal_fsdp.engine as fsdp_engine
+
+    monkeypatch.setattr(fsdp_engine, "EXPORT_WAIT_S", 20.0)  # a broken lock fails here, not in 10 minutes
+    e = engine(config(models["llama"]))
+    before = dict(pair for bucket in e.export_tensors(1 << 30) for pair in bucket)
+    stream = e.export_tensors(40_000)  # the weights are held from this call on, before anything is read
+    stepped = threading.Event()
+    trainer = threading.Thread(target=lambda: (e.train_batch(make_batch(), nll), stepped.set()))
+    trainer.start()
+    assert not stepped.wait(0.5), "the optimizer step ran while an export had not read the weights"
+    exported = dict(pair for bucket in stream for pair in bucket)  # read on this thread, to the end
+    trainer.join(20)
+    assert stepped.is_set() and e.version == 1
+    assert exported.keys() == before.keys()
+    assert all(torch.equal(exported[n], before[n]) for n in before)  # every bucket: the weights before the step
+    after = dict(pair for bucket in e.export_tensors(1 << 30) for pair in bucket)
+    assert any(not torch.equal(after[n], before[n]) for n in before)
+    # An export closed half way, or dropped unread, lets the next step run.
+    half = e.export_tensors(40_000)
+    next(half)
+    half.close()
+    e.train_batch(make_batch(), nll)
+    e.export_tensors(40_000)
+    e.train_batch(make_batch(), nll)
+    assert e.version == 3
+    # An export left half read past the wait: the step says what it waited for.
+    monkeypatch.setattr(fsdp_engine, "EXPORT_WAIT_S", 0.2)
+    held = e.export_tensors(40_000)
+    next(held)
+    with pytest.raises(TimeoutError, match="waited 0 s before the optimizer step for an export_tensors"):
+        e.train_batch(make_batch(), nll)
+    with pytest.raises(TimeoutError, match="the previous export's buckets to be read"):
+        e.export_tensors(40_000)
+    held.close()
+    assert e.version == 3
+    e.train_batch(make_batch(), nll)
+    assert e.version == 4
+    e.close()
+
+
 def test_two_ranks_export_tensors_like_one(models, tmp_path):
     batch = make_batch(LENGTHS + [4])
     limit = 50_000
