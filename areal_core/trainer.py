@@ -378,23 +378,22 @@ class Trainer:
         """
         paused_s = self._finish_weight_sync()
         wait = self.cfg.rollout.max_head_offpolicyness == 0
-        if self.cfg.rollout.weight_sync == "tensors" and not wait and self.world_size == 1 \
-                and "export_beside_training" in self.actor.capabilities:
-            # The export itself goes on beside the next batch's training, on a thread of its own: on a CPU it
-            # is a full pass over the weights (~0.08 s of a 1.6 s step for SmolLM2-135M on one core) that
-            # another core can do. The engine holds its next optimizer step until the export has read them.
-            buckets = self.actor.export_tensors(WEIGHT_BUCKET_BYTES)
-
-            def export_and_send() -> float:
-                serial_torch()  # see areal_core.threads: a helper thread's torch ops run on one thread
-                named = [pair for bucket in buckets for pair in bucket]
-                return self.controller.update_weights_from_tensors(named, version, wait=False).result()
-
-            self._pending_sync = Background(export_and_send, f"hand the weights of version {version} to the "
-                                                             f"inference engines", BACKGROUND_SYNC_TIMEOUT_S)
-            return paused_s
+        beside = not wait and self.world_size == 1 and "export_beside_training" in self.actor.capabilities
         if self.cfg.rollout.weight_sync == "tensors":
-            named = [pair for bucket in self.actor.export_tensors(WEIGHT_BUCKET_BYTES) for pair in bucket]
+            buckets = self.actor.export_tensors(WEIGHT_BUCKET_BYTES)
+            if beside:
+                # The export itself goes on beside the next batch's training, on a thread of its own: on a CPU
+                # it is a full pass over the weights (~0.08 s of a 1.6 s step for SmolLM2-135M on one core) that
+                # another core can do. The engine holds its next optimizer step until the export has read them.
+                def export_and_send() -> float:
+                    serial_torch()  # see areal_core.threads: a helper thread's torch ops run on one thread
+                    named = [pair for bucket in buckets for pair in bucket]
+                    return self.controller.update_weights_from_tensors(named, version, wait=False).result()
+
+                self._pending_sync = Background(export_and_send, f"hand the weights of version {version} to the "
+                                                                 f"inference engines", BACKGROUND_SYNC_TIMEOUT_S)
+                return paused_s
+            named = [pair for bucket in buckets for pair in bucket]
             if self.rank != 0:
                 return 0.0
             # export_tensors hands out copies (its contract), so the next optimizer step cannot change what the

@@ -18,8 +18,10 @@ behind: more episodes in flight) and shrinks by one when a whole further batch
 was ready besides the one taken (generation is ahead: start later). A run whose
 generation is the slower side keeps ``L = eta``; one whose training is slower
 settles at ``L = 1``, samples one version old instead of ``eta``, at the same
-throughput. ``eta`` stays the bound either way. Admission alone bounds how many samples exist per
-version; the controller also hands batches out oldest-first and holds a batch
+throughput. ``eta`` stays the bound either way.
+
+Admission alone bounds how many samples exist per version; the controller
+also hands batches out oldest-first and holds a batch
 while an episode old enough to break the bound is still running, which makes
 the bound hold for every sample even when episodes finish out of order (see
 ``RolloutController.wait``).
