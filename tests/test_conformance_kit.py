@@ -292,7 +292,6 @@ ENGINE_SUITE = """
     class EngineSuite(InferenceEngineConformance):
         prompt_ids = [11, 12, 13]
         long_max_new_tokens = 400
-        pause_after_s = 0.05
 
         def weights_path_for_update(self):
             return os.path.dirname(__file__)

@@ -26,11 +26,12 @@ class InferenceEngineConformance(ComponentConformance):
     for the engine's model; override :meth:`make` to build the engine (a tiny
     model path, a small context) and, for capability
     ``update_weights_from_disk``, :meth:`weights_path_for_update`. Tune
-    ``max_new_tokens``, ``long_max_new_tokens`` (a generation still running
-    ``pause_after_s`` seconds after it started, for ``pause``; up to
-    ``pause_attempts`` seeds are tried, since a sampled generation may end
-    early, or a busy machine deliver the pause after it ended) and
-    ``timeout_s`` (every await on the engine).
+    ``max_new_tokens``, ``long_max_new_tokens`` (long enough that a
+    generation is still running a third of the way through, for ``pause``;
+    up to ``pause_attempts`` seeds are tried, since a sampled generation may
+    end early, or a busy machine deliver the pause after it ended) and
+    ``timeout_s`` (every await on the engine). Override :meth:`diagnostics`
+    to add what a failure message should show (a server's log tail).
 
     Capabilities tested: ``seed``, ``pause``, ``update_weights_from_disk``.
     """
@@ -39,7 +40,6 @@ class InferenceEngineConformance(ComponentConformance):
     prompt_ids: ClassVar[list[int]] = [1, 2, 3, 4]
     max_new_tokens: ClassVar[int] = 8
     long_max_new_tokens: ClassVar[int] = 512
-    pause_after_s: ClassVar[float] = 0.1
     pause_attempts: ClassVar[int] = 5
     timeout_s: ClassVar[float] = 120.0
 
@@ -48,6 +48,10 @@ class InferenceEngineConformance(ComponentConformance):
         """A folder of weights the engine can load with ``update_weights_from_disk``."""
         pytest.fail(f"{type(self).__name__} tests capability 'update_weights_from_disk' but does not "
                     f"override weights_path_for_update() to return a folder of weights to load")
+
+    def diagnostics(self, engine: Any) -> str:
+        """Text appended to the pause test's failure message (e.g. the tail of a server's log); none by default."""
+        return ""
 
     # -- helpers ------------------------------------------------------------
     def run_engine(self, body: Callable[[Any], Awaitable[T]]) -> T:
@@ -137,41 +141,50 @@ class InferenceEngineConformance(ComponentConformance):
     @requires("pause")
     def test_pause_returns_partial_output_and_resume_continues(self) -> None:
         async def body(engine: Any) -> None:
-            # An attempt is inconclusive, and retried with a fresh seed, when the long request was not
-            # still running when pause() took effect: it finished before pause() was called (a random
-            # model samples its EOS token, a busy machine runs it faster than expected), or it came back
-            # complete no later than pause() returned (a starved client or server delivered the pause
-            # only after the request had ended). A request still unanswered when pause() has returned
-            # must come back with 'abort', and an engine whose pause() waits for requests to finish
-            # instead of aborting them fails every attempt.
+            # The pause comes a third of the way through a long generation, timed from one run of it here
+            # (then a sixth, a twelfth, and again): a fixed delay is either too early on a slow machine (the
+            # request not yet admitted when pause() lands; seen in CI with vLLM at 0.1 s) or too late on a fast
+            # one. An attempt is inconclusive, and retried with a fresh seed, when the long request was not
+            # still running when pause() took effect: it finished before pause() was called (a random model
+            # samples its EOS token), or it came back complete no later than pause() returned (a starved
+            # client or server delivered the pause only after the request had ended). A request still
+            # unanswered when pause() has returned must come back with 'abort', and an engine whose pause()
+            # waits for requests to finish instead of aborting them fails every attempt.
+            began = time.monotonic()
+            probe = await self.generate(engine, self.request(max_new_tokens=self.long_max_new_tokens, seed=999))
+            per_token = (time.monotonic() - began) / max(1, len(probe.output_ids))
+            whole_s = per_token * self.long_max_new_tokens
             inconclusive: list[str] = []
             partial = None
             for attempt in range(self.pause_attempts):
+                delay = whole_s / 3 / 2 ** (attempt % 3)
                 long = self.request(max_new_tokens=self.long_max_new_tokens, seed=1000 + attempt)
                 task = asyncio.ensure_future(self.generate(engine, long))
                 done_at: list[float] = []
                 task.add_done_callback(lambda _: done_at.append(time.monotonic()))
-                await asyncio.sleep(self.pause_after_s)
+                await asyncio.sleep(delay)
                 if task.done():
                     early = await task
-                    inconclusive.append(f"finished before pause() with {len(early.output_ids)} tokens, "
-                                        f"stop_reason {early.stop_reason!r}")
+                    inconclusive.append(f"pausing at {delay:.2f}s: finished before pause() with "
+                                        f"{len(early.output_ids)} tokens, stop_reason {early.stop_reason!r}")
                     continue
                 await self.within(engine.pause(), "pause()")
                 paused_at = time.monotonic()
                 partial = await self.within(task, "the in-flight request after pause()")
                 if partial.stop_reason == "abort" or done_at[0] > paused_at + PAUSE_RACE_S:
                     break
-                inconclusive.append(f"came back complete ({len(partial.output_ids)} tokens, stop_reason "
-                                    f"{partial.stop_reason!r}) {done_at[0] - paused_at:+.2f}s after pause() "
-                                    "returned")
+                inconclusive.append(f"pausing at {delay:.2f}s: came back complete ({len(partial.output_ids)} "
+                                    f"tokens, stop_reason {partial.stop_reason!r}) {done_at[0] - paused_at:+.2f}s "
+                                    "after pause() returned")
                 partial = None
                 await self.within(engine.resume(), "resume()")
             if partial is None:
+                extra = self.diagnostics(engine)
                 pytest.fail(f"in {self.pause_attempts} attempts no generation of up to {self.long_max_new_tokens} "
-                            f"tokens was still running when pause() took effect: {'; '.join(inconclusive)}. "
-                            "pause() must abort in-flight requests, not wait for them to finish; if it does, "
-                            "raise long_max_new_tokens or lower pause_after_s")
+                            f"tokens (about {whole_s:.2f}s each, timed here) was still running when pause() took "
+                            f"effect: {'; '.join(inconclusive)}. pause() must abort in-flight requests, not wait "
+                            "for them to finish; if it does, raise long_max_new_tokens"
+                            + (f"\n{extra}" if extra else ""))
             assert partial.stop_reason == "abort", (
                 f"the request in flight at pause() ended with stop_reason {partial.stop_reason!r} after "
                 f"{len(partial.output_ids)} tokens; pause() must return it with 'abort' and the tokens so far")

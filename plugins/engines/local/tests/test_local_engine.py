@@ -178,7 +178,6 @@ class TestLocalEngineConformance(InferenceEngineConformance):
     component_name = "local"
     prompt_ids = PROMPT
     long_max_new_tokens = 1000
-    pause_after_s = 0.05
     server: Server
 
     @pytest.fixture(autouse=True)

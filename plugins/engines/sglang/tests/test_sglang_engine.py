@@ -44,7 +44,6 @@ class TestSGLangConformanceOnDouble(InferenceEngineConformance):
     component_name = "sglang"
     prompt_ids = PROMPT
     long_max_new_tokens = 2000
-    pause_after_s = 0.05
     fleet_: ServerFleet
 
     @pytest.fixture(autouse=True)
