@@ -317,6 +317,9 @@ def test_inference_engine_suite_passes_the_echo_double_and_fails_broken_engines(
 
         class TestWaitingPauseEngine(EngineSuite):
             component_name = "waiting_pause_engine_double"
+
+            def diagnostics(self, engine):
+                return "server log tail of the waiting double"
     """)
     every = set(public_tests(InferenceEngineConformance))
     assert outcomes(results, "TestEchoEngine") == {"passed": every, "skipped": set(), "failed": set()}
@@ -338,6 +341,7 @@ def test_inference_engine_suite_passes_the_echo_double_and_fails_broken_engines(
     assert failed(results, "TestWaitingPauseEngine") == {"test_pause_returns_partial_output_and_resume_continues"}
     waiting = message(results, "TestWaitingPauseEngine::test_pause_returns_partial_output_and_resume_continues")
     assert "pause() must abort in-flight requests, not wait for them to finish" in waiting
+    assert "server log tail of the waiting double" in waiting  # what the suite's diagnostics() adds
     assert waiting.count("came back complete (400 tokens, stop_reason 'length')") == 5  # every attempt, each seed
 
     assert failed(results, "TestStaleVersionEngine") == {"test_update_weights_from_disk_sets_the_version"}

@@ -142,9 +142,9 @@ class InferenceEngineConformance(ComponentConformance):
     def test_pause_returns_partial_output_and_resume_continues(self) -> None:
         async def body(engine: Any) -> None:
             # The pause comes a third of the way through a long generation, timed from one run of it here
-            # (then a sixth, a twelfth, and again): a fixed delay is either too early on a slow machine (the
-            # request not yet admitted when pause() lands; seen in CI with vLLM at 0.1 s) or too late on a fast
-            # one. An attempt is inconclusive, and retried with a fresh seed, when the long request was not
+            # (then a sixth, a twelfth, and again): a fixed delay is too late on a fast machine, and in CI a
+            # real vLLM server paused 0.1 s into a request finished it every time (cause not found; pausing a
+            # third of the way through worked on the same server). An attempt is inconclusive, and retried with a fresh seed, when the long request was not
             # still running when pause() took effect: it finished before pause() was called (a random model
             # samples its EOS token), or it came back complete no later than pause() returned (a starved
             # client or server delivered the pause only after the request had ended). A request still
