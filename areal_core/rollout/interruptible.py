@@ -9,6 +9,23 @@ one response whose tokens may carry several policy versions, each with the
 behaviour logprob of the weights that sampled it. With an elastic pool
 (:mod:`areal_core.rollout.elastic`), a request whose server fails or leaves
 routing continues the same way on another server.
+
+A continuation keeps the request's seed unchanged (and its rid and metadata);
+only its input (prompt + output so far) and budget change. An engine that keys
+a seeded draw by the token's position in the sequence therefore continues the
+request's random stream: the continuation's i-th token draws what the
+uninterrupted request's token k+i would have, so draws after a weight swap are
+independent of those before it, and under unchanged weights the tokens are
+exactly the uninterrupted ones. The embedded engine (``areal_local``) does so.
+So does SGLang, whose seeded sampler hashes ``sampling_seed`` with the token
+position (it reads the seed only with ``--enable-deterministic-inference``;
+otherwise sampling is unseeded). vLLM builds a fresh ``torch.Generator(seed)``
+for every request it receives, so there a continuation restarts the seed's
+stream; a seed changed here would break the exact continuation on the
+position-keyed engines, and this facade does not know which engine serves a
+request, so vLLM's plugin derives the seed it sends from the seed and
+``len(input_ids)``: independent draws after a swap, though not the
+uninterrupted ones.
 """
 
 from __future__ import annotations
@@ -99,6 +116,8 @@ class InterruptibleEngine(InferenceEngine):
         while True:
             await self._open.wait()
             try:
+                # The same seed on purpose: prompt + output so far puts each new token at its uninterrupted
+                # position, which is what a position-keyed engine's draw depends on (module docstring).
                 part = await self._call(replace(
                     request,
                     input_ids=request.input_ids + out_ids,

@@ -44,10 +44,20 @@ that order, as HF's logits warpers do), ``max_new_tokens``, ``stop`` strings,
 ``stop_token_ids`` / EOS, ``seed``. All rows are sampled at once: logits are
 divided by per-row temperatures, top-k / top-p masks are applied to the rows
 that ask for them, and each row draws its token by inverse-CDF sampling from
-one uniform number. That number comes from the request's own
-``random.Random(seed)`` when it has a seed (else from the generator's RNG), so
+one uniform number. For a seeded request that number depends on the seed and
+on the position the token takes in the sequence (prompt + output) only: output
+number ``position`` of a SplitMix64 stream whose state comes from the seed
+(:func:`_seeded_uniform`); unseeded requests draw from the generator's RNG. So
 a seeded request draws the same numbers whatever else is in the batch: given
 the same logits it samples the same tokens alone or beside other requests.
+And an interrupted request, continued from prompt + its k tokens with the same
+seed (by the server after a weight update, by the rollout controller after a
+pause), draws for its i-th token the number of the uninterrupted request's
+token k+i: the stream goes on, so the draws after a weight swap are independent
+of the ones before it, and under unchanged weights the continuation samples
+exactly the uninterrupted tokens. (A ``random.Random(seed)`` per request would
+restart at every continuation, handing token k+i the number of token i.)
+
 The logits themselves depend on the batch only through rounding: in float32
 (SmolLM2, 64 tokens, alone vs. in a batch of 16) logprobs agree within 2e-5
 and the seeded tokens were identical; in bfloat16 the same comparison moves
@@ -118,12 +128,17 @@ class _Request:
     sampling: SamplingParams
     stop_ids: frozenset[int]
     stop_window: int  # tokens decoded to look for a stop string
-    rng: random.Random | None
+    seed_state: int | None  # _seed_state(seed); None: unseeded, draws from the generator's RNG
     output_ids: list[int]
     logprobs: list[float]
 
     def finished(self, reason: str) -> Finished:
         return Finished(self.rid, self.output_ids, self.logprobs, reason)
+
+    def draw(self) -> float:
+        """The seeded uniform number of the token sampled next: keyed by its position in the sequence, so a
+        continuation from ``input_ids + output_ids`` draws what this request would have drawn there."""
+        return _seeded_uniform(self.seed_state, len(self.input_ids) + len(self.output_ids))
 
 
 class SlotCache(Cache):
@@ -436,7 +451,7 @@ class Generator:
             sampling=sampling,
             stop_ids=self.eos_token_ids | frozenset(sampling.stop_token_ids),
             stop_window=window,
-            rng=random.Random(seed) if seed is not None else None,
+            seed_state=_seed_state(seed) if seed is not None else None,
             output_ids=[],
             logprobs=[],
         )
@@ -652,7 +667,8 @@ class Generator:
     def _advance(self, rows: range, logits: torch.Tensor) -> list[Finished]:
         """Sample one token for each of ``rows``; record it; finish and remove the rows that stop."""
         requests = [self._rows[i] for i in rows]
-        tokens, logprobs = sample(logits, [r.sampling for r in requests], [r.rng or self._rng for r in requests])
+        draws = [self._rng.random if r.seed_state is None else r.draw for r in requests]
+        tokens, logprobs = sample(logits, [r.sampling for r in requests], draws)
         done: list[tuple[int, str]] = []
         for i, request, token, logprob in zip(rows, requests, tokens, logprobs):
             request.output_ids.append(token)
@@ -769,6 +785,28 @@ _EXP_FLOOR = -80.0
 
 _NUCLEUS_CANDIDATES = 256
 
+# SplitMix64 (Steele, Lea & Flood 2014): its n-th output from state s is mix(s + (n + 1) * gamma), so a draw
+# can be computed for any position without the ones before it.
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15
+
+
+def _mix64(z: int) -> int:
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _seed_state(seed: int) -> int:
+    """The SplitMix64 state of a request's ``seed`` (any int; mixed, so nearby seeds are far-apart streams)."""
+    return _mix64(seed & _MASK64)
+
+
+def _seeded_uniform(state: int, position: int) -> float:
+    """The uniform number in [0, 1) of the token at sequence ``position`` of a request seeded to ``state``:
+    output number ``position`` of the seed's SplitMix64 stream, computed directly (~1 us)."""
+    return (_mix64((state + (position + 1) * _GAMMA) & _MASK64) >> 11) * 2.0**-53
+
 
 def _nucleus(z: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """The top-p mask of each row of ``z`` (``[n, vocab]``, dropped tokens at -inf; ``top_p`` ``[n, 1]``).
@@ -798,12 +836,12 @@ def _nucleus(z: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], rngs: list[random.Random]
+    logits: torch.Tensor, params: list[SamplingParams], draws: list[Callable[[], float]]
 ) -> tuple[list[int], list[float]]:
     """One token per row of ``logits`` (``[n, vocab]`` float32) and its logprob, all rows at once.
 
-    Row ``i`` uses ``params[i]`` and draws one uniform number from ``rngs[i]``
-    when it samples (temperature > 0). ``z`` is ``logits / temperature``
+    Row ``i`` uses ``params[i]`` and calls ``draws[i]()`` (a uniform number in
+    [0, 1)) once when it samples (temperature > 0). ``z`` is ``logits / temperature``
     (``[n, vocab]``); ``keep`` the top-k / top-p mask (``[n, vocab]`` bool, or
     None when no row asks for one); ``m`` the row max, ``e`` the unnormalised
     probabilities ``exp(z - m)`` with dropped tokens at 0, ``cdf`` their
@@ -842,7 +880,7 @@ def sample(
     if keep is not None:
         e.mul_(keep)
     cdf = e.cumsum(-1)
-    u = torch.tensor([1.0 - rng.random() if t > 0 else 1.0 for rng, t in zip(rngs, temps)], dtype=torch.float32)
+    u = torch.tensor([1.0 - draw() if t > 0 else 1.0 for draw, t in zip(draws, temps)], dtype=torch.float32)
     tokens = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:]).clamp_(max=vocab - 1)  # [n, 1]
     if any(t == 0 for t in temps):  # greedy rows: z is the raw logits and no mask applies
         tokens = torch.where(torch.tensor([t == 0 for t in temps])[:, None], logits.argmax(-1, keepdim=True), tokens)

@@ -13,7 +13,10 @@ touches the model happens between two decode steps of one thread:
 - ``POST /update_weights_from_disk`` (safetensors folder, version): applied
   between steps. Requests still running (an update without a pause) are
   stopped, their KV cache dropped, and continued from prompt + output so far
-  under the new weights, so their versions change exactly at the swap.
+  under the new weights, so their versions change exactly at the swap. A
+  seeded request keeps its seed and its random stream goes on (the generator
+  keys each draw by the token's position), so its draws after the swap are
+  independent of those before.
   ``update_weights_from_tensors`` on the client hands tensors over through
   shared memory (a safetensors folder in /dev/shm) and uses the same route.
 - ``GET /health``: version, running / waiting counts, paused.
@@ -190,6 +193,9 @@ class EngineLoop:
                 self.pending.pop(pending.rid)
                 pending.answer("length")
                 continue
+            # The same seed continues the stream: the generator keys a seeded draw by the token's position in
+            # prompt + output, so the continuation's i-th token draws what the uninterrupted request's
+            # (len(output_ids) + i)-th would have, never a replay of the first draws.
             self.gen.add(pending.rid, pending.prompt + pending.output_ids,
                          replace(pending.sampling, max_new_tokens=left))
         log.info("weights v%d from %s in %.3f s (%d requests continued)", version, path,

@@ -32,7 +32,7 @@ from itertools import count
 from pathlib import Path
 from typing import Any, Iterable
 
-from areal_core.api import GenerationRequest, GenerationResponse, ServerProcess
+from areal_core.api import GenerationRequest, GenerationResponse, ServerProcess, stable_seed
 from areal_core.remote import (RemoteEngine, attach_addresses, check_server_version, http_ready, layer_buckets,
                                send_pipelined)
 
@@ -154,7 +154,11 @@ class VLLMEngine(RemoteEngine):
         if s.stop:
             body["stop"] = list(s.stop)
         if s.seed is not None:
-            body["seed"] = s.seed
+            # vLLM seeds a fresh generator per request, so a continuation (prompt + the tokens drawn before an
+            # interruption, resubmitted with the same seed) would redraw the first tokens' numbers: the seed it
+            # gets is the request's seed mixed with the length of what it continues from. Draws after a weight
+            # update are then independent of the ones before, though not those of an uninterrupted run.
+            body["seed"] = stable_seed("vllm-continuation", s.seed, len(request.input_ids))
         if self.ignore_eos:
             body["ignore_eos"] = True
         version = self._version

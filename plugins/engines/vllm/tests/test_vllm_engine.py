@@ -127,3 +127,24 @@ def test_attached_servers_are_not_started_and_each_engine_takes_its_address():
     engines = [VLLMEngine.create(Context(config=config, options=options, extras={"server_index": i, "address": None}))
                for i in (0, 1)]
     assert [e.address for e in engines] == ["10.0.0.5:8001", "10.0.0.6:8001"]
+
+
+def test_a_continued_seeded_request_gets_a_seed_of_its_own(protocol_double):
+    """vLLM restarts a request's generator from its seed: the continuation of an interrupted request (prompt +
+    the tokens drawn so far, same seed) must not get the seed the first part had, or its draws repeat."""
+    from areal_core.api import GenerationRequest, SamplingParams
+
+    double = protocol_double()
+    engine = engine_on_double(double)
+    sampling = SamplingParams(max_new_tokens=8, temperature=1.0, seed=1234)
+
+    async def send(*requests):
+        await engine.start()
+        return [await engine.agenerate(r) for r in requests]
+
+    asyncio.run(send(GenerationRequest([1, 2, 3], sampling, rid="r"),
+                     GenerationRequest([1, 2, 3, 40, 41], sampling, rid="r"),
+                     GenerationRequest([1, 2, 3], sampling, rid="again")))
+    first, continued, again = (body["seed"] for body in double.completions)
+    assert first != continued and first == again  # deterministic per (seed, what is continued)
+    assert all(isinstance(seed, int) and 0 <= seed < 2**31 for seed in (first, continued))

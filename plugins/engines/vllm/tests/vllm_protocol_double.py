@@ -1,6 +1,7 @@
 """TEST DOUBLE of the few vLLM server endpoints the engine's start and weight loading use, as an
-in-process httpx transport (no server process, no model): ``/health``, ``/version``, ``/v1/models``
-and ``/collective_rpc`` ``reload_weights``. It is not vLLM and generates nothing; the real-server
+in-process httpx transport (no server process, no model): ``/health``, ``/version``, ``/v1/models``,
+``/collective_rpc`` ``reload_weights`` and ``/v1/completions`` (which records the body and answers one
+fixed token). It is not vLLM and generates nothing; the real-server
 tests (test_vllm_server.py) cover generation.
 
 For each ``reload_weights`` of a bucket folder ``.../bucket-<k>`` it records the tensor names it
@@ -32,6 +33,7 @@ class VLLMProtocolDouble:
         self.version = version
         self.next_bucket_wait_s = next_bucket_wait_s
         self.reloads: list[Reload] = []
+        self.completions: list[dict] = []  # the body of each /v1/completions request
         self.transport = httpx.MockTransport(self.handle)
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
@@ -42,6 +44,11 @@ class VLLMProtocolDouble:
             return httpx.Response(200, json={"version": self.version})
         if path == "/v1/models":
             return httpx.Response(200, json={"object": "list", "data": [{"id": "double-model", "object": "model"}]})
+        if path == "/v1/completions" and request.method == "POST":
+            body = json.loads(request.content)  # answered with one token: the double generates nothing real
+            self.completions.append(body)
+            return httpx.Response(200, json={"choices": [{"token_ids": [7], "logprobs": {"token_logprobs": [-0.5]},
+                                                          "finish_reason": "length"}]})
         if path == "/collective_rpc" and request.method == "POST":
             body = json.loads(request.content)
             if body.get("method") != "reload_weights":
