@@ -40,4 +40,13 @@ def areal_validate_config(config: Any) -> list[Problem]:
     """The built-in ``function`` and ``weighted`` rewards: a target that imports, parts that resolve."""
     from areal_core.rewards import reward_problems
 
-    return reward_problems(config.reward.name, dict(config.reward.extra), "reward")
+    problems = reward_problems(config.reward.name, dict(config.reward.extra), "reward")
+    k, groups = config.actor.ppo_minibatches, config.rollout.batch_size
+    if k > groups:
+        problems.append(Problem(
+            "core.minibatches",
+            f"actor.ppo_minibatches is {k} but a batch holds rollout.batch_size={groups} prompt groups, and a "
+            f"group is never split across mini-batches",
+            f"set actor.ppo_minibatches to at most {groups}, or raise rollout.batch_size",
+            key="actor.ppo_minibatches"))
+    return problems

@@ -30,7 +30,7 @@ TENSORBOARD_DIR = "tensorboard"
 DEFAULT_PROGRESS_FIELDS: dict[str, str] = {
     "reward": "reward/mean",
     "accuracy": "accuracy/mean",
-    "staleness": "staleness/mean",
+    "staleness": "staleness/token_lag_mean",
     "tokens/s": "throughput/tokens_per_s",
 }
 

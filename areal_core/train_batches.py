@@ -71,3 +71,107 @@ def combine_stats(records: list[tuple[int, float, dict]], total_loss_tokens: int
             acc[1] += n
     out.update({k: s / max(1.0, w) for k, (s, w) in sums.items() if k not in out})
     return out
+
+
+# ---------------------------------------------------------------------- mini-batches of one policy update
+# One policy update (one ``train_batch`` call, one version) may take several optimizer steps: the trainer
+# splits the batch into ``actor.ppo_minibatches`` mini-batches (a per-sequence ``minibatch`` index, so the
+# algorithm can normalise its loss per mini-batch) and the engine takes one step per mini-batch for each of
+# ``epochs`` passes. These helpers are that split and plan, shared by every engine.
+
+MINIBATCH_KEY = "minibatch"  # per sequence: the mini-batch (optimizer step within a pass) it is trained in
+UPDATE_STEP_KEY = "update_step"  # in each micro-batch handed to loss_fn: optimizer steps already taken this update
+
+
+def assign_minibatches(seq_lens: list[int], group_index: list[int] | None, count: int) -> list[int]:
+    """Each sequence's mini-batch in ``0..count-1``: groups (``group_index``) kept whole, balanced by tokens.
+
+    Largest group first onto the lightest mini-batch (ties: the lowest index), so the split depends only on
+    the lengths and is the same on every rank. Raises when there are fewer groups than mini-batches.
+    """
+    groups: dict[int, list[int]] = {}
+    for i, g in enumerate(group_index if group_index is not None else range(len(seq_lens))):
+        groups.setdefault(int(g), []).append(i)
+    if count > len(groups):
+        raise ValueError(f"actor.ppo_minibatches is {count} but the batch holds {len(groups)} groups; a group is "
+                         f"never split, so use at most {len(groups)} (or a larger rollout.batch_size)")
+    tokens = [0] * count
+    out = [0] * len(seq_lens)
+    for members in sorted(groups.values(), key=lambda m: (-sum(seq_lens[i] for i in m), m[0])):
+        target = min(range(count), key=lambda k: (tokens[k], k))
+        tokens[target] += sum(seq_lens[i] for i in members)
+        for i in members:
+            out[i] = target
+    return out
+
+
+def update_plan(batch: dict, epochs: int = 1) -> list[list[int]]:
+    """The sequences of each optimizer step of one update, in order: for each of ``epochs`` passes, each
+    mini-batch (``batch["minibatch"]``, ascending; the whole batch without it)."""
+    if epochs < 1:
+        raise ValueError(f"epochs must be at least 1, got {epochs}")
+    n = len(as_list(batch["cu_seqlens"])) - 1
+    if MINIBATCH_KEY not in batch:
+        return [list(range(n))] * epochs
+    ids = [int(i) for i in as_list(batch[MINIBATCH_KEY])]
+    if len(ids) != n:
+        raise ValueError(f"batch['{MINIBATCH_KEY}'] has {len(ids)} entries for {n} sequences")
+    steps = [[i for i in range(n) if ids[i] == k] for k in sorted(set(ids))]
+    return [seqs for _ in range(epochs) for seqs in steps]
+
+
+def select_sequences(batch: dict, seqs: list[int]) -> dict:
+    """The batch restricted to sequences ``seqs`` (in that order), in the same packed layout.
+
+    Per-token values (length T) and per-sequence values (length N) are sliced; anything else (scalars such
+    as ``kl_coef``) is kept. ``cu_seqlens`` / ``seq_lens`` / ``position_ids`` follow the selection.
+    """
+    cu = [int(c) for c in as_list(batch["cu_seqlens"])]
+    T, N = cu[-1], len(cu) - 1
+    if T == N:
+        raise ValueError("select_sequences: every sequence is one token long, so per-token and per-sequence "
+                         "values cannot be told apart")
+    tokens = [t for s in seqs for t in range(cu[s], cu[s + 1])]
+    out: dict = {}
+    for key, value in batch.items():
+        if key == "cu_seqlens":
+            continue
+        n = len(value) if hasattr(value, "__len__") and not isinstance(value, (str, bytes, dict)) else None
+        if n == T:
+            out[key] = _take(value, tokens)
+        elif n == N:
+            out[key] = _take(value, seqs)
+        else:
+            out[key] = value
+    lens = [cu[s + 1] - cu[s] for s in seqs]
+    out["cu_seqlens"] = [0, *cumsum(lens)]
+    return out
+
+
+def _take(value: Any, index: list[int]) -> Any:
+    if hasattr(value, "index_select"):  # a tensor: stay a tensor on its device
+        import torch
+
+        return value.index_select(0, torch.tensor(index, dtype=torch.long, device=value.device))
+    return [value[i] for i in index]
+
+
+def merge_update_stats(steps: list[dict[str, float]], epochs: int = 1) -> dict[str, float]:
+    """The stats of one update's optimizer steps as one record: the mean of each over the steps, beside
+    ``grad_norm_max``, ``update_skipped`` (steps skipped) and ``n_optimizer_steps``; the counts ``n_tokens``,
+    ``n_loss_tokens`` and ``n_micro_batches`` are the batch's (one pass). One step: its stats unchanged, plus
+    ``n_optimizer_steps`` 1."""
+    if len(steps) == 1:
+        return {**steps[0], "n_optimizer_steps": 1.0}
+    out: dict[str, float] = {}
+    for key in {k for s in steps for k in s}:
+        values = [s[key] for s in steps if key in s]
+        out[key] = sum(values) / len(values)
+    for key in ("n_tokens", "n_loss_tokens", "n_micro_batches"):
+        if key in out:
+            out[key] = sum(s.get(key, 0.0) for s in steps) / epochs
+    out["update_skipped"] = float(sum(s.get("update_skipped", 0.0) for s in steps))
+    if any("grad_norm" in s for s in steps):
+        out["grad_norm_max"] = max(s["grad_norm"] for s in steps if "grad_norm" in s)
+    out["n_optimizer_steps"] = float(len(steps))
+    return out

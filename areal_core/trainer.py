@@ -40,6 +40,7 @@ from areal_core.metrics import MetricsLogger, histogram, summarize, truncate_jso
 from areal_core.problems import ProblemsError, format_problems
 from areal_core.rollout import RolloutController, RolloutError, StallError, has_reward_variance, pack_groups
 from areal_core.threads import serial_torch
+from areal_core.train_batches import MINIBATCH_KEY, assign_minibatches
 
 DIST_TIMEOUT_S = 600
 WEIGHT_BUCKET_BYTES = 256 * 1024**2  # rollout.weight_sync=tensors: the most bytes gathered at once
@@ -104,6 +105,7 @@ class Trainer:
         self.reference = build(run, "actor", role="reference") if self.algorithm.needs.reference_logprobs else None
         # A value model (the initial weights with a value head), only when the algorithm asks for values.
         self.critic = build(run, "actor", role="critic") if self.algorithm.needs.values else None
+        self._check_minibatches()
         self.controller: RolloutController | None = None
         self.store = CheckpointStore(self.run_dir / "checkpoints")
         self.step = 0
@@ -262,7 +264,9 @@ class Trainer:
         try:
             if self.controller is not None:
                 self.controller.start()
-                self.controller.set_version(self.actor.version)
+            if self.actor.version > 0:
+                self._hand_over_restored_weights()
+            if self.controller is not None:
                 if self.step == 0 and self.cfg.eval.before and self.eval_items:
                     self._start_eval()  # the initial policy, before any rollout is admitted
                     logger.log(0, self._collect_eval(wait=True))
@@ -323,11 +327,12 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         began = time.monotonic()
-        groups = self.controller.prepare_batch(self.data, timeout=self.cfg.rollout.request_timeout_s) \
-            if self.rank == 0 else None
+        version = self.actor.version  # what this batch is trained at: the hand-out decides by it, not by the
+        # version the engines serve, which lags by one while a non-blocking update loads (eta > 0)
+        groups = self.controller.prepare_batch(self.data, timeout=self.cfg.rollout.request_timeout_s,
+                                               version=version) if self.rank == 0 else None
         waited = time.monotonic() - began
-        version = self.actor.version
-        packed = self._broadcast(pack_groups(groups) if groups is not None else None)
+        packed = self._broadcast(self._pack(groups, version) if groups is not None else None)
         needs = self.algorithm.needs
         # Logprobs under the distribution the engines sampled from (greedy: the raw one).
         temperature = self.cfg.rollout.sampling.temperature or 1.0
@@ -339,8 +344,13 @@ class Trainer:
             packed["values"] = self.critic.forward_values(packed)["values"]
         packed = self.algorithm.compute_advantages(packed)
         train_began = time.monotonic()
-        stats = self.actor.train_batch(packed, self.algorithm.loss, temperature=temperature)
-        critic_stats = self.critic.train_values(packed, self.algorithm.value_loss) if needs.values else {}
+        epochs = self.cfg.actor.ppo_epochs
+        update = {"epochs": epochs} if epochs > 1 else {}  # engines that predate epochs keep working at 1
+        stats = self.actor.train_batch(packed, self.algorithm.loss, temperature=temperature, **update)
+        self._check_optimizer_steps("actor", stats)
+        critic_stats = self.critic.train_values(packed, self.algorithm.value_loss, **update) if needs.values else {}
+        if needs.values:
+            self._check_optimizer_steps("critic", critic_stats)
         train_s = time.monotonic() - train_began
         new_version = self.actor.version
         metrics: dict[str, float] = {f"train/{k}": float(v) for k, v in stats.items() if _is_number(v)}
@@ -354,7 +364,37 @@ class Trainer:
             self._record_samples(groups, version)
         return metrics
 
-    def _sync_weights(self, version: int) -> float:
+    def _pack(self, groups: list, version: int) -> dict:
+        """The padding-free batch, stamped with the version it is trained at (``policy_version``) and, with
+        ``actor.ppo_minibatches`` > 1, each sequence's mini-batch (groups whole, balanced by tokens)."""
+        packed = pack_groups(groups)
+        packed["policy_version"] = version
+        k = self.cfg.actor.ppo_minibatches
+        if k > 1:
+            packed[MINIBATCH_KEY] = assign_minibatches(packed["seq_lens"], packed["group_index"], k)
+        return packed
+
+    def _check_minibatches(self) -> None:
+        """Several optimizer steps per batch need a train engine that takes them (capability ``minibatches``)."""
+        a = self.cfg.actor
+        if (a.ppo_minibatches > 1 or a.ppo_epochs > 1) and "minibatches" not in self.actor.capabilities:
+            raise ValueError(f"actor.ppo_minibatches={a.ppo_minibatches} / actor.ppo_epochs={a.ppo_epochs} ask for "
+                             f"several optimizer steps per batch, but actor.backend {a.backend!r} does not declare "
+                             f"'minibatches'. Fix: actor.ppo_minibatches=1 actor.ppo_epochs=1, or a train engine that "
+                             f"does (fsdp, megatron)")
+
+    def _check_optimizer_steps(self, role: str, stats: dict) -> None:
+        """An engine that ignores mini-batches or epochs would silently train one step: refuse to go on."""
+        expected = self.cfg.actor.ppo_minibatches * self.cfg.actor.ppo_epochs
+        if expected > 1 and stats.get("n_optimizer_steps") != expected:
+            raise RuntimeError(
+                f"actor.ppo_minibatches={self.cfg.actor.ppo_minibatches} x actor.ppo_epochs="
+                f"{self.cfg.actor.ppo_epochs} asks for {expected} optimizer steps per batch, but the {role} engine "
+                f"({self.cfg.actor.backend!r}) reported n_optimizer_steps={stats.get('n_optimizer_steps')}: it does "
+                f"not take mini-batches (areal_core.train_batches.update_plan). Fix: actor.ppo_minibatches=1 "
+                f"actor.ppo_epochs=1, or a train engine that does")
+
+    def _sync_weights(self, version: int, wait: bool | None = None) -> float:
         """Hand the new weights to the inference engines (collective); rank 0 returns the seconds paused.
 
         ``rollout.weight_sync: disk`` writes a safetensors folder per version and
@@ -367,7 +407,8 @@ class Trainer:
         engines hold, so staleness stays bounded), and waits for this update
         only before the next one, an evaluation or a checkpoint. The seconds
         returned are then those of the previous update's pause. At eta = 0 the
-        next batch needs the new weights anyway, so the call waits.
+        next batch needs the new weights anyway, so the call waits (as it
+        does with ``wait=True``: the hand-over of restored weights at resume).
 
         With tensors at eta > 0 in a one-process trainer whose engine declares
         ``export_beside_training``, the export itself also leaves this thread:
@@ -377,7 +418,7 @@ class Trainer:
         end. ``time/weight_sync_s`` is then only the hand-off.
         """
         paused_s = self._finish_weight_sync()
-        wait = self.cfg.rollout.max_head_offpolicyness == 0
+        wait = self.cfg.rollout.max_head_offpolicyness == 0 if wait is None else wait
         beside = not wait and self.world_size == 1 and "export_beside_training" in self.actor.capabilities
         if self.cfg.rollout.weight_sync == "tensors":
             buckets = self.actor.export_tensors(WEIGHT_BUCKET_BYTES)
@@ -410,6 +451,22 @@ class Trainer:
             return pending
         self._pending_sync = pending
         return paused_s
+
+    def _hand_over_restored_weights(self) -> None:
+        """Resume: the engines started from the base model; send them the restored weights (collective) before
+        the first episode is admitted, and check they serve that version, so every stamped version is true."""
+        version = self.actor.version
+        began = time.monotonic()
+        self._sync_weights(version, wait=True)
+        if self.rank != 0:
+            return
+        serving = {getattr(e, "address", f"engine {i}"): e.version for i, e in enumerate(self.controller.engines)}
+        if self.controller.version != version or any(v != version for v in serving.values()):
+            raise RuntimeError(f"resume: handed the restored weights of version {version} to the inference engines, "
+                               f"but the controller is at version {self.controller.version} and the engines "
+                               f"report {serving}")
+        print(f"resume: the inference engines serve the restored weights (version {version}, handed over in "
+              f"{time.monotonic() - began:.1f} s)", flush=True)
 
     def _finish_weight_sync(self) -> float:
         """Wait for the weight update still running on the engines (rank 0, eta > 0); its seconds paused."""

@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/vs_trl.py [--steps 30] [--eval-size 64] [--dtype auto|float32|bfloat16]
                                           [--trl-dtypes float32,bfloat16] [--seeds 1,2,3]
                                           [--areal-stop-at-newline] [--skip-trl] [--skip-sync]
+                                          [--ppo 1x1,2x1,2x2]
 
 What runs, one after the other in this invocation:
 
@@ -17,6 +18,10 @@ What runs, one after the other in this invocation:
    in ``--dtype`` (default ``auto``, the demo's own: bfloat16 where the CPU has
    bf16 units, else float32).
 3. The same at η = 0 (synchronous), unless ``--skip-sync``.
+4. With ``--ppo KxE,...``: areal at η = 4 again for each pair, ``actor.ppo_minibatches=K``
+   ``actor.ppo_epochs=E`` (K optimizer steps per pass over a batch, E passes: TRL's
+   ``steps_per_generation`` / ``num_iterations`` mean the same); ``1x1`` is run 2's setting.
+   A batch here is 2 prompt groups, so K is at most 2.
 
 Matched settings (printed by the script): SmolLM2-135M-Instruct, the
 few-shot addition task (``3+4=7\\n10+5=15\\n8+9=17\\n{a}+{b}=``, a, b in
@@ -162,8 +167,8 @@ def run_trl(model_dir: Path, steps: int, val: list[dict], out_dir: Path, dtype: 
 
 # --------------------------------------------------------------------- areal
 def run_areal(eta: int, steps: int, val: list[dict], out_dir: Path, dtype: str, extra: list[str],
-              seed: int, stop_at_newline: bool = False) -> dict:
-    trial = f"eta{eta}-seed{seed}"
+              seed: int, stop_at_newline: bool = False, ppo: tuple[int, int] = (1, 1)) -> dict:
+    trial = f"eta{eta}-k{ppo[0]}e{ppo[1]}-seed{seed}"
     overrides = [f"output_dir={out_dir}", f"trial={trial}", f"model.dtype={dtype}",
                  f"rollout.max_head_offpolicyness={eta}", f"rollout.group_size={GROUP}",
                  f"rollout.batch_size={PER_STEP // GROUP}", f"rollout.sampling.max_new_tokens={NEW_TOKENS}",
@@ -173,7 +178,8 @@ def run_areal(eta: int, steps: int, val: list[dict], out_dir: Path, dtype: str, 
                  # generate exactly the samples they train on (the demo itself filters such groups out).
                  "rollout.dynamic_filtering=false", "rollout.weight_sync=tensors",
                  f"dataset.stop_at_newline={str(stop_at_newline).lower()}",
-                 f"trainer.total_steps={steps}", "trainer.save_every=0", f"trainer.seed={seed}", "eval.size=0", *extra]
+                 f"trainer.total_steps={steps}", "trainer.save_every=0", f"trainer.seed={seed}", "eval.size=0",
+                 f"actor.ppo_minibatches={ppo[0]}", f"actor.ppo_epochs={ppo[1]}", *extra]
     began = time.perf_counter()
     proc = subprocess.run([AREAL, "run", *overrides], capture_output=True, text=True,
                           env={**os.environ, "TERM": "dumb"})
@@ -189,6 +195,7 @@ def run_areal(eta: int, steps: int, val: list[dict], out_dir: Path, dtype: str, 
     return {"wall_s": wall, "step_s": (times[-1] - times[0]) / max(1, len(times) - 1),
             "gen_tok_s": statistics.mean(r["throughput/gen_tokens_per_s"] for r in rows[1:] or rows),
             "lag_max": max(r.get("staleness/token_lag_max", 0) for r in rows),
+            "clip_frac": statistics.mean(r.get("train/clip_frac", 0.0) for r in rows),
             "acc_after": greedy_accuracy(model, tokenizer, val, reward_fn())}
 
 
@@ -210,7 +217,10 @@ def main() -> None:
                              "tokens as TRL (and areal's demo) does")
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--skip-sync", action="store_true", help="skip areal at eta = 0")
+    parser.add_argument("--ppo", default="", metavar="KxE,...",
+                        help="extra areal eta=4 runs with actor.ppo_minibatches=K actor.ppo_epochs=E, e.g. 2x1,2x2")
     args = parser.parse_args()
+    ppo_runs = _ppo(args.ppo)  # a bad --ppo stops here, before any model loads
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
 
     from areal_core.models import resolve_model_path
@@ -247,11 +257,15 @@ def main() -> None:
             runs += [(f"areal eta={eta}", lambda eta=eta: run_areal(
                 eta, args.steps, val, Path(tmp) / "areal", areal_dtype, args.areal, seed, args.areal_stop_at_newline))
                 for eta in ([4] if args.skip_sync else [4, 0])]
+            runs += [(f"areal eta=4 {k}x{e}", lambda k=k, e=e: run_areal(
+                4, args.steps, val, Path(tmp) / "areal", areal_dtype, args.areal, seed, args.areal_stop_at_newline,
+                (k, e))) for k, e in ppo_runs]
             for name, run in runs:
                 results.setdefault(name, {})[seed] = run()
                 r = results[name][seed]
+                clip = f", clip fraction {r['clip_frac']:.4f}" if "clip_frac" in r else ""
                 print(f"seed {seed}: {name} done: {r['wall_s']:.1f} s, {r['step_s']:.2f} s/step, accuracy "
-                      f"{before[seed]:.3f} -> {r['acc_after']:.3f}", flush=True)
+                      f"{before[seed]:.3f} -> {r['acc_after']:.3f}{clip}", flush=True)
     print(f"\nmean over seeds {seeds} (+- sample std where more than one)")
     print(f"{'':<16} {'wall s':>8} {'s/step':>12} {'samples/s':>10} {'gen tok/s':>10} {'acc before':>10} "
           f"{'acc after':>14}  per seed")
@@ -280,6 +294,8 @@ def main() -> None:
         ratio("areal eta=4", best_trl)
         ratio("areal eta=0", best_trl)
     ratio("areal eta=4", "areal eta=0")
+    for k, e in ppo_runs:
+        ratio(f"areal eta=4 {k}x{e}", "areal eta=4")
     for name in trl_runs:
         share = statistics.fmean([r["gen_share"] for r in results[name].values()])
         print(f"{name} spent {share:.0%} of its wall time generating")
@@ -293,6 +309,16 @@ def _seeds(text: str) -> list[int]:
     if not seeds or len(set(seeds)) != len(seeds):
         raise SystemExit(f"vs_trl.py: --seeds {text!r} must be distinct integers separated by commas, e.g. 1,2,3")
     return seeds
+
+
+def _ppo(text: str) -> list[tuple[int, int]]:
+    pairs = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        k, _, e = part.partition("x")
+        if not (k.isdigit() and e.isdigit() and int(k) >= 1 and int(e) >= 1):
+            raise SystemExit(f"vs_trl.py: --ppo {text!r}: {part!r} is not KxE (mini-batches x epochs), e.g. 2x1")
+        pairs.append((int(k), int(e)))
+    return pairs
 
 
 def _pm(xs: list[float]) -> str:

@@ -83,6 +83,7 @@ KIT_ENTRY_POINTS = {
         "forgetful_load_train_engine_double": "train_engine_doubles:ForgetfulLoadTrainEngineDouble",
         "view_export_train_engine_double": "train_engine_doubles:ViewExportTrainEngineDouble",
         "racy_export_train_engine_double": "train_engine_doubles:RacyExportTrainEngineDouble",
+        "one_step_minibatch_train_engine_double": "train_engine_doubles:OneStepMinibatchTrainEngineDouble",
     },
 }
 
@@ -408,6 +409,9 @@ def test_train_engine_suite_checks_steps_and_checkpoints(pytester, kit_doubles):
 
         class TestRacyExportEngine(TrainSuite):
             component_name = "racy_export_train_engine_double"
+
+        class TestOneStepMinibatchEngine(TrainSuite):
+            component_name = "one_step_minibatch_train_engine_double"
     """)
     every = set(public_tests(TrainEngineConformance))
     assert outcomes(results, "TestBigramEngine") == {"passed": every, "skipped": set(), "failed": set()}
@@ -430,6 +434,10 @@ def test_train_engine_suite_checks_steps_and_checkpoints(pytester, kit_doubles):
         "test_an_export_read_on_another_thread_holds_the_next_optimizer_step"}
     assert "the optimizer step must wait until its last bucket is read" in message(
         results, "TestRacyExportEngine::test_an_export_read_on_another_thread_holds_the_next_optimizer_step")
+    assert failed(results, "TestOneStepMinibatchEngine") == {
+        "test_minibatches_and_epochs_are_optimizer_steps_of_one_update"}
+    assert "it must take 4" in message(
+        results, "TestOneStepMinibatchEngine::test_minibatches_and_epochs_are_optimizer_steps_of_one_update")
 
 
 # ------------------------------------------------------------------ algorithms

@@ -247,7 +247,10 @@ def test_resume_skips_done_items_and_redoes_in_flight_ones():
     trained = [g.item["id"] for b in first for g in b]
     with controller([LatencyEngineDouble()], batch_size=2, eta=2) as resumed:
         resumed.load_state_dict(state)
-        assert resumed.version == 3
+        with pytest.raises(RuntimeError, match="restored at version 3 but the engines serve version 0"):
+            resumed.prepare_batch(data, timeout=5)
+        resumed.update_weights_from_disk("/ckpt/v3", 3)  # the trainer hands the restored weights over first
+        assert resumed.version == 3 and resumed.engines[0].version == 3
         later = train_steps(resumed, data, 3)
     again = [g.item["id"] for b in later for g in b]
     assert not set(trained) & set(again)

@@ -7,9 +7,11 @@ from typing import Any, Callable, Iterator
 
 from areal_core.api.component import Component
 
-# A batch is a dict of tensors in the packed, padding-free layout:
+# A batch is a dict in the packed, padding-free layout (lists or tensors):
 #   input_ids [T], position_ids [T], cu_seqlens [B+1], loss_mask [T], plus
-#   whatever the algorithm adds (advantages [T], logprobs [T], versions [T]).
+#   whatever the algorithm adds (advantages [T], logprobs [T], versions [T]),
+#   and with actor.ppo_minibatches > 1 a per-sequence ``minibatch`` [B]
+#   (areal_core.train_batches: the optimizer step of a pass it belongs to).
 Batch = dict
 LossFn = Callable[..., Any]  # (logprobs, entropy, batch) -> (scalar loss, stats dict)
 
@@ -21,7 +23,9 @@ class TrainEngine(Component):
     ``"export_beside_training"`` (an ``export_tensors`` result may be read on
     another thread while ``train_batch`` runs: the engine holds the weights
     from the call until the last bucket is read or the result is closed, and
-    its optimizer step waits; one-process trainers only), ``"reference"``
+    its optimizer step waits; one-process trainers only), ``"minibatches"``
+    (``train_batch`` takes the ``minibatch`` key and ``epochs``: several
+    optimizer steps in one update), ``"reference"``
     (frozen copy for KL), ``"critic"`` (value head).
 
     ``context.extras["role"]`` is ``"actor"`` (trained), ``"reference"``
@@ -41,8 +45,21 @@ class TrainEngine(Component):
         """Per-token ``logprobs`` [T] (and ``entropy`` [T]) of ``batch`` under the current weights."""
 
     @abstractmethod
-    def train_batch(self, batch: Batch, loss_fn: LossFn, temperature: float = 1.0) -> dict:
-        """One optimizer step on ``batch``; returns stats (loss, grad_norm, lr, ...).
+    def train_batch(self, batch: Batch, loss_fn: LossFn, temperature: float = 1.0, epochs: int = 1) -> dict:
+        """One policy update on ``batch`` (``version`` + 1); returns stats (loss, grad_norm, lr, ...).
+
+        The update takes one optimizer step per mini-batch (the sequences
+        sharing a ``batch["minibatch"]`` value, in ascending order; the whole
+        batch when the key is absent), for each of ``epochs`` passes:
+        :func:`areal_core.train_batches.update_plan` gives the order and
+        :func:`~areal_core.train_batches.select_sequences` the sub-batches.
+        Each micro-batch handed to ``loss_fn`` carries ``update_step``, the
+        optimizer steps already taken in this update (0 for the first), so a
+        loss can tell when the weights have moved away from those the update
+        started from. The learning-rate schedule advances once per update.
+        Stats are merged over the steps by
+        :func:`~areal_core.train_batches.merge_update_stats` and include
+        ``n_optimizer_steps``.
 
         ``loss_fn(logprobs, entropy, mb)`` gets one micro-batch's per-token
         logprobs (under ``temperature``) and entropy, and returns its
@@ -62,8 +79,9 @@ class TrainEngine(Component):
         """
         raise NotImplementedError(f"{type(self).__name__} does not declare 'critic'")
 
-    def train_values(self, batch: Batch, loss_fn: LossFn) -> dict:
-        """Critic only: one optimizer step; ``loss_fn(values, mb) -> (token-mean loss, stats)``.
+    def train_values(self, batch: Batch, loss_fn: LossFn, epochs: int = 1) -> dict:
+        """Critic only: one update as in ``train_batch`` (mini-batches, ``epochs``);
+        ``loss_fn(values, mb) -> (token-mean loss, stats)``.
 
         ``values`` float32 [T_mb] with grad, aligned as in ``forward_values``;
         micro-batches are weighted by loss tokens exactly as in ``train_batch``.
@@ -73,7 +91,8 @@ class TrainEngine(Component):
     @property
     @abstractmethod
     def version(self) -> int:
-        """Optimizer steps taken; the policy version weights are tagged with."""
+        """Policy updates taken (``train_batch`` calls, whatever their optimizer steps); the version weights are
+        tagged with."""
 
     def save(self, path: str, *, with_optimizer: bool = True) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not declare 'save_load'")

@@ -52,6 +52,10 @@ class ActorConfig:
     backend: str = spec("fsdp", pattern=NAME_PATTERN, help="train engine (areal.engines.train)")
     optimizer: OptimizerConfig = spec(factory=OptimizerConfig)
     mb_max_tokens: int = spec(8192, ge=1, help="token budget of one packed micro-batch")
+    ppo_minibatches: int = spec(1, ge=1, help="optimizer steps per pass over a batch: the batch split into this "
+                                "many mini-batches (groups whole, balanced by tokens); from the second step on the "
+                                "policy differs from the proximal one and the PPO clip acts")
+    ppo_epochs: int = spec(1, ge=1, help="passes over the batch's mini-batches per training step (one version)")
     gradient_checkpointing: bool = spec(False)
     extra: dict = spec(factory=dict, help="keys declared by the selected backend's config_class")
 

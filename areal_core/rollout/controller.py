@@ -8,14 +8,23 @@ in a background thread and the trainer calls the thread-safe methods here
 rewards they call through :func:`areal_core.api.call_reward` run in the
 loop's default executor, a thread pool, never on the loop itself.
 
-The staleness rule. An episode admitted at version ``s`` must be trained by
-version ``s + eta``. Admission (see :mod:`areal_core.rollout.staleness`)
-keeps the number of episodes due by any version within the batches that
-exist until then; batches are handed out earliest-deadline-first (oldest
-ready groups first), and a batch waits for a still-running episode only when
-leaving it behind would make some later batch unable to take everything due
-by then. So every trained sample obeys ``v - start_version <= eta``, and
-fast episodes still overtake slow ones whenever there is slack.
+The staleness rule. An episode admitted while the engines serve version
+``s`` must be trained by version ``s + eta``. Admission (see
+:mod:`areal_core.rollout.staleness`) keeps the number of episodes due by any
+version within the batches that exist until then; batches are handed out
+earliest-deadline-first (oldest ready groups first), and a batch waits for a
+still-running episode only when leaving it behind would make some later batch
+unable to take everything due by then. So every trained sample obeys
+``v - start_version <= eta``, and fast episodes still overtake slow ones
+whenever there is slack.
+
+Two versions are kept apart. Episodes are stamped with the version the
+engines serve (``version``); a batch is decided by the version it will be
+*trained* at. While a non-blocking update is loading (the trainer at
+eta > 0 trains its next batch meanwhile) the second is one ahead of the
+first: ``update_weights`` records its target at once, and ``prepare_batch``
+takes the trainer's version explicitly, so the hand-out never decides with a
+version that lags.
 With ``eta = 0`` the controller is an ordinary synchronous trainer: batch
 ``k`` is exactly the ``k``-th block of ``batch_size`` items.
 """
@@ -105,7 +114,9 @@ class RolloutController:
         self.call_timeout_s = call_timeout_s
         self._reward_workers = reward_workers
         self._cond = threading.Condition()
-        self._version = 0
+        self._version = 0  # the version the engines serve: episodes are stamped with it
+        self._target_version = 0  # the newest version handed to update_weights (ahead while engines load)
+        self._restored_version = 0  # load_state_dict's: admission waits until the engines serve it
         self._pending: deque[tuple[int, Any]] = deque()
         self._running: dict[int, int] = {}  # seq -> start version
         self._ready: list[tuple[int, int, EpisodeGroup]] = []  # heap of (start_version, seq, group)
@@ -219,8 +230,16 @@ class RolloutController:
     def version(self) -> int:
         return self._version
 
+    def _require_restored_weights(self) -> None:
+        if self._version < self._restored_version:
+            raise RuntimeError(
+                f"the rollout controller was restored at version {self._restored_version} but the engines serve "
+                f"version {self._version}: hand them the restored weights (update_weights_from_disk / "
+                f"update_weights_from_tensors with version {self._restored_version}) before submitting items")
+
     def submit(self, item: Any) -> None:
         """Queue one item (one prompt group); it starts when admission allows."""
+        self._require_restored_weights()
         with self._cond:
             self._pending.append((self._next_seq, item))
             self._next_seq += 1
@@ -228,6 +247,7 @@ class RolloutController:
 
     def set_source(self, source: Iterable[Any]) -> None:
         """Pull items from ``source`` whenever admission allows (used by ``prepare_batch``)."""
+        self._require_restored_weights()
         with self._cond:
             self._source_obj = source
             self._source = iter(source)
@@ -304,31 +324,37 @@ class RolloutController:
             self._done_watermark += 1
 
     # ------------------------------------------------------------ output
-    def _can_hand_out(self, count: int) -> bool:
-        """Whether the ``count`` oldest ready groups may form the batch for this version now.
+    def _train_version(self, version: int | None) -> int:
+        """The version a batch handed out now is trained at: the caller's, else the newest the engines serve
+        or are loading."""
+        return max(self._version, self._target_version) if version is None else version
+
+    def _can_hand_out(self, count: int, version: int) -> bool:
+        """Whether the ``count`` oldest ready groups may form the batch trained at ``version``.
 
         Earliest-deadline-first: a group started at version ``s`` must be
         trained by version ``s + eta``. Handing out the oldest ready groups
-        is safe when, for every later batch ``k = 0..eta`` steps ahead, the
-        groups left behind (ready or still running) that are due by then fit
-        in the ``k`` batches before it. Otherwise a running group that is
-        due soon must finish first, and the batch waits for it.
+        is safe when, for every later batch ``k = 0..eta`` steps ahead (trained
+        at ``version + k``), the groups left behind (ready or still running)
+        that are due by then fit in the ``k`` batches before it. Otherwise a
+        running group that is due soon must finish first, and the batch waits
+        for it.
         """
         if len(self._ready) < count:
             return False
         if len(self._ready) == count and not self._running:
             return True
         left_ready = [entry[0] for entry in heapq.nlargest(len(self._ready) - count, self._ready)]
-        if not self._fits(left_ready + list(self._running.values()), count):
+        if not self._fits(left_ready + list(self._running.values()), count, version):
             # Waiting helps only if running episodes cause the overflow; when the
             # ready groups alone overflow (the version moved on without batches
             # being taken), waiting would never end: hand out the oldest.
-            return not self._fits(left_ready, count)
+            return not self._fits(left_ready, count, version)
         return True
 
-    def _fits(self, starts: list[int], count: int) -> bool:
+    def _fits(self, starts: list[int], count: int, version: int) -> bool:
         for k in range(self.eta + 1):
-            due = self._version + k - self.eta
+            due = version + k - self.eta
             if sum(1 for start in starts if start <= due) > k * count:
                 return False
         return True
@@ -337,14 +363,17 @@ class RolloutController:
         return (self._source_done or self._source is None) and not self._pending and not self._running \
             and len(self._ready) < count
 
-    def wait(self, count: int, timeout: float | None = None) -> list[EpisodeGroup]:
-        """Block until ``count`` accepted groups can be handed out; oldest first."""
+    def wait(self, count: int, timeout: float | None = None, version: int | None = None) -> list[EpisodeGroup]:
+        """Block until ``count`` accepted groups can be handed out; oldest first.
+
+        ``version``: the policy version the groups will be trained at (default: the newest version the
+        engines serve or are loading, see :meth:`update_weights`)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
                 if self._error is not None:
                     raise self._error
-                if self._can_hand_out(count):
+                if self._can_hand_out(count, self._train_version(version)):
                     groups = [heapq.heappop(self._ready)[2] for _ in range(count)]
                     for g in groups:
                         self._mark_done(g.seq)
@@ -364,17 +393,19 @@ class RolloutController:
                                        + self._describe())
                 self._cond.wait(remaining if remaining is not None else 1.0)
 
-    def prepare_batch(self, dataloader: Iterable[Any], timeout: float | None = None) -> list[EpisodeGroup]:
+    def prepare_batch(self, dataloader: Iterable[Any], timeout: float | None = None,
+                      version: int | None = None) -> list[EpisodeGroup]:
         """The next batch of ``batch_size`` groups, drawing items from ``dataloader`` as admission allows.
 
-        Keep passing the same dataloader: it is iterated once, lazily, across calls.
+        Keep passing the same dataloader: it is iterated once, lazily, across calls. ``version``: the
+        policy version the batch will be trained at (the trainer passes its own; see :meth:`wait`).
         """
         if dataloader is not self._source_obj:
             self.set_source(dataloader)
         with self._cond:
-            ready, waited = len(self._ready), not self._can_hand_out(self.batch_size)
+            ready, waited = len(self._ready), not self._can_hand_out(self.batch_size, self._train_version(version))
             first = self._consumed_accepted == 0  # nothing could have been generated ahead of it
-        groups = self.wait(self.batch_size, timeout)
+        groups = self.wait(self.batch_size, timeout, version)
         with self._cond:
             grew = self.staleness.on_hand_out(waited and not first, ready)
         if grew:
@@ -389,8 +420,9 @@ class RolloutController:
 
     # ------------------------------------------------------------ weights
     def set_version(self, version: int) -> None:
+        """Declare the version the engines serve now (no update runs: the caller vouches for it)."""
         with self._cond:
-            self._version = version
+            self._version = self._target_version = version
             self._cond.notify_all()
         self._kick()
 
@@ -446,11 +478,14 @@ class RolloutController:
         """Pause, run ``apply()`` on the loop, set ``version``, resume; nothing else inside the pause.
 
         Returns the seconds generation was paused; with ``wait=False`` at once,
-        a :class:`PendingCall` whose ``result()`` gives them. Admission follows
-        the version set here, so a caller going on meanwhile (the trainer at
-        eta > 0, training its next batch while the servers load) never gets a
-        sample staler than the bound.
+        a :class:`PendingCall` whose ``result()`` gives them. Episodes are
+        stamped with the version the engines serve, which moves only once they
+        have loaded; a batch taken meanwhile is decided by ``version`` (recorded
+        here before the call returns), so a caller going on while the servers
+        load (the trainer at eta > 0) never gets a sample staler than the bound.
         """
+        with self._cond:
+            self._target_version = max(self._target_version, version)
         async def swap() -> float:
             began = time.monotonic()
             async with self.pool.lock:  # never beside a rebuild of the server set
@@ -648,10 +683,16 @@ class RolloutController:
                     "done_watermark": self._done_watermark, "done_extra": sorted(self._done_extra)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the counters and done items of :meth:`state_dict`, before anything is submitted.
+
+        The version the engines serve is not restored: they serve what they loaded (at a restart, the base
+        model). Hand them the restored weights (``update_weights_from_*`` with the saved version) before any
+        item is submitted; until then :meth:`submit` and :meth:`prepare_batch` refuse, so no episode is
+        stamped with a version its tokens do not come from."""
         with self._cond:
             if self._running or self._ready or self._next_seq:
                 raise RuntimeError("load_state_dict must be called before any item is submitted")
-            self._version = state["version"]
+            self._restored_version = state["version"]
             self._consumed_accepted = state["consumed"]
             self.staleness.load_state_dict({"started": state["consumed"] + state["rejected"], "running": 0,
                                             "accepted": state["consumed"], "rejected": state["rejected"]})

@@ -27,7 +27,7 @@ from areal_core.registry import KINDS, contract_for, find, resolve
 KNOWN_CAPABILITIES: dict[str, frozenset[str]] = {
     "inference_engine": frozenset({"pause", "seed", "update_weights_from_disk", "update_weights_from_tensors"}),
     "train_engine": frozenset({"save_load", "export_disk", "export_tensors", "export_beside_training", "reference",
-                               "critic"}),
+                               "critic", "minibatches"}),
 }
 
 

@@ -28,7 +28,7 @@ class TrainEngineConformance(ComponentConformance):
     ``position_ids`` [T], ``cu_seqlens`` [B+1], ``loss_mask`` [T], as the
     engine's tensors).
 
-    Capabilities tested: ``save_load``, ``export_tensors``, ``export_beside_training``.
+    Capabilities tested: ``save_load``, ``export_tensors``, ``export_beside_training``, ``minibatches``.
     """
 
     kind: ClassVar[str] = "train_engine"
@@ -93,6 +93,34 @@ class TrainEngineConformance(ComponentConformance):
                 f"two steps of neg_logprob_loss on one batch moved its loss from {before} to {after}; "
                 f"train_batch must step the optimizer on the loss_fn it is given (or raise the test "
                 f"engine's learning rate)")
+
+    @requires("minibatches")
+    def test_minibatches_and_epochs_are_optimizer_steps_of_one_update(self) -> None:
+        from areal_core.train_batches import MINIBATCH_KEY, UPDATE_STEP_KEY, assign_minibatches
+
+        batch = self.make_batch()
+        cu = [int(c) for c in as_list(batch["cu_seqlens"])]
+        assert len(cu) > 2, "make_batch() must give at least two sequences for this test"
+        batch[MINIBATCH_KEY] = assign_minibatches([b - a for a, b in zip(cu[:-1], cu[1:])], None, 2)
+        seen: list[int] = []
+
+        def loss(logprobs: Any, entropy: Any, mb: dict) -> tuple[Any, dict]:
+            seen.append(int(mb[UPDATE_STEP_KEY]))
+            return neg_logprob_loss(logprobs, entropy, mb)
+
+        with self.engine() as engine:
+            before = engine.version
+            stats = engine.train_batch(batch, loss, epochs=2)
+            assert engine.version == before + 1, (
+                f"version went from {before} to {engine.version} in one train_batch of 2 mini-batches x 2 epochs; "
+                f"an update is one version, whatever its optimizer steps")
+            assert stats.get("n_optimizer_steps") == 4, (
+                f"train_batch with 2 mini-batches and epochs=2 reported n_optimizer_steps="
+                f"{stats.get('n_optimizer_steps')}; it must take 4 (areal_core.train_batches.update_plan)")
+            assert sorted(set(seen)) == [0, 1, 2, 3], (
+                f"loss_fn saw update_step values {sorted(set(seen))}; each micro-batch must carry the optimizer "
+                f"steps already taken in the update (0 to 3 here)")
+            finite_number(stats["loss"], "train_batch stats['loss']")
 
     @requires("save_load")
     def test_load_restores_the_saved_weights(self, tmp_path: Any) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import shutil
 import time
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ class CounterTrainEngineDouble(TrainEngine):
 
     def initialize(self):
         self.state = {"version": 0, "tokens_seen": 0}
+        self.lags: list[list[int]] = []  # per step: version at training minus each loss token's version
         if self.context.extras.get("role") == "critic":
             self.state.update(a=0.0, b=0.0, value_steps=0)
 
@@ -74,6 +76,11 @@ class CounterTrainEngineDouble(TrainEngine):
         return {"logprobs": [-1.0] * len(batch["input_ids"])}
 
     def train_batch(self, batch, loss_fn, temperature=1.0):
+        self.lags.append([self.version - v for v, m in zip(batch["versions"], batch["loss_mask"]) if m])
+        record_to = os.environ.get("AREAL_TEST_LAGS_FILE")  # the lags seen by the consumer, across processes
+        if record_to:
+            with open(record_to, "a") as f:
+                f.write(json.dumps({"version": self.version, "lags": self.lags[-1]}) + "\n")
         loss, stats = loss_fn(None, None, batch)
         time.sleep(self.context.options.step_s)
         self.state["version"] += 1
@@ -113,8 +120,13 @@ class DiskLatencyEngineDouble(LatencyEngineDouble):
         exported = json.loads(Path(path, "weights.json").read_text())["version"]
         if exported != version:
             raise RuntimeError(f"weights at {path} are version {exported}, expected {version}")
-        # A server that takes a while to load (tests of the trainer not waiting for it at eta > 0).
-        await asyncio.sleep(float(os.environ.get("AREAL_TEST_WEIGHT_LOAD_S", "0")))
+        # A server that takes a while to load (tests of the trainer not waiting for it at eta > 0): a fixed time,
+        # plus one drawn per server and version below AREAL_TEST_WEIGHT_LOAD_JITTER_S.
+        load_s = float(os.environ.get("AREAL_TEST_WEIGHT_LOAD_S", "0"))
+        if "AREAL_TEST_WEIGHT_LOAD_JITTER_S" in os.environ:
+            draw = random.Random(f"{os.environ.get('AREAL_TEST_SEED', '0')}:{self.seed}:{version}")
+            load_s += draw.random() * float(os.environ["AREAL_TEST_WEIGHT_LOAD_JITTER_S"])
+        await asyncio.sleep(load_s)
         await super().update_weights_from_disk(path, version)
 
 
@@ -170,6 +182,16 @@ class PolicyGradientAlgorithmDouble(MeanRewardAlgorithmDouble):
         return loss, {"entropy": float(entropy[mask].mean())}
 
 
+class RecordingPolicyGradientAlgorithmDouble(PolicyGradientAlgorithmDouble):
+    """Appends every batch it is given (tokens, behaviour logprobs, versions) to AREAL_TEST_BATCHES_FILE."""
+
+    def compute_advantages(self, batch):
+        keys = ("input_ids", "cu_seqlens", "loss_mask", "logprobs", "versions")
+        with open(os.environ["AREAL_TEST_BATCHES_FILE"], "a") as f:
+            f.write(json.dumps({k: list(batch[k]) for k in keys}) + "\n")
+        return super().compute_advantages(batch)
+
+
 class ValueAlgorithmDouble(MeanRewardAlgorithmDouble):
     """Asks for a critic: advantages = reward - V on loss tokens, value loss = mean squared error to the reward."""
 
@@ -205,6 +227,7 @@ ENTRY_POINTS = {
     "areal.engines.inference": {"rl_infer_double": "rl_doubles:DiskLatencyEngineDouble"},
     "areal.algorithms": {"rl_algo_double": "rl_doubles:MeanRewardAlgorithmDouble",
                          "rl_pg_double": "rl_doubles:PolicyGradientAlgorithmDouble",
+                         "rl_recording_pg_double": "rl_doubles:RecordingPolicyGradientAlgorithmDouble",
                          "rl_value_double": "rl_doubles:ValueAlgorithmDouble"},
     "areal.workflows": {"rl_workflow_double": "rl_doubles:RewardingWorkflowDouble"},
     "areal.rewards": {"mod3_double": "rl_doubles:mod3_reward_double"},

@@ -25,7 +25,7 @@ class BigramTrainEngineDoubleConfig:
 
 class BigramTrainEngineDouble(TrainEngine):
     config_class = BigramTrainEngineDoubleConfig
-    capabilities = frozenset({"save_load", "export_tensors", "export_beside_training"})
+    capabilities = frozenset({"save_load", "export_tensors", "export_beside_training", "minibatches"})
 
     def initialize(self) -> None:
         self.weights_read = threading.Lock()  # held by an export until its last bucket is read
@@ -56,13 +56,21 @@ class BigramTrainEngineDouble(TrainEngine):
             logprobs, entropy = self._logprobs(batch, temperature)
         return {"logprobs": logprobs, "entropy": entropy}
 
-    def train_batch(self, batch, loss_fn):
+    def train_batch(self, batch, loss_fn, temperature=1.0, epochs=1):
+        from areal_core.train_batches import merge_update_stats, select_sequences, update_plan
+
+        n = len(batch["cu_seqlens"]) - 1
+        steps = [self.one_step(batch if seqs == list(range(n)) else select_sequences(batch, seqs), loss_fn, j)
+                 for j, seqs in enumerate(update_plan(batch, epochs))]
+        self._version += 1
+        return merge_update_stats(steps, epochs)
+
+    def one_step(self, batch, loss_fn, update_step):
         logprobs, entropy = self._logprobs(batch)
-        loss, stats = loss_fn(logprobs, entropy, batch)
+        loss, stats = loss_fn(logprobs, entropy, {**batch, "update_step": update_step})
         self.optimizer.zero_grad()
         loss.backward()
         self.step()
-        self._version += 1
         return {"loss": float(loss), **{k: float(v) for k, v in stats.items()}}
 
     def step(self) -> None:
@@ -126,3 +134,12 @@ class RacyExportTrainEngineDouble(BigramTrainEngineDouble):
 
     def step(self) -> None:
         self.optimizer.step()
+
+
+class OneStepMinibatchTrainEngineDouble(BigramTrainEngineDouble):
+    """Broken: declares minibatches but trains the whole batch in one optimizer step."""
+
+    def train_batch(self, batch, loss_fn, temperature=1.0, epochs=1):
+        stats = self.one_step(batch, loss_fn, 0)
+        self._version += 1
+        return {**stats, "n_optimizer_steps": 1.0}

@@ -15,6 +15,16 @@ from dataclasses import dataclass
 import torch
 
 STD_EPS = 1e-6  # added to every standard deviation a normalisation divides by
+MIN_STD = 1e-6  # a group's (or the batch's) std below this counts as 0: its values are divided by 1, not by eps
+
+
+def std_divisor(std: torch.Tensor) -> torch.Tensor:
+    """What a normalisation divides by: std + STD_EPS, or 1 where std < MIN_STD (no spread: nothing to scale).
+
+    Dividing a spread-less group by eps alone would multiply whatever is left (float noise, an uncentred
+    score) by 1e6.
+    """
+    return torch.where(std < MIN_STD, torch.ones_like(std), std + STD_EPS)
 
 
 @dataclass
@@ -92,6 +102,20 @@ def group_stats(values: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.
     return sums[group], counts[group], std[group]
 
 
+def normalise_groups(scores: torch.Tensor, group_index: torch.Tensor, mean: bool, std: bool) -> torch.Tensor:
+    """GRPO's s_i <- (s_i - mean_g(s)) / (std_g(s) + eps) on the sequence scores [N] (see :func:`std_divisor`).
+
+    Applied to the scores, before they become per-token rewards, so the statistics and the normalised
+    quantity are the same numbers whatever the discount or KL penalty does to the per-token returns after.
+    """
+    sums, counts, spread = group_stats(scores, group_index)
+    if mean:
+        scores = scores - sums / counts
+    if std:
+        scores = scores / std_divisor(spread)
+    return scores
+
+
 def group_baseline(scores: torch.Tensor, group_index: torch.Tensor, kind: str) -> torch.Tensor:
     """b_i: the group mean of the scores, or the mean of the *other* members (leave-one-out, RLOO)."""
     sums, counts, _ = group_stats(scores, group_index)
@@ -136,7 +160,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, gamma:
 
 
 def normalise_batch(advantages: torch.Tensor, valid: torch.Tensor, mean: bool, std: bool) -> torch.Tensor:
-    """(A - mean) / (std + eps) over every loss token of the batch (unbiased std)."""
+    """(A - mean) / (std + eps) over every loss token of the batch (unbiased std; see :func:`std_divisor`)."""
     cells = advantages[valid]
     if cells.numel() == 0:
         return advantages
@@ -144,5 +168,5 @@ def normalise_batch(advantages: torch.Tensor, valid: torch.Tensor, mean: bool, s
         advantages = advantages - cells.mean()
     if std:
         spread = cells.std(unbiased=True) if cells.numel() > 1 else torch.zeros((), dtype=cells.dtype)
-        advantages = advantages / (spread + STD_EPS)
+        advantages = advantages / std_divisor(spread)
     return torch.where(valid, advantages, torch.zeros_like(advantages))

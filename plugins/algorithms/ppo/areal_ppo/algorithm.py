@@ -24,6 +24,7 @@ import torch
 
 from areal_core.api import Algorithm, Needs
 from areal_core.rollout import has_reward_variance
+from areal_core.train_batches import MINIBATCH_KEY, UPDATE_STEP_KEY
 
 from areal_ppo import advantages as adv_fn
 from areal_ppo import config as cfg
@@ -100,6 +101,13 @@ class PPOFamily(Algorithm):
         scores = scores + adv_fn.overlong_penalty(grid.lengths, max_len, o.overlong_buffer_frac,
                                                   o.overlong_penalty).double()
         scores = adv_fn.shape_rewards(scores, o.reward_scale, o.reward_bias, o.reward_clip)
+        # Group baseline and group normalisation compare a prompt's completions by their scores, so they act on
+        # the scores, before the discount and the KL penalty make per-token returns of them: the statistics
+        # are those of the normalised numbers, and a group of equal scores gives 0 (plus its KL penalty).
+        if o.adv_baseline != "none" and not self.critic:  # ppo: the critic is the baseline
+            scores = scores - adv_fn.group_baseline(scores, group_index, o.adv_baseline)
+        if o.adv_norm == "group":
+            scores = adv_fn.normalise_groups(scores, group_index, o.adv_norm_mean, o.adv_norm_std)
 
         # Per-token rewards on the response grid: the score on each sequence's last loss token.
         token_rewards = torch.zeros(grid.valid.shape, dtype=torch.float64)
@@ -122,20 +130,13 @@ class PPOFamily(Algorithm):
             batch["returns"] = grid.scatter(returns, total).float().tolist()
         else:
             advantages = adv_fn.discounted_returns(token_rewards, grid.valid, o.gamma)
-            if o.adv_baseline != "none":
-                advantages = advantages - adv_fn.group_baseline(scores, group_index, o.adv_baseline)[:, None]
 
-        if o.adv_norm == "group":
-            sums, counts, std = adv_fn.group_stats(scores, group_index)
-            if o.adv_norm_mean:
-                advantages = advantages - (sums / counts)[:, None]
-            if o.adv_norm_std:
-                advantages = advantages / (std + adv_fn.STD_EPS)[:, None]
-        elif o.adv_norm == "batch":
+        if o.adv_norm == "batch":
             advantages = adv_fn.normalise_batch(advantages, grid.valid, o.adv_norm_mean, o.adv_norm_std)
         advantages = torch.where(grid.valid, advantages, torch.zeros_like(advantages))
         batch["advantages"] = grid.scatter(advantages, total).float().tolist()
-        batch["loss_weights"] = self._loss_weights(grid, total).tolist()
+        parts = _longs(batch[MINIBATCH_KEY]) if MINIBATCH_KEY in batch else torch.zeros(n, dtype=torch.long)
+        batch["loss_weights"] = self._loss_weights(grid, total, parts).tolist()
         if self.objective == "m2po":
             self._require(batch, "prox_logprobs", "m2po's second-moment mask")
             log_r = (_floats(batch["prox_logprobs"]) - _floats(batch["logprobs"]))[mask]
@@ -144,18 +145,23 @@ class PPOFamily(Algorithm):
             batch["m2_mask"] = kept.tolist()
         return batch
 
-    def _loss_weights(self, grid: adv_fn.ResponseGrid, total: int) -> torch.Tensor:
-        """c_t of the module docstring: token-mean of c_t * l_t over the batch = the wanted aggregate."""
+    def _loss_weights(self, grid: adv_fn.ResponseGrid, total: int, parts: torch.Tensor) -> torch.Tensor:
+        """c_t of the module docstring, per mini-batch (``parts``: each sequence's; the engine takes one
+        optimizer step per mini-batch, weighting its micro-batches by the mini-batch's loss tokens): the
+        token-mean of c_t * l_t over a mini-batch is the wanted aggregate over that mini-batch."""
         o = self.options
-        n_tokens = grid.lengths.sum().double()
-        seqs = (grid.lengths > 0).sum().double()
-        if o.loss_agg_mode == "token-mean" or n_tokens == 0:
-            per_seq = torch.ones(len(grid.lengths), dtype=torch.float64)
-        elif o.loss_agg_mode == "seq-mean-token-mean":
-            per_seq = n_tokens / (seqs * grid.lengths.clamp(min=1).double())
-        else:  # seq-mean-token-sum
-            norm = o.loss_agg_norm or self._max_new_tokens()
-            per_seq = torch.full((len(grid.lengths),), float(n_tokens / (seqs * norm)), dtype=torch.float64)
+        per_seq = torch.ones(len(grid.lengths), dtype=torch.float64)
+        for part in parts.unique().tolist():
+            mine = parts == part
+            lengths = grid.lengths[mine]
+            n_tokens = lengths.sum().double()
+            seqs = (lengths > 0).sum().double()
+            if o.loss_agg_mode == "token-mean" or n_tokens == 0:
+                continue
+            if o.loss_agg_mode == "seq-mean-token-mean":
+                per_seq[mine] = n_tokens / (seqs * lengths.clamp(min=1).double())
+            else:  # seq-mean-token-sum
+                per_seq[mine] = float(n_tokens / (seqs * (o.loss_agg_norm or self._max_new_tokens())))
         return grid.scatter(per_seq[:, None].expand(grid.valid.shape).float(), total)
 
     def _adapt_kl(self, kl: float, n_sequences: int) -> None:
@@ -179,17 +185,13 @@ class PPOFamily(Algorithm):
                 self._require(batch, "prox_logprobs", "decoupled PPO with prox_approx: recompute")
                 prox = _floats(batch["prox_logprobs"])
             else:
-                # Log-linear interpolation between behaviour and current policy by version:
-                # log pi_prox = log pi_behav + alpha (log pi_theta - log pi_behav), alpha = (v_prox - v_behav) /
-                # (v_theta - v_behav). train_batch makes exactly one optimizer step, so the weights computing this
-                # loss *are* the proximal policy (v_theta = v_prox): alpha = 1 and pi_prox = sg(pi_theta), exact.
-                prox = logp.detach()
+                prox = self._loglinear_prox(logp.detach(), behav, batch)
             old = prox
             w, kept = losses.behaviour_weight(prox - behav, mask, seq_lens, o.behav_weight_mode,
                                               o.behav_weight_level, o.behav_weight_low, o.behav_weight_high)
         else:
             old, w, kept = behav, torch.ones_like(logp), torch.ones_like(mask)
-        log_u = logp - old
+        log_u = losses.clamp_log_ratio(logp - old)
         u = torch.exp(log_u)
         high = o.eps_clip_high or o.eps_clip
         if self.objective == "gspo":
@@ -226,6 +228,25 @@ class PPOFamily(Algorithm):
         stats.update(pg_loss=mean(pg), ratio_mean=mean(u), clip_frac=mean(clipped), behav_weight_mean=mean(w),
                      behav_kept_frac=mean(kept), advantage_mean=mean(adv))
         return loss, {k: float(v) for k, v in stats.items()}
+
+    def _loglinear_prox(self, current: torch.Tensor, behav: torch.Tensor, batch: dict) -> torch.Tensor:
+        """``prox_approx: loglinear``: log pi_prox without a forward pass (AReaL's interpolation by version).
+
+        In the update's first optimizer step (``update_step`` 0) the weights computing this loss *are* the
+        proximal policy (those the update started from): pi_prox = sg(pi_theta), exact. After it, the log-linear
+        interpolation between behaviour and current policy, log pi_prox = log pi_behav + alpha (log pi_theta -
+        log pi_behav), with alpha = (v_prox - v_behav) / (v_theta - v_behav), v_prox the version trained at
+        (``policy_version``), v_theta = v_prox + 1 (the version the update makes), v_behav each token's: alpha = 0
+        for a token sampled at v_prox (then pi_prox = pi_behav, exact), approaching 1 as the token ages.
+        """
+        if int(batch.get(UPDATE_STEP_KEY, 0)) == 0:
+            return current
+        self._require(batch, "policy_version", "prox_approx 'loglinear' after an update's first optimizer step")
+        v_prox = float(batch["policy_version"])
+        v_behav = _floats(batch["versions"]).to(behav.device)
+        span = v_prox + 1.0 - v_behav
+        alpha = torch.where(span > 0, (v_prox - v_behav) / span.clamp(min=1.0), torch.zeros_like(span))
+        return behav + alpha.clamp(0.0, 1.0) * (current - behav)
 
     def value_loss(self, values: Any, batch: dict) -> tuple[torch.Tensor, dict]:
         if not self.critic:

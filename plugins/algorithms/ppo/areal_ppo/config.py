@@ -38,11 +38,11 @@ class PPOFamilyConfig:
     gamma: float = spec(1.0, ge=0.0, le=1.0, help="discount of per-token returns (and of GAE)")
     # -- advantages ----------------------------------------------------------
     adv_baseline: str = spec("none", choices=["none", "group_mean", "leave_one_out"],
-                             help="subtracted from each sequence's return: its group's mean reward, or the "
-                                  "mean of the other members (RLOO)")
+                             help="subtracted from each sequence's score before the per-token returns: its "
+                                  "group's mean score, or the mean of the other members (RLOO)")
     adv_norm: str = spec("group", choices=["none", "group", "batch"],
-                         help="normalise advantages over each prompt's group (by its rewards) or over the "
-                              "batch's loss tokens")
+                         help="group: normalise each sequence's score over its prompt's group before the "
+                              "per-token returns; batch: normalise the advantages over the batch's loss tokens")
     adv_norm_mean: bool = spec(True, help="adv_norm subtracts the mean")
     adv_norm_std: bool = spec(True, help="adv_norm divides by the standard deviation")
     dynamic_sampling: bool = spec(False, help="reject groups whose rewards are all equal (DAPO); "
@@ -57,8 +57,9 @@ class PPOFamilyConfig:
     # -- decoupled PPO (asynchronous data) -------------------------------------
     decoupled: bool = spec(True, help="clip against the proximal policy, weight by pi_prox / pi_behav")
     prox_approx: str = spec("loglinear", choices=["recompute", "loglinear"],
-                            help="proximal logprobs: a forward pass before the step, or interpolated "
-                                 "log-linearly from per-token versions (exact with one step per batch)")
+                            help="proximal logprobs: a forward pass before the update (exact), or the current "
+                                 "policy's in an update's first optimizer step (exact) and AReaL's log-linear "
+                                 "interpolation by per-token version after it (actor.ppo_minibatches / ppo_epochs)")
     behav_weight_mode: str = spec("mask", choices=["none", "truncate", "mask"],
                                   help="outside [behav_weight_low, behav_weight_high] the behaviour weight is "
                                        "truncated to the bound (TIS) or the token / sequence dropped (MIS)")

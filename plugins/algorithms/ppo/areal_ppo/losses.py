@@ -5,17 +5,32 @@ micro-batch and leaves aggregation to the caller (a weighted token mean, see
 :mod:`areal_ppo.algorithm`). ``u`` is the importance ratio pi_theta / pi_old
 of the clipped objectives, ``A`` the advantage, ``w`` the decoupled-PPO
 behaviour weight pi_prox / pi_behav.
+
+Every log-ratio is clamped to [-LOG_RATIO_BOUND, LOG_RATIO_BOUND] before it
+is exponentiated (:func:`clamp_log_ratio`), as verl does: float32 ``exp``
+overflows to inf above ~88.7, which makes the loss infinite or the gradient
+NaN (0 * inf). Inside the bound the clamp is the identity, gradient included;
+beyond it the ratio is held at e^+-20 and passes no gradient back to the
+log-ratio.
 """
 
 from __future__ import annotations
 
 import torch
 
+LOG_RATIO_BOUND = 20.0  # e^20 = 4.85e8: far past any clip or weight bound, far below float32's max (~e^88.7)
+
+
+def clamp_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    """log_ratio clamped to [-LOG_RATIO_BOUND, LOG_RATIO_BOUND], the argument of every ``exp`` here."""
+    return log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
     """Schulman's estimators of KL(pi || pi_ref) from samples of pi, with x = log pi - log pi_ref.
 
-    k1 = x; k2 = x^2 / 2; k3 = exp(-x) - 1 + x (unbiased, always >= 0).
+    k1 = x; k2 = x^2 / 2; k3 = exp(-x) - 1 + x (unbiased, always >= 0), with x clamped to
+    [-LOG_RATIO_BOUND, LOG_RATIO_BOUND] (k3 only: the others exponentiate nothing).
     """
     x = logp - ref_logp
     if estimator == "k1":
@@ -23,6 +38,7 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> t
     if estimator == "k2":
         return 0.5 * x * x
     if estimator == "k3":
+        x = clamp_log_ratio(x)
         return torch.expm1(-x) + x
     raise ValueError(f"kl_estimator {estimator!r} is not k1, k2 or k3")
 
@@ -45,14 +61,15 @@ def behaviour_weight(log_w: torch.Tensor, mask: torch.Tensor, seq_lens: torch.Te
 
     ``level`` token: w_t = exp(log_w_t); sequence: every token of sequence i
     carries W_i = exp(sum of its loss tokens' log_w) (the sequence's
-    importance weight). ``mode`` truncate (TIS): w <- min(max(w, low), high);
+    importance weight), log_w clamped first (:func:`clamp_log_ratio`: w in
+    [e^-20, e^20]). ``mode`` truncate (TIS): w <- min(max(w, low), high);
     mask (MIS): tokens (or whole sequences) with w outside [low, high] get
     weight 0 (``kept`` False); none: w as is.
     """
     log_w = torch.where(mask, log_w.detach(), torch.zeros_like(log_w))
     if level == "sequence":
         log_w = broadcast(segment_sum(log_w, seq_lens), seq_lens)
-    w = torch.exp(log_w)
+    w = torch.exp(clamp_log_ratio(log_w))
     kept = torch.ones_like(mask)
     if mode == "truncate":
         w = w.clamp(min=low, max=high)
@@ -71,10 +88,10 @@ def clipped_surrogate(u: torch.Tensor, adv: torch.Tensor, low: float, high: floa
 
 
 def sequence_ratio(log_u: torch.Tensor, mask: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-    """GSPO's s_i = exp(mean over sequence i's loss tokens of log u), broadcast to its tokens."""
+    """GSPO's s_i = exp(mean over sequence i's loss tokens of log u) (mean clamped), broadcast to its tokens."""
     masked = torch.where(mask, log_u, torch.zeros_like(log_u))
     count = segment_sum(mask.to(log_u.dtype), seq_lens).clamp(min=1.0)
-    return broadcast(torch.exp(segment_sum(masked, seq_lens) / count), seq_lens)
+    return broadcast(torch.exp(clamp_log_ratio(segment_sum(masked, seq_lens) / count)), seq_lens)
 
 
 def soft_gate(u: torch.Tensor, adv: torch.Tensor, tau_pos: float, tau_neg: float) -> torch.Tensor:

@@ -53,7 +53,7 @@ def test_grpo_normalises_by_group_mean_and_std():
 
 
 def test_groups_are_normalised_separately():
-    # Group 0: rewards 2, 0 -> mean 1, std sqrt(2) -> +-0.70711; group 1: 5, 5 -> 0 (std 0: 0 / eps).
+    # Group 0: rewards 2, 0 -> mean 1, std sqrt(2) -> +-0.70711; group 1: 5, 5 -> 0 (std 0: 0 / 1).
     out = make(algos.GRPO).compute_advantages(batch([2, 0, 5, 5], [1, 1, 1, 1], groups=[0, 0, 1, 1]))
     assert response_advantages(out) == approx([0.70711, -0.70711, 0.0, 0.0], abs=1e-4)
 
@@ -311,3 +311,134 @@ def test_response_grid_round_trip():
     assert grid.index.tolist() == [[1, 2], [5, 7]] and grid.lengths.tolist() == [2, 2]
     per_token = torch.arange(8.0)
     assert grid.scatter(grid.gather(per_token), 8).tolist() == [0, 1, 2, 0, 0, 5, 0, 7]
+
+
+# ---------------------------------------------------------------- bounded advantages (issue 20, item 4)
+def test_group_normalisation_acts_on_the_scores_before_discounting():
+    # gamma 0.9, rewards 1, 0 in one group, 2 response tokens each. The scores are normalised first: mean 0.5,
+    # unbiased std sqrt(2 * 0.25 / 1) = 0.70711 -> +-0.70711 on each last token; returns 0.9 * 0.70711 = 0.63640.
+    out = make(algos.GRPO, gamma=0.9).compute_advantages(batch([1, 0], [2, 2]))
+    assert response_advantages(out) == approx([0.63640, 0.70711, -0.63640, -0.70711], abs=1e-4)
+
+
+def test_equal_rewards_with_a_discount_give_zero_advantages():
+    # Group 0: rewards 1, 1, 1 (std 0), gamma 0.9, 3 response tokens each: s - mean = 0 on every score, so every
+    # return is 0 (before: returns 0.81, 0.9, 1 minus the mean score 1, over 0 + 1e-6: -1.9e5, -1e5, 0).
+    # Group 1 (rewards 2, 0, 1 tokens each) is normalised on its own: mean 1, std sqrt(2) -> +-0.70711.
+    out = make(algos.GRPO, gamma=0.9).compute_advantages(batch([1, 1, 1, 2, 0], [3, 3, 3, 1, 1],
+                                                               groups=[0, 0, 0, 1, 1]))
+    assert response_advantages(out) == approx([0.0] * 9 + [0.70711, -0.70711], abs=1e-4)
+    assert max(abs(a) for a in response_advantages(out)[:9]) == 0.0
+
+
+def test_equal_rewards_with_kl_in_the_reward_give_only_the_kl_penalty():
+    # grpo, kl_in_reward, k1 with beta 0.01; behaviour - ref = 0.1, 0.2 | 0.3, 0.0 on the response tokens.
+    # Rewards 1, 1: normalised scores 0; token rewards -0.001, -0.002 | -0.003, 0; returns (gamma 1):
+    # -0.003, -0.002 | -0.003, 0 (before: 1 - 0.003 etc. minus the mean score 1, over 1e-6: -3000, -2000, ...).
+    keys = dict(kl_coef=0.01, kl_in_reward=True, kl_estimator="k1")
+    b = batch([1, 1], [2, 2])
+    b["ref_logprobs"] = [0.0, -1.1, -1.2, 0.0, -1.3, -1.0]
+    assert response_advantages(make(algos.GRPO, **keys).compute_advantages(b)) == approx(
+        [-0.003, -0.002, -0.003, 0.0], abs=1e-7)
+    # Rewards 1, 0: normalised scores +-0.70711 (as above), then the same KL penalty on top.
+    b = batch([1, 0], [2, 2])
+    b["ref_logprobs"] = [0.0, -1.1, -1.2, 0.0, -1.3, -1.0]
+    assert response_advantages(make(algos.GRPO, **keys).compute_advantages(b)) == approx(
+        [0.70711 - 0.003, 0.70711 - 0.002, -0.70711 - 0.003, -0.70711], abs=1e-5)
+
+
+def test_a_group_or_batch_without_spread_is_not_divided_by_eps():
+    # adv_norm_mean off, std on: scores 2, 2 (std 0) are divided by 1, not by 0 + 1e-6 (before: 2e6).
+    out = make(algos.GRPO, adv_norm_mean=False).compute_advantages(batch([2, 2], [1, 1]))
+    assert response_advantages(out) == approx([2.0, 2.0])
+    # Batch normalisation likewise: every token's return is 3 -> std 0 -> 3 / 1 (before: 3e6).
+    out = make(algos.ReinforcePP, kl_coef=0.0, adv_norm_mean=False).compute_advantages(batch([3, 3], [2, 1]))
+    assert response_advantages(out) == approx([3.0, 3.0, 3.0])
+
+
+def test_ppo_group_normalisation_normalises_the_rewards_before_gae():
+    # ppo with adv_norm group, one group of two sequences with reward 1 each: normalised scores 0. Values 0.5, 0.8
+    # on both, gamma 1, lambda 0.5: delta_1 = 0 - 0.8 -> A_1 = -0.8; delta_0 = 0 + 0.8 - 0.5 = 0.3 ->
+    # A_0 = 0.3 + 0.5 * -0.8 = -0.1; returns A + V = 0.4, 0.0 (before: GAE's 0.4, 0.2 minus 1, over 1e-6).
+    b = batch([1.0, 1.0], [2, 2])
+    b["values"] = [0.0, 0.5, 0.8] * 2
+    out = make(algos.PPO, adv_norm="group", lam=0.5).compute_advantages(b)
+    assert response_advantages(out) == approx([-0.1, -0.8, -0.1, -0.8])
+    assert out["returns"] == approx([0.0, 0.4, 0.0] * 2, abs=1e-7)
+
+
+def test_the_group_baseline_is_subtracted_from_the_scores_before_discounting():
+    # rloo, gamma 0.5, 2 response tokens each. Rewards 1, 1: leave-one-out baselines 1, 1 -> scores 0 -> all 0
+    # (before: returns 0.5, 1 minus 1 = -0.5, 0). Rewards 1, 0: scores 1 - 0 = 1, 0 - 1 = -1 -> 0.5, 1 | -0.5, -1.
+    algo = make(algos.RLOO, gamma=0.5)
+    assert response_advantages(algo.compute_advantages(batch([1, 1], [2, 2]))) == [0.0] * 4
+    assert response_advantages(algo.compute_advantages(batch([1, 0], [2, 2]))) == approx([0.5, 1.0, -0.5, -1.0])
+
+
+# ---------------------------------------------------------------- bounded log-ratios
+def one_token_loss(cls, log_ratio, adv, **keys):
+    """The loss and its gradient for one response token whose log pi_theta - log pi_behav is ``log_ratio``."""
+    algo = make(cls, decoupled=False, **keys)
+    b = batch([0.0], [1], logprobs=[0.0, -100.0])
+    b["advantages"] = [0.0, adv]
+    b["m2_mask"] = [0.0, 1.0]
+    logp = torch.tensor([0.0, -100.0 + log_ratio], requires_grad=True)
+    loss, stats = algo.loss(logp, None, b)
+    loss.backward()
+    return loss.detach(), logp.grad, stats
+
+
+@pytest.mark.parametrize("cls", [algos.GRPO, algos.GSPO, algos.SAPO, algos.CISPO, algos.M2PO])
+@pytest.mark.parametrize("adv", [1.0, -1.0])
+def test_a_huge_log_ratio_gives_a_finite_loss_and_gradient(cls, adv):
+    # log-ratio 94: e^94 overflows float32 (max ~ e^88.7); clamped to 20 the ratio is e^20 = 4.85e8.
+    loss, grad, stats = one_token_loss(cls, 94.0, adv)
+    assert math.isfinite(float(loss)) and bool(torch.isfinite(grad).all())
+    assert all(math.isfinite(v) for v in stats.values())
+    assert stats["ratio_mean"] == approx(math.exp(20.0), rel=1e-5)
+
+
+def test_the_clamped_ratio_of_the_clipped_objective():
+    # A = -1, log-ratio 94 -> u = e^20: -min(-e^20, -0.8) = e^20 = 485165195.4 (before: inf); beyond the clamp
+    # the ratio has no gradient. A = +1: clipped to -1.2, gradient 0 (before: 0 * inf = NaN).
+    loss, grad, _ = one_token_loss(algos.GRPO, 94.0, -1.0)
+    assert float(loss) == approx(485165195.4, rel=1e-6) and grad.tolist() == [0.0, 0.0]
+    loss, grad, _ = one_token_loss(algos.GRPO, 94.0, 1.0)
+    assert float(loss) == approx(-1.2) and grad.tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("log_ratio, adv, value, slope", [
+    # Unclipped tokens keep the policy gradient d(-u A)/d log pi = -u A:
+    (0.1, 1.0, -1.105171, -1.105171),  # u = e^0.1 = 1.105171 < 1.2
+    (0.1, -1.0, 1.105171, 1.105171),  # u > 0.8: -min(-u, -0.8) = u
+    (-0.3, 1.0, -0.740818, -0.740818),  # u = e^-0.3 = 0.740818: min(u, 0.8) = u
+    (19.5, -1.0, math.exp(19.5), math.exp(19.5)),  # inside the clamp: the gradient is still -u A
+])
+def test_the_clamp_keeps_the_gradient_of_ordinary_ratios(log_ratio, adv, value, slope):
+    loss, grad, _ = one_token_loss(algos.GRPO, log_ratio, adv)
+    assert float(loss) == approx(value, rel=1e-5) and grad[1].item() == approx(slope, rel=1e-5)
+
+
+def test_other_exponentiated_log_ratios_are_clamped():
+    # k3 at x = log pi - log pi_ref = -94: e^20 - 1 - 20 (before: e^94 = inf in float32); gradient 0 beyond the
+    # clamp. Inside it the gradient is 1 - e^-x: at x = 0.5, 1 - 0.606531 = 0.393469.
+    x = torch.tensor([-94.0, 0.5], requires_grad=True)
+    kl = losses.kl_estimate(x, torch.zeros(2), "k3")
+    kl.sum().backward()
+    assert kl[0].item() == approx(math.exp(20.0) - 21.0, rel=1e-6) and kl[1].item() == approx(0.106531, abs=1e-6)
+    assert x.grad.tolist() == approx([0.0, 0.393469], abs=1e-6)
+    # As a loss term (beta 0.1): finite loss and gradient.
+    algo = make(algos.GRPO, kl_coef=0.1, kl_estimator="k3", adv_norm="none", decoupled=False)
+    b = algo.compute_advantages(dict(batch([0.0], [1]), ref_logprobs=[0.0, -1.0]))
+    b["ref_logprobs"] = [0.0, -6.0]
+    logp = torch.tensor([0.0, -100.0], requires_grad=True)
+    loss, _ = algo.loss(logp, None, b)
+    loss.backward()
+    assert math.isfinite(float(loss)) and bool(torch.isfinite(logp.grad).all())
+    # Sequence-level behaviour weight without bounds: log W = 50 + 44 = 94 -> e^20 on both tokens (before: inf).
+    w, _ = losses.behaviour_weight(torch.tensor([50.0, 44.0]), torch.ones(2, dtype=torch.bool), torch.tensor([2]),
+                                   "none", "sequence", 0.0, 5.0)
+    assert w.tolist() == approx([math.exp(20.0)] * 2, rel=1e-6)
+    # GSPO's sequence ratio: exp(mean log u) with mean 94 -> e^20 (before: inf).
+    s = losses.sequence_ratio(torch.tensor([94.0, 94.0]), torch.ones(2, dtype=torch.bool), torch.tensor([2]))
+    assert s.tolist() == approx([math.exp(20.0)] * 2, rel=1e-6)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -91,6 +92,27 @@ def test_ratio_one_gives_minus_the_mean_advantage(batch, name, decoupled):
         assert all(out["m2_mask"][t] == 1.0 for t in range(len(mask)) if mask[t])
     loss, _ = algo.loss(torch.tensor(out["logprobs"]), None, out)
     assert abs(float(loss) + float(adv[mask].mean())) < 1e-5
+
+
+# ---------------------------------------------------------------- group normalisation
+@FAST
+@given(batch=packed(), name=st.sampled_from(["grpo", "dr_grpo", "gspo", "sapo", "cispo"]))
+def test_outcome_rewards_without_discount_or_kl_give_grpo_advantages(batch, name):
+    """gamma 1, no KL in the reward: every response token of sequence i carries (s_i - mean_g) / (std_g + 1e-6)
+    (unbiased std; no division by the std for dr_grpo, and a group of equal rewards gives 0), the reference
+    computed here with :mod:`statistics`."""
+    import statistics
+
+    algo = make(name, kl_coef=0.0)
+    out = algo.compute_advantages(batch)
+    cu, rewards, groups = out["cu_seqlens"], out["rewards"], out["group_index"]
+    for i, r in enumerate(rewards):
+        members = [rewards[j] for j in range(len(rewards)) if groups[j] == groups[i]]
+        expected = r - statistics.mean(members)
+        if name != "dr_grpo" and len(set(members)) > 1:
+            expected /= statistics.stdev(members) + 1e-6
+        got = [a for a, m in zip(out["advantages"][cu[i]:cu[i + 1]], out["loss_mask"][cu[i]:cu[i + 1]]) if m]
+        assert got == pytest.approx([expected] * len(got), abs=1e-5)
 
 
 # ---------------------------------------------------------------- clipping

@@ -65,7 +65,8 @@ from torch import nn
 
 from areal_core.api import TrainEngine
 from areal_core.lr_schedule import lr_factor
-from areal_core.train_batches import as_list, combine_stats, cumsum, scalar_stats, to_tensor
+from areal_core.train_batches import (UPDATE_STEP_KEY, as_list, combine_stats, cumsum, merge_update_stats, scalar_stats,
+                                     select_sequences, to_tensor, update_plan)
 from areal_fsdp import attention, context
 from areal_fsdp.hf_folder import checkpoint_names, write_hf_files, write_hf_folder, write_json_atomic
 from areal_fsdp.lora import (add_lora, export_items, is_adapter, lora_layers, module_names, read_adapter,
@@ -186,7 +187,7 @@ class FSDPEngine(TrainEngine):
 
     config_class = FSDPEngineConfig
     capabilities = frozenset({"save_load", "export_disk", "export_tensors", "export_beside_training", "reference",
-                              "critic"})
+                              "critic", "minibatches"})
 
     def __init__(self, context: Any = None) -> None:
         super().__init__(context)
@@ -660,18 +661,20 @@ class FSDPEngine(TrainEngine):
         self._require_role("critic", "forward_values")
         return {"values": self.forward_logprobs(batch)["logprobs"]}  # the value model returns values there
 
-    def train_values(self, batch: dict, loss_fn: Any) -> dict:
-        """Critic: one optimizer step, ``loss_fn(values, mb) -> (token-mean loss, stats)``, weighted as train_batch."""
+    def train_values(self, batch: dict, loss_fn: Any, epochs: int = 1) -> dict:
+        """Critic: one update as train_batch's, ``loss_fn(values, mb) -> (token-mean loss, stats)``, weighted alike."""
         self._require_role("critic", "train_values")
-        return self.train_batch(batch, lambda values, _entropy, mb: loss_fn(values, mb))
+        return self.train_batch(batch, lambda values, _entropy, mb: loss_fn(values, mb), epochs=epochs)
 
     def _require_role(self, role: str, what: str) -> None:
         self._require_model(what)
         if self.role != role:
             raise RuntimeError(f"FSDPEngine.{what}: this engine has role {self.role!r}; build it with role {role!r}")
 
-    def train_batch(self, batch: dict, loss_fn: Any, temperature: float = 1.0) -> dict:
-        """One optimizer step on ``batch``; ``loss_fn(logprobs, entropy, mb) -> (loss, stats)``.
+    def train_batch(self, batch: dict, loss_fn: Any, temperature: float = 1.0, epochs: int = 1) -> dict:
+        """One policy update on ``batch``: an optimizer step per mini-batch (``batch["minibatch"]``; the whole
+        batch without it) for each of ``epochs`` passes, then the schedule's step and ``version`` + 1.
+        ``loss_fn(logprobs, entropy, mb) -> (loss, stats)``.
 
         ``logprobs`` / ``entropy``: float32 [T_mb] with grad, over the micro-batch's
         tokens; ``mb``: the batch's per-token keys as tensors over the same
@@ -684,12 +687,25 @@ class FSDPEngine(TrainEngine):
         (before clipping), ``lr``, ``n_tokens``, ``n_loss_tokens``,
         ``n_micro_batches``, ``update_skipped`` (1 when the gradient was not
         finite and no step was taken), and the loss-token-weighted mean of
-        every stat ``loss_fn`` returned.
+        every stat ``loss_fn`` returned; over several optimizer steps, each
+        stat's mean over them (:func:`areal_core.train_batches.merge_update_stats`)
+        and ``n_optimizer_steps``. ``mb["update_step"]``: the steps already
+        taken in this update.
         """
         self._require_model("train_batch")
         if self.optimizer is None:
             raise RuntimeError(f"FSDPEngine.train_batch: this engine has role {self.role!r} (a frozen copy with no "
                                f"optimizer); only engines built with role 'actor' or 'critic' train")
+        plan = update_plan(batch, epochs)
+        everything = list(range(len(as_list(batch["cu_seqlens"])) - 1))
+        steps = [self._optimizer_step(batch if seqs == everything else select_sequences(batch, seqs), loss_fn,
+                                      temperature, j) for j, seqs in enumerate(plan)]
+        self.scheduler.step()  # once per update: the schedule counts versions, not optimizer steps
+        self._version += 1
+        return merge_update_stats(steps, epochs)
+
+    def _optimizer_step(self, batch: dict, loss_fn: Any, temperature: float, update_step: int) -> dict:
+        """One optimizer step on ``batch`` (one mini-batch of an update); its stats."""
         tensors, cu, T = self._tensors(batch)
         plan = self._plan(batch)
         mask = tensors.get("loss_mask")
@@ -708,6 +724,7 @@ class FSDPEngine(TrainEngine):
                     # No loss tokens: a zero gradient, but every FSDP collective still runs.
                     (logprobs.sum() * 0.0).backward()
                     continue
+                mb[UPDATE_STEP_KEY] = update_step
                 loss, stats = loss_fn(logprobs, entropy, self._on_device(mb))
                 weight = n_loss / total_loss_tokens
                 # FSDP averages gradients over the dp x cp ranks it shards over; scaling by dp makes that a sum
@@ -730,8 +747,6 @@ class FSDPEngine(TrainEngine):
                 self.optimizer.step()
         self.optimizer.grad_scale = None  # the clip's scale (_clip) is for this step only
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        self._version += 1
         if self.dp > 1:
             gathered: list[Any] = [None] * self.dp
             dist.all_gather_object(gathered, records, group=self._dp_group())

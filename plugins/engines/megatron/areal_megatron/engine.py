@@ -80,7 +80,8 @@ import torch.distributed as dist
 
 from areal_core.api import TrainEngine
 from areal_core.lr_schedule import lr_factor
-from areal_core.train_batches import as_list, combine_stats, cumsum, scalar_stats, to_tensor
+from areal_core.train_batches import (UPDATE_STEP_KEY, as_list, combine_stats, cumsum, merge_update_stats,
+                                     scalar_stats, select_sequences, to_tensor, update_plan)
 from areal_megatron import convert
 from areal_megatron.logprobs import vocab_parallel_logprobs
 
@@ -108,7 +109,7 @@ class MegatronEngine(TrainEngine):
     """Train engine on Megatron-Core (``actor.backend: megatron``). See the module docstring."""
 
     config_class = MegatronEngineConfig
-    capabilities = frozenset({"save_load", "export_disk", "export_tensors", "reference"})
+    capabilities = frozenset({"save_load", "export_disk", "export_tensors", "reference", "minibatches"})
 
     def __init__(self, context: Any = None) -> None:
         super().__init__(context)
@@ -496,8 +497,10 @@ class MegatronEngine(TrainEngine):
             out = box.cpu()
         return {"logprobs": out[0].tolist(), "entropy": out[1].tolist()}
 
-    def train_batch(self, batch: dict, loss_fn: Any, temperature: float = 1.0) -> dict:
-        """One optimizer step on ``batch``; ``loss_fn(logprobs, entropy, mb) -> (token-mean loss, stats)``.
+    def train_batch(self, batch: dict, loss_fn: Any, temperature: float = 1.0, epochs: int = 1) -> dict:
+        """One policy update on ``batch``: an optimizer step per mini-batch (``batch["minibatch"]``; the whole
+        batch without it) for each of ``epochs`` passes, then the schedule's step and ``version`` + 1.
+        ``loss_fn(logprobs, entropy, mb) -> (token-mean loss, stats)``.
 
         ``mb`` holds the micro-batch's per-token keys as tensors over its
         tokens (``loss_mask`` bool, floats float32, ints int64), per-sequence
@@ -505,12 +508,27 @@ class MegatronEngine(TrainEngine):
         ``token_index``, as in the fsdp engine. Returns ``loss``, ``grad_norm``
         (before clipping), ``lr``, ``n_tokens``, ``n_loss_tokens``,
         ``n_micro_batches``, ``update_skipped`` and the loss-token-weighted
-        means of ``loss_fn``'s stats.
+        means of ``loss_fn``'s stats; over several optimizer steps each
+        stat's mean over them and ``n_optimizer_steps``
+        (:func:`areal_core.train_batches.merge_update_stats`).
+        ``mb["update_step"]``: the steps already taken in this update.
         """
         self._require_model("train_batch")
         if self.optimizer is None:
             raise RuntimeError(f"MegatronEngine.train_batch: this engine has role {self.role!r} (a frozen copy "
                                f"with no optimizer); only an engine built with role 'actor' trains")
+        plan = update_plan(batch, epochs)
+        everything = list(range(len(as_list(batch["cu_seqlens"])) - 1))
+        lr = self._apply_lr()
+        steps = [self._optimizer_step(batch if seqs == everything else select_sequences(batch, seqs), loss_fn,
+                                      temperature, j, lr) for j, seqs in enumerate(plan)]
+        self.schedule.step += 1  # once per update: the schedule counts versions, not optimizer steps
+        self._apply_lr()
+        self._version += 1
+        return merge_update_stats(steps, epochs)
+
+    def _optimizer_step(self, batch: dict, loss_fn: Any, temperature: float, update_step: int, lr: float) -> dict:
+        """One optimizer step on ``batch`` (one mini-batch of an update); its stats."""
         packed = Packed.of(batch)
         plan = self._plan(packed.lengths)
         mask = packed.tensors.get("loss_mask")
@@ -523,6 +541,7 @@ class MegatronEngine(TrainEngine):
             n_loss = (int(mb["loss_mask"].sum()) if "loss_mask" in mb else len(mb["token_index"])) if seqs else 0
             if n_loss == 0 or total == 0:
                 return logprobs.sum() * 0.0  # a filler: every collective and send of the backward still runs
+            mb[UPDATE_STEP_KEY] = update_step
             loss, stats = loss_fn(logprobs, entropy, mb)
             scaled = loss * (n_loss / total)
             if not scaled.requires_grad:
@@ -538,11 +557,7 @@ class MegatronEngine(TrainEngine):
         finally:
             for chunk in self.model:
                 chunk.eval()
-        lr = self._apply_lr()
         grad_norm, skipped = self._step()
-        self.schedule.step += 1
-        self._apply_lr()
-        self._version += 1
         if self.world > 1:
             # The loss ran on the last pipeline stage only: every rank gets its records (once per data rank).
             gathered: list[Any] = [None] * self.world

@@ -344,6 +344,37 @@ def test_training_statistics_schedule_and_clipping(models):
     e.close()
 
 
+def test_an_update_of_minibatches_and_epochs_is_one_version_and_equals_its_steps_one_at_a_time(models, tmp_path):
+    """actor.ppo_minibatches = 2, ppo_epochs = 2: four optimizer steps in the planned order, one version, one
+    schedule step; the same weights as the four steps taken by single-step updates on the sub-batches."""
+    from areal_core.train_batches import (MINIBATCH_KEY, UPDATE_STEP_KEY, assign_minibatches, select_sequences,
+                                          update_plan)
+
+    batch = make_batch()
+    lengths = [b - a for a, b in zip(batch["cu_seqlens"][:-1], batch["cu_seqlens"][1:])]
+    batch[MINIBATCH_KEY] = assign_minibatches(lengths, None, 2)  # each sequence a group of its own
+    plan = update_plan(batch, epochs=2)
+    steps: list[int] = []
+
+    def recording(logprobs, entropy, mb):
+        steps.append(int(mb[UPDATE_STEP_KEY]))
+        return nll(logprobs, entropy, mb)
+
+    a, b = engine(config(models["llama"])), engine(config(models["llama"]))
+    stats = a.train_batch(batch, recording, epochs=2)
+    assert stats["n_optimizer_steps"] == 4 and a.version == 1 and sorted(set(steps)) == [0, 1, 2, 3]
+    assert stats["n_tokens"] == len(batch["input_ids"]) and stats["grad_norm_max"] >= stats["grad_norm"] > 0
+    for seqs in plan:
+        b.train_batch(select_sequences(batch, seqs), nll)
+    a.export_to_disk(str(tmp_path / "update"))
+    b.export_to_disk(str(tmp_path / "steps"))
+    wa, wb = load_file(tmp_path / "update" / "model.safetensors"), load_file(tmp_path / "steps" / "model.safetensors")
+    assert max(worst(hf_state(models["llama"])[k], wa[k]) for k in wa) > 1e-3  # the steps moved the weights
+    assert max(worst(wa[k], wb[k]) for k in wa) < 1e-6
+    a.close()
+    b.close()
+
+
 def test_save_train_load_restores_weights_version_and_optimizer(models, tmp_path):
     e = engine(config(models["qwen2"], mb_max_tokens=16))
     seen = worker.scenario(e, make_batch(), str(tmp_path))
