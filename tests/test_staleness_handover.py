@@ -73,16 +73,22 @@ def test_the_hand_out_decides_by_the_version_the_batch_is_trained_at(rl_doubles_
 
 
 def test_minibatches_need_an_engine_that_takes_them(rl_doubles_installed, tmp_path):
-    """The counter double declares no 'minibatches': a run asking for two optimizer steps per batch is refused
-    before anything starts, naming both keys and the fix."""
-    with pytest.raises(ValueError, match=r"actor.ppo_minibatches=2 / actor.ppo_epochs=1 .* does not declare "
+    """The counter double declares no 'minibatches': `areal check` refuses a run asking for two optimizer steps
+    per batch, naming both keys and the fix, and so does the trainer if it is started anyway."""
+    (tmp_path / "config.yaml").write_text(rl_doubles_installed)
+    run = validate_run(str(tmp_path / "config.yaml"), ["actor.ppo_epochs=2"])
+    [problem] = [p for p in run.problems if p.code == "core.capability"]
+    assert problem.key == "actor.ppo_epochs" and "does not declare 'minibatches'" in problem.message
+    assert "actor.ppo_minibatches=1 actor.ppo_epochs=1" in problem.hint
+    run.problems.clear()
+    with pytest.raises(ValueError, match=r"actor.ppo_minibatches=1 / actor.ppo_epochs=2 .* does not declare "
                                          r"'minibatches'. Fix: actor.ppo_minibatches=1"):
-        fit(rl_doubles_installed, tmp_path, "actor.ppo_minibatches=2")
+        Trainer(run, tmp_path)
 
 
 def test_areal_check_refuses_more_minibatches_than_groups(rl_doubles_installed, tmp_path):
     (tmp_path / "config.yaml").write_text(rl_doubles_installed)
     run = validate_run(str(tmp_path / "config.yaml"), ["actor.ppo_minibatches=4", "rollout.batch_size=3"])
-    [problem] = [p for p in run.problems if p.key == "actor.ppo_minibatches"]
+    [problem] = [p for p in run.problems if p.code == "core.minibatches"]
     assert "is 4 but a batch holds rollout.batch_size=3 prompt groups" in problem.message
     assert "at most 3" in problem.hint

@@ -125,6 +125,22 @@ def _unknown_extra(section: str, key: str, known: list[str], why: str) -> Proble
     return Problem("core.unknown-key", f"unknown key: {why}", hint, key=f"{section}.{key}")
 
 
+def _capability_problems(run: ValidatedRun) -> list[Problem]:
+    """Keys that need a capability the selected train engine does not declare."""
+    a = run.config.actor
+    actor = run.components.get("actor")
+    if actor is None or (a.ppo_minibatches == 1 and a.ppo_epochs == 1):
+        return []
+    if "minibatches" in getattr(actor, "capabilities", frozenset()):
+        return []
+    key = "actor.ppo_minibatches" if a.ppo_minibatches > 1 else "actor.ppo_epochs"
+    return [Problem("core.capability",
+                    f"actor.ppo_minibatches={a.ppo_minibatches} x actor.ppo_epochs={a.ppo_epochs} asks for several "
+                    f"optimizer steps per batch, but actor.backend '{a.backend}' does not declare 'minibatches'",
+                    "set actor.ppo_minibatches=1 actor.ppo_epochs=1, or use a train engine that declares it "
+                    "(fsdp, megatron)", key=key)]
+
+
 def validate_run(path: str | None = None, overrides: list[str] | None = None, *,
                  manager: PluginManager | None = None, with_components: bool = True) -> ValidatedRun:
     """Load, resolve and validate a run; ``run.problems`` holds everything wrong."""
@@ -143,6 +159,7 @@ def validate_run(path: str | None = None, overrides: list[str] | None = None, *,
     run.model = read_model_info(config.model.path)
     if with_components:
         resolve_components(run)
+        run.problems.extend(_capability_problems(run))
     for _, result in manager.call_each("areal_validate_config", run.problems, config=config):
         run.problems.extend(result or [])
     if run.allocation is not None:
