@@ -5,6 +5,7 @@ One step::
     batch <- controller.prepare_batch(data)       rank 0; generation never stops for it
     proximal / reference logprobs, values         only when the algorithm asks
     advantages <- algorithm; stats <- actor.train_batch(batch, algorithm.loss)
+                                                  actor.ppo_minibatches x ppo_epochs optimizer steps, one version
     critic.train_values(batch, algorithm.value_loss)  only with a critic (needs.values)
     version + 1; export weights; controller.update_weights(...)  (disk or tensors: rollout.weight_sync)
                                                   the only pause: interrupt, swap, resume
@@ -15,7 +16,9 @@ batch reaches the other ranks by broadcast, and each train engine takes its
 share. A checkpoint holds the model and optimizer (written by the train
 engine; a critic's in ``critic`` beside the actor's), the controller's
 counters and done items, the RNG states and the step, so ``--resume``
-continues with no sample trained twice or skipped.
+continues with no sample trained twice or skipped; the restored weights reach
+the inference engines (which restart from the base model) before the first
+episode is admitted.
 """
 
 from __future__ import annotations

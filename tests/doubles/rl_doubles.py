@@ -33,7 +33,8 @@ class CounterTrainEngineDouble(TrainEngine):
     """Built with role "critic", its values are a learnable line V(t) = a + b * x_t (SGD), x_t the token's
     position over the batch's largest."""
 
-    capabilities = frozenset({"save_load", "export_disk", "critic"})
+    # export_tensors hands out a copy made at the call, so the next step cannot change what is being read
+    capabilities = frozenset({"save_load", "export_disk", "export_tensors", "export_beside_training", "critic"})
     config_class = CounterEngineConfig
 
     def initialize(self):
@@ -109,17 +110,33 @@ class CounterTrainEngineDouble(TrainEngine):
                 shutil.copy(Path(model, name), Path(path, name))
 
 
+    def export_tensors(self, bucket_bytes):
+        import torch
+
+        return iter([[("version", torch.tensor(self.state["version"]))]])
+
+
 class DiskLatencyEngineDouble(LatencyEngineDouble):
-    """The latency engine double, built from a context, loading its version from exported weights."""
+    """The latency engine double, built from a context, loading its version from exported weights (a folder or
+    tensors)."""
+
+    capabilities = frozenset({"pause", "update_weights_from_disk", "update_weights_from_tensors"})
 
     @classmethod
     def create(cls, context):
         return cls(seed=context.extras.get("server_index", 0), max_token_latency_s=0.001)
 
+    async def update_weights_from_tensors(self, named_tensors, version):
+        exported = int(dict(named_tensors)["version"])
+        await self._load(exported, version, "tensors")
+        self.updates[-1] = ("tensors", version)
+
     async def update_weights_from_disk(self, path, version):
-        exported = json.loads(Path(path, "weights.json").read_text())["version"]
+        await self._load(json.loads(Path(path, "weights.json").read_text())["version"], version, path)
+
+    async def _load(self, exported, version, source):
         if exported != version:
-            raise RuntimeError(f"weights at {path} are version {exported}, expected {version}")
+            raise RuntimeError(f"weights from {source} are version {exported}, expected {version}")
         # A server that takes a while to load (tests of the trainer not waiting for it at eta > 0): a fixed time,
         # plus one drawn per server and version below AREAL_TEST_WEIGHT_LOAD_JITTER_S.
         load_s = float(os.environ.get("AREAL_TEST_WEIGHT_LOAD_S", "0"))
@@ -127,7 +144,7 @@ class DiskLatencyEngineDouble(LatencyEngineDouble):
             draw = random.Random(f"{os.environ.get('AREAL_TEST_SEED', '0')}:{self.seed}:{version}")
             load_s += draw.random() * float(os.environ["AREAL_TEST_WEIGHT_LOAD_JITTER_S"])
         await asyncio.sleep(load_s)
-        await super().update_weights_from_disk(path, version)
+        await super().update_weights_from_disk(source, version)
 
 
 class RewardingWorkflowDouble(GroupWorkflowDouble):
