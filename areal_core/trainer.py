@@ -91,6 +91,10 @@ class Background:
         try:
             return self._future.result(self._timeout_s)
         except concurrent.futures.TimeoutError:
+            # Since Python 3.11 this is the builtin TimeoutError, which the call itself may raise (an engine's own
+            # timeout, naming its server and wait): that one is the true message, so it goes out as it is.
+            if self._future.done():
+                raise
             raise TimeoutError(f"waited {self._timeout_s:.0f} s for a background call to {self.what}") from None
 
 

@@ -25,3 +25,29 @@ def test_a_call_past_its_timeout_is_named():
     with pytest.raises(TimeoutError, match="waited 0 s for a background call to hand the weights of version 7"):
         call.result()
     release.set()
+
+
+def test_a_timeout_raised_by_the_call_itself_keeps_its_message():
+    """On Python 3.11+ concurrent.futures.TimeoutError is the builtin: an engine's own timeout (naming its server
+    and its wait) must not be rewritten into "waited 1200 s for a background call"."""
+    def hung_server():
+        raise TimeoutError("waited 30 s (rollout.request_timeout_s) for embedded engine 1 at 127.0.0.1:4242 to "
+                           "answer /update_weights")
+
+    with pytest.raises(TimeoutError, match=r"^waited 30 s \(rollout.request_timeout_s\) for embedded engine 1 at "
+                                           r"127.0.0.1:4242"):
+        Background(hung_server, "hand the weights of version 3 to the inference engines", 1200.0).result()
+
+
+def test_the_controllers_pending_call_keeps_the_calls_own_timeout_too():
+    import concurrent.futures
+
+    from areal_core.rollout.controller import PendingCall
+
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_exception(TimeoutError("waited 30 s for the vllm server at 127.0.0.1:8000 to answer POST /pause"))
+    with pytest.raises(TimeoutError, match="^waited 30 s for the vllm server at 127.0.0.1:8000"):
+        PendingCall(future, 600.0, "update weights to version 3").result()
+    never: concurrent.futures.Future = concurrent.futures.Future()
+    with pytest.raises(TimeoutError, match="^waited 0 s for the rollout controller to pause generation"):
+        PendingCall(never, 0.05, "pause generation").result()

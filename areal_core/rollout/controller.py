@@ -77,6 +77,8 @@ class PendingCall:
         try:
             return self._future.result(self._timeout_s)
         except TimeoutError:
+            if self._future.done():  # the call's own TimeoutError (an engine naming its server): keep its message
+                raise
             self._future.cancel()
             raise TimeoutError(f"waited {self._timeout_s:.0f} s for the rollout controller to {self.what}") from None
 
