@@ -215,3 +215,31 @@ def test_importing_metrics_and_checkpoint_imports_nothing_heavy():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_launcher_announces_evaluations_once_and_not_a_resumed_runs_earlier_ones(tmp_path, capsys):
+    """A resumed run's metrics.jsonl still holds the earlier run's rows (its "eval before training" among them,
+    and rows after the checkpoint that the trainer is about to drop): shown on the bar, never announced again."""
+    from areal_core.launch.local import MetricsTail
+    from areal_core.metrics import truncate_jsonl
+
+    def row(step, after):
+        return json.dumps({"step": step, "eval/accuracy": 0.5, "eval/after_step": after, "eval/items": 4}) + "\n"
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(row(0, 0) + row(3, 3) + row(5, 5))
+    fresh = MetricsTail(tmp_path, 10)
+    fresh.poll()
+    fresh.close()
+    said = capsys.readouterr().err
+    assert "eval before training" in said and "eval after step 5" in said
+
+    resumed = MetricsTail(tmp_path, 10, announced_until=3)  # resumed from the checkpoint of step 3
+    resumed.poll()
+    assert "eval" not in capsys.readouterr().err
+    truncate_jsonl(path, 4)  # the trainer drops steps after its checkpoint, then evaluates step 5 again
+    with open(path, "a") as f:
+        f.write(row(5, 5))
+    resumed.poll()
+    resumed.close()
+    assert capsys.readouterr().err.count("eval after step 5") == 1

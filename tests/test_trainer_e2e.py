@@ -275,6 +275,24 @@ def test_a_crashing_trainer_is_reported_with_its_last_lines(rl_run):
     assert "ValueError: sleep length must be non-negative" in out
 
 
+def test_a_killed_trainer_is_reported_with_the_way_to_resume(rl_run):
+    """SIGKILL of the trainer rank (as the out-of-memory killer does) after a checkpoint: the launcher's message
+    says so and tells how to continue from it."""
+    start, runs = rl_run
+    proc = start("trial=oom", "actor.step_s=0.3", "trainer.save_every=1")
+    samples = runs / "oom" / "samples.jsonl"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not samples.exists() or len(samples.read_text().splitlines()) < 2):
+        time.sleep(0.05)
+    trainers = [pid for pid in processes_mentioning(str(runs / "oom")) if pid in processes_mentioning("areal_core.trainer")]
+    assert trainers
+    os.kill(trainers[0], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "actor-rank0 was killed by signal 9 (SIGKILL) (often the kernel's out-of-memory killer)" in out
+    assert "The checkpoint of step" in out and "--resume" in out
+
+
 def test_a_run_with_the_real_embedded_engine(rl_run, tmp_path):
     pytest.importorskip("areal_local")
     from areal_local.models import tiny_model

@@ -51,10 +51,12 @@ class MetricsTail:
 
     The trainer may rewrite the file on resume (dropping steps after the
     checkpoint), so a replaced or shorter file is read again from the start.
-    A display problem is never allowed to stop the run.
+    Evaluations of steps up to ``announced_until`` (a resumed run's
+    checkpoint step: the earlier run's rows) are shown on the bar but not
+    announced again. A display problem is never allowed to stop the run.
     """
 
-    def __init__(self, run_dir: Path, total: int) -> None:
+    def __init__(self, run_dir: Path, total: int, announced_until: int = -1) -> None:
         from areal_core.metrics import ProgressDisplay
 
         self.path = run_dir / "metrics.jsonl"
@@ -65,6 +67,13 @@ class MetricsTail:
                                                "gen tok/s": "throughput/gen_tokens_per_s",
                                                "train tok/s": "throughput/train_tokens_per_s"})
         self.last_eval: dict = {}
+        self.announced_until = announced_until
+        # A resumed run's file as it was at launch: rows there come from the earlier run, also those after the
+        # checkpoint that the trainer is about to drop.
+        self.earlier: tuple[tuple[int, int], int] | None = None
+        if announced_until >= 0 and self.path.exists():
+            stat = self.path.stat()
+            self.earlier = ((stat.st_ino, stat.st_dev), stat.st_size)
 
     def poll(self) -> bool:
         try:
@@ -88,7 +97,10 @@ class MetricsTail:
                 row = json.loads(line)
                 if "eval/accuracy" in row:
                     self.last_eval = {k: v for k, v in row.items() if k.startswith("eval/")}
-                    self._say_eval(row)
+                    earlier = self.earlier is not None and self.identity == self.earlier[0] \
+                        and self.offset <= self.earlier[1]
+                    if row["step"] > self.announced_until and not earlier:
+                        self._say_eval(row)
                 self.display.update(row["step"] - 1, {**self.last_eval, **row})  # accuracy stays shown
 
     def _say_eval(self, row: dict) -> None:
@@ -121,7 +133,8 @@ class LocalLauncher(Launcher):
         servers = [(i, s) for i, s in enumerate(servers) if s is not None]
         server_threads, rank_threads = thread_plan(len(servers), actor.world_size, cfg.rollout.max_head_offpolicyness)
         master_port = free_port()
-        progress = MetricsTail(run_dir, cfg.trainer.total_steps)
+        checkpoint_step = _checkpoint_step(run_dir)
+        progress = MetricsTail(run_dir, cfg.trainer.total_steps, checkpoint_step if resume else -1)
         try:
             with Supervisor(run_dir / "logs") as sup:
                 sup.install_signal_handlers()
@@ -144,6 +157,10 @@ class LocalLauncher(Launcher):
         except ProcessFailed as exc:
             progress.close()
             console.print(f"areal run failed: {exc}")
+            saved = _checkpoint_step(run_dir)
+            if saved > 0:
+                console.print(f"The checkpoint of step {saved} is complete: continue from it with the same "
+                              f"command and --resume (areal run ... --resume)")
             return 1
         except Shutdown as exc:
             progress.close()
@@ -160,4 +177,16 @@ class LocalLauncher(Launcher):
             return 1
         progress.close()
         console.print(f"areal run finished: {run_dir}")
+        return 0
+
+
+def _checkpoint_step(run_dir: Path) -> int:
+    """The step of the run's latest complete checkpoint; 0 when there is none (or it cannot be read)."""
+    from areal_core.checkpoint import CheckpointStore
+
+    store = CheckpointStore(run_dir / "checkpoints")
+    try:
+        latest = store.latest()
+        return int(store.load_meta(latest)["step"]) if latest is not None else 0
+    except (OSError, ValueError, KeyError, TypeError):
         return 0
