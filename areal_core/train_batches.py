@@ -148,6 +148,15 @@ def select_sequences(batch: dict, seqs: list[int]) -> dict:
     return out
 
 
+def update_batches(batch: dict, epochs: int = 1) -> list[dict]:
+    """The batch of each optimizer step of one update, in :func:`update_plan`'s order: each mini-batch selected
+    once (:func:`select_sequences`) and taken again by every pass; the batch itself when a step takes all of it."""
+    plan = update_plan(batch, epochs)
+    whole = list(range(len(as_list(batch["cu_seqlens"])) - 1))
+    one_pass = [batch if seqs == whole else select_sequences(batch, seqs) for seqs in plan[:len(plan) // epochs]]
+    return one_pass * epochs
+
+
 def _take(value: Any, index: list[int]) -> Any:
     if hasattr(value, "index_select"):  # a tensor: stay a tensor on its device
         import torch

@@ -38,7 +38,7 @@ from typing import Any, Iterator
 from areal_core.allocator import retain_freed_memory
 from areal_core.api import Context
 from areal_core.checkpoint import CheckpointStore, load_pickle, rng_state, save_pickle_atomic, set_rng_state
-from areal_core.config.validate import ValidatedRun, validate_run
+from areal_core.config.validate import ValidatedRun, minibatch_problem, validate_run
 from areal_core.metrics import MetricsLogger, histogram, summarize, truncate_jsonl
 from areal_core.problems import ProblemsError, format_problems
 from areal_core.rollout import RolloutController, RolloutError, StallError, has_reward_variance, pack_groups
@@ -382,13 +382,10 @@ class Trainer:
         return packed
 
     def _check_minibatches(self) -> None:
-        """Several optimizer steps per batch need a train engine that takes them (capability ``minibatches``)."""
-        a = self.cfg.actor
-        if (a.ppo_minibatches > 1 or a.ppo_epochs > 1) and "minibatches" not in self.actor.capabilities:
-            raise ValueError(f"actor.ppo_minibatches={a.ppo_minibatches} / actor.ppo_epochs={a.ppo_epochs} ask for "
-                             f"several optimizer steps per batch, but actor.backend {a.backend!r} does not declare "
-                             f"'minibatches'. Fix: actor.ppo_minibatches=1 actor.ppo_epochs=1, or a train engine that "
-                             f"does (fsdp, megatron)")
+        """Several optimizer steps per batch need a train engine that takes them (``areal check``'s own test)."""
+        problem = minibatch_problem(self.cfg.actor, self.actor.capabilities)
+        if problem is not None:
+            raise ValueError(f"{problem.message}. Fix: {problem.hint}")
 
     def _check_optimizer_steps(self, role: str, stats: dict) -> None:
         """An engine that ignores mini-batches or epochs would silently train one step: refuse to go on."""

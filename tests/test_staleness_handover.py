@@ -85,8 +85,8 @@ def test_minibatches_need_an_engine_that_takes_them(rl_doubles_installed, tmp_pa
     assert problem.key == "actor.ppo_epochs" and "does not declare 'minibatches'" in problem.message
     assert "actor.ppo_minibatches=1 actor.ppo_epochs=1" in problem.hint
     run.problems.clear()
-    with pytest.raises(ValueError, match=r"actor.ppo_minibatches=1 / actor.ppo_epochs=2 .* does not declare "
-                                         r"'minibatches'. Fix: actor.ppo_minibatches=1"):
+    with pytest.raises(ValueError, match=r"actor.ppo_minibatches=1 x actor.ppo_epochs=2 .* does not declare "
+                                         r"'minibatches'. Fix: set actor.ppo_minibatches=1"):
         Trainer(run, tmp_path)
 
 

@@ -82,3 +82,16 @@ def test_update_stats_are_means_over_steps_with_the_batch_counts():
     assert out == {"loss": 2.0, "grad_norm": 3.0, "grad_norm_max": 4.0, "n_tokens": 16.0, "update_skipped": 2.0,
                    "n_optimizer_steps": 4.0}
     assert merge_update_stats(steps[:1]) == {**steps[0], "n_optimizer_steps": 1.0}
+
+
+def test_update_batches_select_each_minibatch_once_and_reuse_it_every_epoch():
+    from areal_core.train_batches import update_batches
+
+    batch = {"input_ids": [1, 2, 3, 4, 5, 6, 7], "cu_seqlens": [0, 3, 5, 7], MINIBATCH_KEY: [1, 0, 1]}
+    steps = update_batches(batch, epochs=2)
+    assert [s["input_ids"] for s in steps] == [[4, 5], [1, 2, 3, 6, 7]] * 2
+    assert steps[0] is steps[2] and steps[1] is steps[3]  # selected once, taken by both passes
+    plain = {"input_ids": [1, 2, 3], "cu_seqlens": [0, 1, 3]}
+    assert update_batches(plain, epochs=3) == [plain] * 3 and update_batches(plain)[0] is plain
+    with pytest.raises(ValueError, match="epochs must be at least 1"):
+        update_batches(plain, epochs=0)

@@ -51,8 +51,8 @@ class TrainEngine(Component):
         The update takes one optimizer step per mini-batch (the sequences
         sharing a ``batch["minibatch"]`` value, in ascending order; the whole
         batch when the key is absent), for each of ``epochs`` passes:
-        :func:`areal_core.train_batches.update_plan` gives the order and
-        :func:`~areal_core.train_batches.select_sequences` the sub-batches.
+        :func:`areal_core.train_batches.update_batches` gives each step's
+        sub-batch, in order.
         Each micro-batch handed to ``loss_fn`` carries ``update_step``, the
         optimizer steps already taken in this update (0 for the first), so a
         loss can tell when the weights have moved away from those the update

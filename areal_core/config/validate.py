@@ -125,20 +125,26 @@ def _unknown_extra(section: str, key: str, known: list[str], why: str) -> Proble
     return Problem("core.unknown-key", f"unknown key: {why}", hint, key=f"{section}.{key}")
 
 
+def minibatch_problem(actor: Any, capabilities: frozenset[str]) -> Problem | None:
+    """``actor.ppo_minibatches`` / ``ppo_epochs`` above 1 with a train engine that does not declare
+    ``minibatches`` (``areal check`` and the trainer both ask)."""
+    if (actor.ppo_minibatches == 1 and actor.ppo_epochs == 1) or "minibatches" in capabilities:
+        return None
+    return Problem("core.capability",
+                   f"actor.ppo_minibatches={actor.ppo_minibatches} x actor.ppo_epochs={actor.ppo_epochs} asks for "
+                   f"several optimizer steps per batch, but actor.backend '{actor.backend}' does not declare "
+                   f"'minibatches'",
+                   "set actor.ppo_minibatches=1 actor.ppo_epochs=1, or use a train engine that declares it "
+                   "(fsdp, megatron)",
+                   key="actor.ppo_minibatches" if actor.ppo_minibatches > 1 else "actor.ppo_epochs")
+
+
 def _capability_problems(run: ValidatedRun) -> list[Problem]:
     """Keys that need a capability the selected train engine does not declare."""
-    a = run.config.actor
-    actor = run.components.get("actor")
-    if actor is None or (a.ppo_minibatches == 1 and a.ppo_epochs == 1):
-        return []
-    if "minibatches" in getattr(actor, "capabilities", frozenset()):
-        return []
-    key = "actor.ppo_minibatches" if a.ppo_minibatches > 1 else "actor.ppo_epochs"
-    return [Problem("core.capability",
-                    f"actor.ppo_minibatches={a.ppo_minibatches} x actor.ppo_epochs={a.ppo_epochs} asks for several "
-                    f"optimizer steps per batch, but actor.backend '{a.backend}' does not declare 'minibatches'",
-                    "set actor.ppo_minibatches=1 actor.ppo_epochs=1, or use a train engine that declares it "
-                    "(fsdp, megatron)", key=key)]
+    engine = run.components.get("actor")
+    problem = None if engine is None else minibatch_problem(run.config.actor,
+                                                            getattr(engine, "capabilities", frozenset()))
+    return [] if problem is None else [problem]
 
 
 def validate_run(path: str | None = None, overrides: list[str] | None = None, *,

@@ -488,6 +488,7 @@ class RolloutController:
         """
         with self._cond:
             self._target_version = max(self._target_version, version)
+
         async def swap() -> float:
             began = time.monotonic()
             async with self.pool.lock:  # never beside a rebuild of the server set

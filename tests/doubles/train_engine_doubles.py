@@ -57,11 +57,9 @@ class BigramTrainEngineDouble(TrainEngine):
         return {"logprobs": logprobs, "entropy": entropy}
 
     def train_batch(self, batch, loss_fn, temperature=1.0, epochs=1):
-        from areal_core.train_batches import merge_update_stats, select_sequences, update_plan
+        from areal_core.train_batches import merge_update_stats, update_batches
 
-        n = len(batch["cu_seqlens"]) - 1
-        steps = [self.one_step(batch if seqs == list(range(n)) else select_sequences(batch, seqs), loss_fn, j)
-                 for j, seqs in enumerate(update_plan(batch, epochs))]
+        steps = [self.one_step(part, loss_fn, j) for j, part in enumerate(update_batches(batch, epochs))]
         self._version += 1
         return merge_update_stats(steps, epochs)
 

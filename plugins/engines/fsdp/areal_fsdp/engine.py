@@ -66,7 +66,7 @@ from torch import nn
 from areal_core.api import TrainEngine
 from areal_core.lr_schedule import lr_factor
 from areal_core.train_batches import (UPDATE_STEP_KEY, as_list, combine_stats, cumsum, merge_update_stats, scalar_stats,
-                                     select_sequences, to_tensor, update_plan)
+                                     to_tensor, update_batches)
 from areal_fsdp import attention, context
 from areal_fsdp.hf_folder import checkpoint_names, write_hf_files, write_hf_folder, write_json_atomic
 from areal_fsdp.lora import (add_lora, export_items, is_adapter, lora_layers, module_names, read_adapter,
@@ -696,10 +696,8 @@ class FSDPEngine(TrainEngine):
         if self.optimizer is None:
             raise RuntimeError(f"FSDPEngine.train_batch: this engine has role {self.role!r} (a frozen copy with no "
                                f"optimizer); only engines built with role 'actor' or 'critic' train")
-        plan = update_plan(batch, epochs)
-        everything = list(range(len(as_list(batch["cu_seqlens"])) - 1))
-        steps = [self._optimizer_step(batch if seqs == everything else select_sequences(batch, seqs), loss_fn,
-                                      temperature, j) for j, seqs in enumerate(plan)]
+        steps = [self._optimizer_step(part, loss_fn, temperature, j)
+                 for j, part in enumerate(update_batches(batch, epochs))]
         self.scheduler.step()  # once per update: the schedule counts versions, not optimizer steps
         self._version += 1
         return merge_update_stats(steps, epochs)

@@ -81,7 +81,7 @@ import torch.distributed as dist
 from areal_core.api import TrainEngine
 from areal_core.lr_schedule import lr_factor
 from areal_core.train_batches import (UPDATE_STEP_KEY, as_list, combine_stats, cumsum, merge_update_stats,
-                                     scalar_stats, select_sequences, to_tensor, update_plan)
+                                     scalar_stats, to_tensor, update_batches)
 from areal_megatron import convert
 from areal_megatron.logprobs import vocab_parallel_logprobs
 
@@ -517,11 +517,9 @@ class MegatronEngine(TrainEngine):
         if self.optimizer is None:
             raise RuntimeError(f"MegatronEngine.train_batch: this engine has role {self.role!r} (a frozen copy "
                                f"with no optimizer); only an engine built with role 'actor' trains")
-        plan = update_plan(batch, epochs)
-        everything = list(range(len(as_list(batch["cu_seqlens"])) - 1))
         lr = self._apply_lr()
-        steps = [self._optimizer_step(batch if seqs == everything else select_sequences(batch, seqs), loss_fn,
-                                      temperature, j, lr) for j, seqs in enumerate(plan)]
+        steps = [self._optimizer_step(part, loss_fn, temperature, j, lr)
+                 for j, part in enumerate(update_batches(batch, epochs))]
         self.schedule.step += 1  # once per update: the schedule counts versions, not optimizer steps
         self._apply_lr()
         self._version += 1
