@@ -81,6 +81,7 @@ def combine_stats(records: list[tuple[int, float, dict]], total_loss_tokens: int
 
 MINIBATCH_KEY = "minibatch"  # per sequence: the mini-batch (optimizer step within a pass) it is trained in
 UPDATE_STEP_KEY = "update_step"  # in each micro-batch handed to loss_fn: optimizer steps already taken this update
+POLICY_VERSION_KEY = "policy_version"  # the version the batch is trained at (the proximal policy's)
 
 
 def assign_minibatches(seq_lens: list[int], group_index: list[int] | None, count: int) -> list[int]:

@@ -43,7 +43,7 @@ from areal_core.metrics import MetricsLogger, histogram, summarize, truncate_jso
 from areal_core.problems import ProblemsError, format_problems
 from areal_core.rollout import RolloutController, RolloutError, StallError, has_reward_variance, pack_groups
 from areal_core.threads import serial_torch
-from areal_core.train_batches import MINIBATCH_KEY, assign_minibatches
+from areal_core.train_batches import MINIBATCH_KEY, POLICY_VERSION_KEY, assign_minibatches
 
 DIST_TIMEOUT_S = 600
 WEIGHT_BUCKET_BYTES = 256 * 1024**2  # rollout.weight_sync=tensors: the most bytes gathered at once
@@ -375,7 +375,7 @@ class Trainer:
         """The padding-free batch, stamped with the version it is trained at (``policy_version``) and, with
         ``actor.ppo_minibatches`` > 1, each sequence's mini-batch (groups whole, balanced by tokens)."""
         packed = pack_groups(groups)
-        packed["policy_version"] = version
+        packed[POLICY_VERSION_KEY] = version
         k = self.cfg.actor.ppo_minibatches
         if k > 1:
             packed[MINIBATCH_KEY] = assign_minibatches(packed["seq_lens"], packed["group_index"], k)

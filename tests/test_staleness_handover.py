@@ -96,3 +96,16 @@ def test_areal_check_refuses_more_minibatches_than_groups(rl_doubles_installed, 
     [problem] = [p for p in run.problems if p.code == "core.minibatches"]
     assert "is 4 but a batch holds rollout.batch_size=3 prompt groups" in problem.message
     assert "at most 3" in problem.hint
+
+
+def test_an_engine_that_claims_minibatches_but_takes_one_step_stops_the_run(rl_doubles_installed, tmp_path,
+                                                                              monkeypatch):
+    """The trainer's backstop: a train engine declaring 'minibatches' that does not report the optimizer steps
+    asked for (here the counter double, which takes the whole batch at once) stops at its first step."""
+    import rl_doubles
+
+    monkeypatch.setattr(rl_doubles.CounterTrainEngineDouble, "capabilities",
+                        rl_doubles.CounterTrainEngineDouble.capabilities | {"minibatches"})
+    with pytest.raises(RuntimeError, match=r"asks for 2 optimizer steps per batch, but the actor engine "
+                                           r"\('rl_train_double'\) reported n_optimizer_steps=None"):
+        fit(rl_doubles_installed, tmp_path, "actor.ppo_minibatches=2", "rollout.batch_size=2")

@@ -24,7 +24,7 @@ import torch
 
 from areal_core.api import Algorithm, Needs
 from areal_core.rollout import has_reward_variance
-from areal_core.train_batches import MINIBATCH_KEY, UPDATE_STEP_KEY
+from areal_core.train_batches import MINIBATCH_KEY, POLICY_VERSION_KEY, UPDATE_STEP_KEY
 
 from areal_ppo import advantages as adv_fn
 from areal_ppo import config as cfg
@@ -241,8 +241,8 @@ class PPOFamily(Algorithm):
         """
         if int(batch.get(UPDATE_STEP_KEY, 0)) == 0:
             return current
-        self._require(batch, "policy_version", "prox_approx 'loglinear' after an update's first optimizer step")
-        v_prox = float(batch["policy_version"])
+        self._require(batch, POLICY_VERSION_KEY, "prox_approx 'loglinear' after an update's first optimizer step")
+        v_prox = float(batch[POLICY_VERSION_KEY])
         v_behav = _floats(batch["versions"]).to(behav.device)
         span = v_prox + 1.0 - v_behav
         alpha = torch.where(span > 0, (v_prox - v_behav) / span.clamp(min=1.0), torch.zeros_like(span))
