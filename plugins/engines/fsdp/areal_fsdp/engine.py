@@ -871,9 +871,10 @@ class FSDPEngine(TrainEngine):
         Collective: every rank iterates the whole generator (the same number of
         buckets everywhere); rank 0's buckets hold ``(name, tensor)`` pairs, the
         other ranks' are empty lists. A tensor larger than ``bucket_bytes`` is a
-        bucket on its own. The next bucket's all-gathers are issued (DTensor
-        ``redistribute(async_op=True)``) before the current bucket is handed
-        out, so gathering overlaps with whatever the caller does with it.
+        bucket on its own. On an accelerator the next bucket's all-gathers are
+        issued (DTensor ``redistribute(async_op=True)``) before the current
+        bucket is handed out, so gathering overlaps with whatever the caller
+        does with it; over gloo they are waited one by one (see ``_gather``).
         Tied aliases (a tied ``lm_head.weight``) are left out, as on disk;
         LoRA adapters are merged in (the names are the plain model's). The
         tensors are copies (``_finish``), never views of the parameters.
@@ -923,8 +924,12 @@ class FSDPEngine(TrainEngine):
             for source in sources:
                 value = state[source].detach()
                 if isinstance(value, DTensor):
+                    # In flight only on an accelerator (nccl). Over gloo, DTensor's async all-gathers (functional
+                    # collectives) corrupt the heap: two CPU ranks exporting 30 times in a row died every time
+                    # (SIGSEGV, "malloc(): unaligned tcache chunk detected", torch 2.13), never when waited one
+                    # by one. On a CPU the gather and the caller's work share the same cores anyway.
                     value = value.redistribute(placements=[Replicate()] * value.device_mesh.ndim,
-                                               async_op=True).to_local()
+                                               async_op=value.device.type != "cpu").to_local()
                 values.append(value)
             out.append((name, values, combine))
         return out

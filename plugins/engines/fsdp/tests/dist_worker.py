@@ -81,10 +81,19 @@ def short_scenario(engine: FSDPEngine, batch: dict) -> dict:
     return seen
 
 
-def tensors_scenario(engine: FSDPEngine, batch: dict, out: str, bucket_bytes: int) -> dict:
-    """train, then export the weights as tensor buckets and to disk: what each gave (rank 0's buckets)."""
+def tensors_scenario(engine: FSDPEngine, batch: dict, out: str, bucket_bytes: int, repeats: int = 1) -> dict:
+    """train, then export the weights as tensor buckets and to disk: what each gave (rank 0's buckets).
+
+    ``repeats`` > 1 exports that many times more (each bucket checked equal to the first export's): async
+    all-gathers over gloo corrupted the heap within ~30 exports, one at a time never.
+    """
     engine.train_batch(batch, nll)
     buckets = [[(name, t.clone()) for name, t in bucket] for bucket in engine.export_tensors(bucket_bytes)]
+    for _ in range(repeats - 1):
+        again = [[(name, t.clone()) for name, t in bucket] for bucket in engine.export_tensors(bucket_bytes)]
+        assert len(again) == len(buckets) and all(
+            [n for n, _ in a] == [n for n, _ in b] and all(torch.equal(x, y) for (_, x), (_, y) in zip(a, b))
+            for a, b in zip(again, buckets)), "an export of unchanged weights differs from the first"
     engine.export_to_disk(os.path.join(out, "export"))
     return {"buckets": buckets, "n_buckets": len(buckets), "lp1": engine.forward_logprobs(batch)["logprobs"]}
 
@@ -116,7 +125,7 @@ def main(spec_path: str) -> int:
         if spec.get("scenario") == "short":
             seen = short_scenario(engine, spec["batch"])
         elif spec.get("scenario") == "tensors":
-            seen = tensors_scenario(engine, spec["batch"], spec["out"], spec["bucket_bytes"])
+            seen = tensors_scenario(engine, spec["batch"], spec["out"], spec["bucket_bytes"], spec.get("repeats", 1))
             seen["n_buckets_per_rank"] = [None] * dist.get_world_size()
             dist.all_gather_object(seen["n_buckets_per_rank"], seen["n_buckets"])
         else:

@@ -27,11 +27,24 @@ _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def packing_available(model: nn.Module) -> bool:
-    """oneDNN is built in and the model's linears are CPU float32 / bfloat16."""
+    """oneDNN is built in and the model's linears are CPU float32, or bfloat16 on a CPU oneDNN computes it on.
+
+    oneDNN's bf16 linear needs AVX512 (bw, vl, dq) or AVX-NE-CONVERT; on an
+    AVX2-only CPU its reorder raises, so bf16 models there keep torch's own
+    linear (slower, but it runs).
+    """
     if not torch.backends.mkldnn.is_available():
         return False
     weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
-    return bool(weights) and all(w.device.type == "cpu" and w.dtype in _SUPPORTED_DTYPES for w in weights)
+    if not weights or not all(w.device.type == "cpu" and w.dtype in _SUPPORTED_DTYPES for w in weights):
+        return False
+    return all(w.dtype != torch.bfloat16 for w in weights) or onednn_bf16_supported()
+
+
+def onednn_bf16_supported() -> bool:
+    """Whether this CPU runs oneDNN's bf16 kernels (torch's own probe of the CPU's instruction sets)."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(probe()) if probe is not None else False
 
 
 class PackedLinears:
@@ -45,7 +58,8 @@ class PackedLinears:
 
     def __init__(self, model: nn.Module) -> None:
         if not packing_available(model):
-            raise ValueError("PackedLinears: needs torch built with oneDNN and CPU float32/bfloat16 linear layers")
+            raise ValueError("PackedLinears: needs torch built with oneDNN and CPU float32 linear layers, or bfloat16 "
+                             "ones on a CPU with oneDNN bf16 kernels (AVX512 bw/vl/dq or AVX-NE-CONVERT)")
         self.modules = [m for m in model.modules() if isinstance(m, nn.Linear)]
         self._packed: dict[int, torch.Tensor] = {}
         self.refresh()

@@ -489,6 +489,22 @@ def test_packed_linears_are_the_default_and_agree_with_torchs_own_kernels(folder
         assert max(abs(a - b) for a, b in zip(packed[rid].logprobs, plain[rid].logprobs)) < 1e-4
 
 
+def test_bfloat16_models_keep_torchs_linears_on_a_cpu_without_onednn_bf16(folders, monkeypatch):
+    """An AVX2-only CPU (this project's CI machine) has no oneDNN bf16 kernels: packing a bf16 model there raised
+    in mkldnn_reorder_linear_weight, so the generator must fall back to torch's linears; float32 still packs."""
+    from areal_local import packed
+
+    monkeypatch.setattr(packed, "onednn_bf16_supported", lambda: False)
+    bf16 = load(folders["qwen2"], dtype=torch.bfloat16)
+    assert not packed.packing_available(bf16)
+    assert Generator(bf16, eos_token_ids=[])._packed is None
+    with pytest.raises(ValueError, match="AVX512"):
+        packed.PackedLinears(bf16)
+    assert packed.packing_available(load(folders["qwen2"]))
+    monkeypatch.setattr(packed, "onednn_bf16_supported", lambda: True)
+    assert packed.packing_available(bf16)
+
+
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "torch-linears"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-all-biases"])
 def test_lean_decode_is_the_default_and_gives_the_plain_forwards_tokens_and_logprobs(folders, arch, packed):
