@@ -26,8 +26,10 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import itertools
+import json
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -42,6 +44,7 @@ from areal_core.config.validate import ValidatedRun, minibatch_problem, validate
 from areal_core.metrics import MetricsLogger, histogram, summarize, truncate_jsonl
 from areal_core.problems import ProblemsError, format_problems
 from areal_core.rollout import RolloutController, RolloutError, StallError, has_reward_variance, pack_groups
+from areal_core.rollout.elastic import EVENTS_FILE, LAUNCHER_DISCOVERY_ENV
 from areal_core.threads import serial_torch
 from areal_core.train_batches import MINIBATCH_KEY, POLICY_VERSION_KEY, assign_minibatches
 
@@ -160,11 +163,19 @@ class Trainer:
             engines, workflow, batch_size=r.batch_size, max_head_offpolicyness=r.max_head_offpolicyness,
             max_concurrent_rollouts=r.max_concurrent_rollouts, request_timeout_s=r.request_timeout_s,
             should_accept=self._should_accept, elastic=r.elastic, pacing=r.pacing,
-            engine_factory=lambda address: engine_at(next(joined), address))
+            engine_factory=lambda address: engine_at(next(joined), address),
+            on_topology_event=self._record_topology_event,
+            launcher_discovery_file=os.environ.get(LAUNCHER_DISCOVERY_ENV) or None)
         self._last_generated = (0, time.monotonic())
         self.dataset = build(self.run, "dataset")
         self.data = data_stream(self.dataset, self.cfg.trainer.epochs)
         self._eval_setup(reward)
+
+    def _record_topology_event(self, kind: str, server: str, why: str) -> None:
+        """A server left or joined routing: one row of ``events.jsonl``, which the launcher shows on the terminal."""
+        row = {"time": time.time(), "step": self.step, "event": kind, "server": server, "why": why}
+        with open(self.run_dir / EVENTS_FILE, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
     # -------------------------------------------------------------- evaluation (rank 0)
     def _eval_setup(self, reward: Any) -> None:
@@ -578,6 +589,10 @@ def _is_number(value: Any) -> bool:
         return False
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m areal_core.trainer", description="one train rank of an areal run")
     parser.add_argument("run_dir", type=Path)
@@ -603,6 +618,11 @@ def main(argv: list[str] | None = None) -> int:
 
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S))
+    # The launcher stops a run with SIGTERM (then SIGKILL after its grace period). Python's default for SIGTERM
+    # ends the process at once, skipping every finally block and finalizer: the weights staged in /dev/shm
+    # (hundreds of MB) then outlived the run. As SystemExit they are cleaned up like at a normal exit.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     trainer = Trainer(run, args.run_dir, rank, world)
     try:
         trainer.fit(resume=args.resume)

@@ -339,19 +339,68 @@ class TensorEngineDouble(DyingEngineDouble):
 
     async def update_weights_from_tensors(self, named_tensors, version):
         self._check()
+        self.updates.append((list(named_tensors), version))
         self._version = version
 
 
-def test_a_join_after_a_tensor_update_never_loads_the_older_weights_on_disk():
+class DiskOnlyEngineDouble(DyingEngineDouble):
+    """Test double: takes weights from disk only."""
+
+    capabilities = frozenset({"pause", "update_weights_from_disk"})
+
+
+def test_a_join_after_a_tensor_update_gets_the_latest_tensors_never_the_older_weights_on_disk():
     """The latest disk folder is one version behind after an update by tensors: a joiner loading it would
-    serve those older weights stamped with the current version. It is refused, naming why."""
+    serve those older weights stamped with the current version. It gets the tensors of the current version
+    (kept by an elastic controller); a joiner that cannot take tensors is refused, naming why."""
     data = items(100, seed=4, max_length=6)
-    a, late = TensorEngineDouble("a:1"), TensorEngineDouble("late:1")
+    a, late, disk_only = TensorEngineDouble("a:1"), TensorEngineDouble("late:1"), DiskOnlyEngineDouble("disk:1")
     with controller([a], elastic=ElasticConfig(**FAST)) as ctrl:
         step(ctrl, data)  # version 1 from disk
         ctrl.prepare_batch(data, timeout=30)
         ctrl.update_weights_from_tensors([("w", 0.5)], 2)
         assert a.version == 2
+        ctrl.add_engine(late)
+        assert late.updates == [([("w", 0.5)], 2)] and late.starts == 1
         with pytest.raises(RuntimeError, match="could not join"):
-            ctrl.add_engine(late)
-        assert late.version == 0 and ctrl.topology.members == ("a:1",)
+            ctrl.add_engine(disk_only)
+        assert disk_only.version == 0 and disk_only.updates == []
+        assert ctrl.topology.members == ("a:1", "late:1")
+
+
+def test_a_plain_controller_keeps_no_copy_of_the_tensors():
+    """Only an elastic controller (servers may join) holds the latest tensors: one model's copy."""
+    data = items(100, seed=4, max_length=6)
+    with controller([TensorEngineDouble("a:1")]) as ctrl:
+        step(ctrl, data)
+        ctrl.prepare_batch(data, timeout=30)
+        ctrl.update_weights_from_tensors([("w", 0.5)], 2)
+        assert ctrl._weights_tensors is None
+
+
+def test_servers_leaving_and_joining_are_reported_and_the_launchers_file_is_read(tmp_path):
+    """The trainer shows topology changes on the terminal through on_topology_event; the launcher lists the
+    servers it restarted in its own file, read whether or not rollout.elastic.discovery is on; a joiner
+    found there is started, brought to the current weights, then routed."""
+    data = items(100, seed=4, max_length=6)
+    seen = []
+    launcher_file = tmp_path / "restarted-servers.txt"
+    a, b = DyingEngineDouble("a:1"), DyingEngineDouble("b:1")
+    with controller([a, b], elastic=ElasticConfig(**FAST), engine_factory=DyingEngineDouble,
+                    on_topology_event=lambda *event: seen.append(event),
+                    launcher_discovery_file=str(launcher_file)) as ctrl:
+        step(ctrl, data)
+        b.dead = True
+        deadline = time.monotonic() + 10
+        while ctrl.topology.size > 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        launcher_file.write_text("c:1\n")
+        while ctrl.topology.size < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        step(ctrl, data)
+        members = ctrl.topology.members
+        joined = next(m.engine for m in ctrl.members() if m.name == "c:1")
+    assert members == ("a:1", "c:1")
+    assert [(kind, name) for kind, name, _ in seen] == [("left", "b:1"), ("joined", "c:1")]
+    assert "1 server(s) left in routing" in seen[0][2] and "at version 1" in seen[1][2]
+    assert joined.starts == 1 and joined.updates == [("/ckpt/v1", 1), ("/ckpt/v2", 2)]  # brought up, then updated

@@ -157,6 +157,34 @@ def test_watch_until_and_timeout(tmp_path):
     assert server.poll() == -signal.SIGTERM
 
 
+def test_on_exit_takes_care_of_an_expendable_process_and_its_replacement_is_watched(tmp_path):
+    """An elastic run's dead server: the hook restarts it (from this thread or another) and the run goes on;
+    a process the hook declines is still a failure, and nothing starts once the teardown has begun."""
+    offered = []
+
+    def on_exit(m):
+        offered.append((m.name, m.poll()))
+        if m.name == "server":
+            threading.Thread(target=lambda: sup.start(ProcessSpec("server-restart1", ["sleep", "1000"]))).start()
+            return True
+        return False
+
+    with Supervisor(tmp_path / "logs", term_timeout_s=2) as sup:
+        sup.start(ProcessSpec("server", ["sh", "-c", "kill -9 $$"]))
+        trainer = sup.start(ProcessSpec("trainer", [PY, "-c", "import time; time.sleep(1.5)"]))
+        sup.watch(until=lambda: trainer.poll() is not None, timeout_s=20, on_exit=on_exit)
+        assert offered[0] == ("server", -signal.SIGKILL) and ("trainer", 0) in offered
+        replacement = next(m for m in sup.processes if m.name == "server-restart1")
+        assert replacement.poll() is None
+        sup.start(ProcessSpec("rank", [PY, "-c", "import sys; sys.exit(5)"]))
+        with pytest.raises(ProcessFailed, match="rank exited with code 5"):
+            sup.watch(timeout_s=20, on_exit=on_exit)
+        assert replacement.poll() is not None  # the failure stopped everything, the replacement included
+        with pytest.raises(RuntimeError, match="supervisor is stopping"):
+            sup.start(ProcessSpec("late", ["sleep", "1000"]))
+    assert [name for name, _ in offered].count("server") == 1  # each exit is offered once
+
+
 # -- wait_ready ---------------------------------------------------------------------
 
 

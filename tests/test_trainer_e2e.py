@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -462,3 +463,116 @@ def test_groups_the_algorithm_drops_count_toward_max_filtered_in_a_row():
     with pytest.raises(FilteredOutError, match=r"the algorithm's filter \(dapo\) dropped 3 groups in a row.*"
                                                 r"algorithm.dynamic_sampling=false"):
         Trainer._should_accept(trainer, group)
+
+
+def wait_for_lines(path: Path, n: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Until ``path`` has ``n`` complete lines; the run must not end meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() or path.read_text().count("\n") < n:
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, f"waited {timeout_s:.0f} s for {n} lines in {path}"
+        time.sleep(0.05)
+
+
+def real_server_pids(marker: str) -> list[int]:
+    """Pids of embedded servers (``python -m areal_local.server``, not their trampolines) whose command line
+    mentions ``marker``."""
+    pids = []
+    for pid in processes_mentioning(marker):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"areal_local.server" in argv and not any(a.endswith(b"child.py") for a in argv):
+            pids.append(pid)
+    return pids
+
+
+@pytest.mark.parametrize("sync", ["tensors", "disk"])
+def test_elastic_restarts_a_killed_server_and_it_rejoins_with_the_current_weights(rl_run, tmp_path, sync):
+    """Issue 21, item 1: SIGKILL one of two real embedded servers mid-run with rollout.elastic on. The launcher
+    must not stop the run: the trainer drops the server (its requests continue on the other), the launcher
+    restarts it on a new port, and it rejoins at the current version; every step is trained, lags stay bounded,
+    the terminal says what happened, and nothing outlives the run."""
+    pytest.importorskip("areal_local")
+    from areal_local.models import tiny_model
+
+    model = tiny_model(tmp_path / "tiny", seed=0)
+    start, runs = rl_run
+    lags = tmp_path / f"lags-{sync}.jsonl"
+    proc = start(f"trial=elastic-{sync}", "allocation=local:d2@cpu+rl_train_double:cpu", "rollout.backend=local",
+                 f"model.path={model}", "model.dtype=float32", f"rollout.weight_sync={sync}",
+                 "rollout.max_head_offpolicyness=1", "trainer.total_steps=40", "actor.step_s=0.3",
+                 "rollout.elastic.enabled=true", "rollout.elastic.interval_s=0.5",
+                 "rollout.elastic.failure_threshold=2", "rollout.elastic.cooldown_s=0", "rollout.elastic.restarts=1",
+                 extra_env={"AREAL_TEST_LAGS_FILE": str(lags)})
+    run_dir = runs / f"elastic-{sync}"
+    wait_for_lines(lags, 3, proc)
+    victims = real_server_pids(str(model))
+    assert len(victims) == 2
+    os.kill(victims[1], signal.SIGKILL)
+    out = finish(proc, timeout=300)
+    assert "restarting it (restart 1 of 1, rollout.elastic.restarts)" in out
+    assert "is back on 127.0.0.1:" in out
+    assert "left routing" in out and "joined routing" in out  # the trainer's topology events, on the terminal
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert [e["event"] for e in events] == ["left", "joined"]
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 41))
+    trained = [json.loads(line) for line in lags.read_text().splitlines()]
+    assert [t["version"] for t in trained] == list(range(40))
+    assert max(max(t["lags"]) for t in trained) <= 1
+    # The replacement loaded the trainer's weights when it joined and every version after (its own log): it
+    # stayed in routing, where only routed servers get updates.
+    restarted = (run_dir / "logs" / "rollout-1-restart1.log").read_text()
+    joined_at = events[1]["step"]
+    loads = [(int(v), int(n)) for v, n in re.findall(r"weights v(\d+) from .* \((\d+) requests continued\)",
+                                                      restarted)]
+    assert len(loads) >= 2 and loads[0][0] >= joined_at - 1 and loads == sorted(loads)
+    assert not real_server_pids(str(model))  # nothing outlives the run
+
+
+def test_elastic_without_restarts_left_goes_on_with_the_servers_left(rl_run, tmp_path):
+    pytest.importorskip("areal_local")
+    from areal_local.models import tiny_model
+
+    model = tiny_model(tmp_path / "tiny", seed=0)
+    start, runs = rl_run
+    proc = start("trial=elastic-norestart", "allocation=local:d2@cpu+rl_train_double:cpu", "rollout.backend=local",
+                 f"model.path={model}", "model.dtype=float32", "rollout.max_head_offpolicyness=1",
+                 "trainer.total_steps=10", "actor.step_s=0.3", "rollout.elastic.enabled=true",
+                 "rollout.elastic.interval_s=0.5", "rollout.elastic.failure_threshold=2",
+                 "rollout.elastic.restarts=0")
+    metrics_file = runs / "elastic-norestart" / "metrics.jsonl"
+    wait_for_lines(metrics_file, 2, proc)
+    victims = real_server_pids(str(model))
+    assert len(victims) == 2
+    os.kill(victims[0], signal.SIGKILL)
+    out = finish(proc, timeout=300)
+    assert "no restarts left (rollout.elastic.restarts=0)" in out and "left routing" in out
+    assert [m["step"] for m in read_jsonl(metrics_file)] == list(range(1, 11))
+    assert not (runs / "elastic-norestart" / "logs" / "rollout-0-restart1.log").exists()
+
+
+def test_a_run_torn_down_by_a_server_kill_leaves_no_weights_in_shared_memory(rl_run, tmp_path):
+    """Issue 21, item 5: without elastic a killed server stops the run; the trainer's /dev/shm weights stage
+    (hundreds of MB for a real model) must go with it, not wait for the next run's sweep. The launcher stops
+    the trainer with SIGTERM, which the trainer turns into a normal exit so its cleanup runs."""
+    pytest.importorskip("areal_local")
+    from areal_local.models import tiny_model
+
+    model = tiny_model(tmp_path / "tiny", seed=0)
+    start, runs = rl_run
+    lags = tmp_path / "lags.jsonl"
+    proc = start("trial=shm", "allocation=local:d2@cpu+rl_train_double:cpu", "rollout.backend=local",
+                 f"model.path={model}", "model.dtype=float32", "rollout.weight_sync=tensors",
+                 "rollout.max_head_offpolicyness=1", "trainer.total_steps=200", "actor.step_s=0.3",
+                 extra_env={"AREAL_TEST_LAGS_FILE": str(lags)})
+    wait_for_lines(lags, 3, proc)
+    trainers = [pid for pid in processes_mentioning(str(runs / "shm")) if pid in processes_mentioning("areal_core.trainer")]
+    stages = [p for pid in trainers for p in Path("/dev/shm").glob(f"areal-weights-{pid}-*")]
+    assert stages, "the trainer stages its weights in /dev/shm"
+    os.kill(real_server_pids(str(model))[0], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "rollout-0 was killed by signal 9" in out
+    assert not [p for p in stages if p.exists()]

@@ -15,7 +15,11 @@ own last log lines.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +27,10 @@ from rich.console import Console
 
 from areal_core.api import Context, Launcher
 from areal_core.launch.supervisor import (
-    ProcessFailed, ProcessSpec, Shutdown, Supervisor, free_port, rendezvous_env, split_threads,
+    Managed, ProcessFailed, ProcessSpec, Shutdown, Supervisor, _describe_exit, free_port, rendezvous_env,
+    split_threads,
 )
+from areal_core.rollout.elastic import EVENTS_FILE, LAUNCHER_DISCOVERY_ENV
 
 console = Console(stderr=True, highlight=False, markup=False, soft_wrap=True)
 
@@ -74,13 +80,44 @@ class MetricsTail:
         if announced_until >= 0 and self.path.exists():
             stat = self.path.stat()
             self.earlier = ((stat.st_ino, stat.st_dev), stat.st_size)
+        # Servers that left or joined routing (the trainer's rows): only this run's, shown as they come.
+        self.events_path = run_dir / EVENTS_FILE
+        self.events_offset = self.events_path.stat().st_size if self.events_path.exists() else 0
+        self._say_lock = threading.Lock()
 
     def poll(self) -> bool:
         try:
             self._read_new_rows()
         except (OSError, ValueError):
             pass  # a half-written or replaced file: read again next time
+        try:
+            self._read_new_events()
+        except (OSError, ValueError):
+            pass
         return False
+
+    def _read_new_events(self) -> None:
+        if not self.events_path.exists():
+            return
+        with open(self.events_path, "rb") as f:
+            f.seek(self.events_offset)
+            for line in f:
+                if not line.endswith(b"\n"):
+                    break
+                self.events_offset += len(line)
+                row = json.loads(line)
+                self.say(f"inference server {row['server']} {row['event']}"
+                         f"{' routing' if row['event'] in ('left', 'joined') else ''} at step {row.get('step', '?')}"
+                         f": {row.get('why', '')}")
+
+    def say(self, line: str) -> None:
+        """One line above the bar (or alone when stderr is not a terminal); any thread may call it."""
+        with self._say_lock:
+            progress = getattr(self.display, "_progress", None)
+            if progress is not None:
+                progress.console.print(line, markup=False, highlight=False)
+            else:
+                print(line, file=sys.stderr, flush=True)
 
     def _read_new_rows(self) -> None:
         if not self.path.exists():
@@ -111,14 +148,96 @@ class MetricsTail:
                 f"validation items")
         if row.get("eval/reward_mean") is not None:
             line += f", mean reward {row['eval/reward_mean']:.3f}"
-        progress = getattr(self.display, "_progress", None)
-        if progress is not None:
-            progress.console.print(line, markup=False, highlight=False)
-        else:
-            print(line, file=sys.stderr, flush=True)
+        self.say(line)
 
     def close(self) -> None:
         self.display.close()
+
+
+class ServerKeeper:
+    """Restarts inference servers that exit during a run, within a budget (``rollout.elastic`` on).
+
+    The trainer's health monitor drops a dead server from routing and its
+    requests continue on the others; this side starts a replacement (a new
+    port, so a late answer of the old one can never be taken for the new
+    one's), waits for it with the engine's own startup timeout, and lists it
+    in ``discovery_file``, from which the trainer's monitor adds it: it is
+    brought to the current weights and joins at the next rebuild. The file
+    lists only the restarted servers alive now, so one that died again is
+    never re-added. ``budget`` restarts in all; past it a dead server is only
+    dropped and the run goes on with the servers left (it stops when none is
+    left: the trainer says so).
+    """
+
+    def __init__(self, sup: Supervisor, make: Callable[[int, int], Any], budget: int, discovery_file: Path,
+                 say: Callable[[str], None], threads: dict[int, int]) -> None:
+        self.sup, self.make, self.budget, self.say, self.threads = sup, make, budget, say, threads
+        self.discovery_file = Path(discovery_file)
+        self.servers: dict[int, tuple[int, int, int]] = {}  # id(managed) -> (index, port, restart number)
+        self.listed: dict[int, str] = {}  # id(managed) -> address, restarted servers that are up
+        self.used = 0
+        self._lock = threading.Lock()
+        self._write()
+
+    def track(self, managed: Managed, index: int, port: int, restart: int = 0) -> None:
+        self.servers[id(managed)] = (index, port, restart)
+
+    def on_exit(self, managed: Managed) -> bool:
+        """Supervisor.watch's hook: True (taken care of) for a server, False for anything else."""
+        if id(managed) not in self.servers:
+            return False
+        index, port, _ = self.servers[id(managed)]
+        with self._lock:
+            self.listed.pop(id(managed), None)
+            self._write()
+            left = self.budget - self.used
+            if left > 0:
+                self.used += 1
+                number = self.used
+        what = f"{managed.name} (127.0.0.1:{port}) {_describe_exit(managed.returncode)}"
+        if left <= 0:
+            self.say(f"{what}; no restarts left (rollout.elastic.restarts={self.budget}), so the run goes on with "
+                     f"the other inference servers; its log: {managed.log_path}")
+            return True
+        self.say(f"{what}; its requests continue on the other inference servers; restarting it (restart "
+                 f"{number} of {self.budget}, rollout.elastic.restarts); its log: {managed.log_path}")
+        threading.Thread(target=self._restart, args=(index, number), name=f"restart-rollout-{index}",
+                         daemon=True).start()
+        return True
+
+    def _restart(self, index: int, number: int) -> None:
+        port = free_port()
+        server = self.make(index, port)
+        try:
+            managed = self.sup.start(ProcessSpec(f"rollout-{index}-restart{number}", server.argv, env=server.env,
+                                                 threads=self.threads.get(index)))
+        except (RuntimeError, OSError) as exc:  # the run is being stopped, or the command cannot start
+            self.say(f"rollout-{index} was not restarted: {exc}")
+            return
+        self.track(managed, index, port, number)
+        try:
+            self.sup.wait_ready(managed, server.ready, server.startup_timeout_s, server.what)
+        except ProcessFailed:
+            return  # it ended: on_exit has it (another restart while the budget lasts)
+        except TimeoutError as exc:
+            self.say(f"restart {number} of rollout-{index} did not come up: {exc}")
+            try:
+                os.killpg(managed.pid, signal.SIGKILL)  # its exit goes to on_exit like any other
+            except (ProcessLookupError, PermissionError):
+                pass
+            return
+        with self._lock:
+            if managed.poll() is None:
+                self.listed[id(managed)] = f"127.0.0.1:{port}"
+                self._write()
+        self.say(f"rollout-{index} is back on 127.0.0.1:{port} (restart {number} of {self.budget}); it rejoins "
+                 f"routing with the current weights at the next rebuild (rollout.elastic.cooldown_s)")
+
+    def _write(self) -> None:
+        """The restarted servers that are up, one address per line, replaced in one step."""
+        tmp = self.discovery_file.with_name(self.discovery_file.name + ".tmp")
+        tmp.write_text("".join(f"{address}\n" for address in self.listed.values()))
+        os.replace(tmp, self.discovery_file)
 
 
 class LocalLauncher(Launcher):
@@ -140,10 +259,20 @@ class LocalLauncher(Launcher):
                 sup.install_signal_handlers()
                 addresses = {}
                 started = []
+                keeper = None
+                if cfg.rollout.elastic.enabled and servers:
+                    keeper = ServerKeeper(
+                        sup, lambda i, port: engine_cls.server_process(
+                            Context(config=cfg, options=run.options.get("rollout"), placement=rollout), i, port),
+                        cfg.rollout.elastic.restarts, run_dir / "restarted-servers.txt", progress.say,
+                        {i: n for (i, _), n in zip(servers, server_threads)})
+                    addresses[LAUNCHER_DISCOVERY_ENV] = str(keeper.discovery_file)
                 for (i, server), n in zip(servers, server_threads):
-                    started.append((sup.start(ProcessSpec(f"rollout-{i}", server.argv, env=server.env, threads=n)),
-                                    server))
+                    managed = sup.start(ProcessSpec(f"rollout-{i}", server.argv, env=server.env, threads=n))
+                    started.append((managed, server))
                     addresses[f"AREAL_ROLLOUT_{i}_ADDRESS"] = f"127.0.0.1:{ports[i]}"
+                    if keeper is not None:
+                        keeper.track(managed, i, ports[i])
                 for managed, server in started:
                     sup.wait_ready(managed, server.ready, server.startup_timeout_s, server.what)
                 ranks = []
@@ -152,7 +281,10 @@ class LocalLauncher(Launcher):
                     env = {**rendezvous_env(rank, actor.world_size, master_port), **addresses,
                            "PYTHONUNBUFFERED": "1"}
                     ranks.append(sup.start(ProcessSpec(f"actor-rank{rank}", argv, env=env, threads=n)))
-                sup.watch(until=lambda: progress.poll() or all(r.poll() == 0 for r in ranks))
+                # With rollout.elastic on, a server that exits is dropped by the trainer and restarted here; any
+                # other process that fails stops the run.
+                sup.watch(until=lambda: progress.poll() or all(r.poll() == 0 for r in ranks),
+                          on_exit=keeper.on_exit if keeper is not None else None)
                 progress.poll()
         except ProcessFailed as exc:
             progress.close()

@@ -235,11 +235,25 @@ class Supervisor:
         self._exit_order: list[Managed] = []  # in the order they ended: the first failure is the cause
         self._changed = threading.Event()
         self._previous_handlers: dict[int, object] = {}
+        self._lock = threading.Lock()  # start() may run on another thread (a restart) while stop_all() runs
+        self._stopping = False
+        self._handled: set[int] = set()  # ids of exited processes an ``on_exit`` hook took care of
+        self._offered = 0  # how many of _exit_order were offered to the hook
 
     # -- starting ---------------------------------------------------------
 
     def start(self, spec: ProcessSpec) -> Managed:
-        """Start ``spec`` in a new session; stdout and stderr go to ``log_dir/<name>.log``."""
+        """Start ``spec`` in a new session; stdout and stderr go to ``log_dir/<name>.log``.
+
+        Safe to call from another thread while :meth:`watch` runs; once :meth:`stop_all` has begun it refuses
+        (RuntimeError), so nothing started late outlives the teardown.
+        """
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError(f"not starting {spec.name}: the supervisor is stopping every process")
+            return self._start(spec)
+
+    def _start(self, spec: ProcessSpec) -> Managed:
         if any(m.name == spec.name for m in self.processes):
             raise ValueError(f"a process named {spec.name!r} was already started; names must be unique")
         if not spec.argv:
@@ -303,23 +317,34 @@ class Supervisor:
             managed.exited.wait(min(0.1, remaining))
 
     def watch(
-        self, poll_s: float = 0.2, until: Callable[[], bool] | None = None, timeout_s: float | None = None
+        self, poll_s: float = 0.2, until: Callable[[], bool] | None = None, timeout_s: float | None = None,
+        on_exit: Callable[[Managed], bool] | None = None,
     ) -> None:
         """Block until every process has exited 0, or ``until()`` is True.
 
         The first process to fail (in the order they ended) stops all the others
         and is raised as ProcessFailed; failures are checked before ``until``, so
         ``until=lambda: trainer.poll() is not None`` returns only on success.
-        With ``timeout_s`` set, TimeoutError names the processes still running.
+        ``on_exit``, when given, is offered every process that ends (once, in
+        the order they ended, on this thread) before that check: returning True
+        takes care of it (an expendable server that is restarted), and it is
+        then neither a failure nor waited for. With ``timeout_s`` set,
+        TimeoutError names the processes still running.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             self._changed.clear()
-            failed = next((m for m in list(self._exit_order) if m.returncode != 0), None)
+            ended = list(self._exit_order)
+            if on_exit is not None:
+                for m in ended[self._offered:]:
+                    if on_exit(m):
+                        self._handled.add(id(m))
+                self._offered = len(ended)
+            failed = next((m for m in ended if m.returncode != 0 and id(m) not in self._handled), None)
             if failed is not None:
                 self.stop_all()
                 raise self._failure(failed)
-            if all(m.returncode == 0 for m in self.processes):
+            if all(m.returncode == 0 or id(m) in self._handled for m in list(self.processes)):
                 return
             if until is not None and until():
                 return
@@ -339,6 +364,8 @@ class Supervisor:
         Idempotent. A KeyboardInterrupt (a second Ctrl-C) during the grace period
         skips straight to SIGKILL; the teardown still completes.
         """
+        with self._lock:
+            self._stopping = True
         running = [m for m in self.processes if m.returncode is None]
         try:
             if running:

@@ -99,6 +99,8 @@ class RolloutController:
         elastic: ElasticConfig | None = None,
         engine_factory: Callable[[str], InferenceEngine] | None = None,
         pacing: bool = False,
+        on_topology_event: Callable[[str, str, str], None] | None = None,
+        launcher_discovery_file: str | None = None,
     ) -> None:
         self.batch_size = batch_size
         self.eta = max_head_offpolicyness
@@ -109,6 +111,11 @@ class RolloutController:
         self.pool: EnginePool | None = None
         self.monitor: HealthMonitor | None = None
         self._weights_path: str | None = None  # the latest weights on disk: joining servers load them
+        # ... or, elastic with weight_sync=tensors, the latest tensors themselves (copies the trainer handed over)
+        self._weights_tensors: list | None = None
+        self._started_engines: set[int] = set()  # ids of engines whose start() ran (discovered ones start late)
+        self.on_topology_event = on_topology_event  # (kind, server, why) when a server leaves or joins routing
+        self.launcher_discovery_file = launcher_discovery_file  # servers the launcher restarted, one per line
         self.weight_group: FleetWeightGroup | None = None  # one group over every routed server, when they share one
         self.workflow = workflow
         self.should_accept = should_accept
@@ -155,7 +162,7 @@ class RolloutController:
             loop.set_default_executor(ThreadPoolExecutor(self._reward_workers, thread_name_prefix="areal-reward",
                                                          initializer=serial_torch))
             self._loop = loop
-            self.pool = EnginePool(self._initial_engines, self.elastic)
+            self.pool = EnginePool(self._initial_engines, self.elastic, self.on_topology_event)
             self.engine = InterruptibleEngine(self.pool, self.request_timeout_s)
             ready.set()
             loop.run_forever()
@@ -169,9 +176,10 @@ class RolloutController:
 
         async def start_engines() -> None:
             await asyncio.gather(*(e.start() for e in self._initial_engines))
+            self._started_engines.update(id(e) for e in self._initial_engines)
             if self.elastic is not None:
                 discover = self._engine_for if self.engine_factory is not None else None
-                self.monitor = HealthMonitor(self.pool, self._bring_up, discover)
+                self.monitor = HealthMonitor(self.pool, self._bring_up, discover, self.launcher_discovery_file)
                 self.monitor.start()
 
         self._call(start_engines(), f"start {len(self._initial_engines)} inference engine(s)")
@@ -508,7 +516,7 @@ class RolloutController:
     def update_weights_from_disk(self, path: str, version: int, wait: bool = True) -> "float | PendingCall":
         async def apply() -> None:
             await self._on_members(lambda e: e.update_weights_from_disk(path, version), "update_weights_from_disk")
-            self._weights_path = str(path)
+            self._weights_path, self._weights_tensors = str(path), None
 
         return self.update_weights(apply, version, wait)
 
@@ -530,7 +538,9 @@ class RolloutController:
                                        "update_weights_from_tensors")
             else:
                 await self._update_over_group(group, named_tensors, version)
-            self._weights_path = None  # the weights now loaded are on no disk: a joiner cannot load them
+            self._weights_path = None  # the weights now loaded are on no disk
+            # A joiner (a restarted server) takes these; kept only when servers may join (one model's copy)
+            self._weights_tensors = list(named_tensors) if self.elastic is not None else None
 
         return self.update_weights(apply, version, wait)
 
@@ -581,15 +591,21 @@ class RolloutController:
         return self.engine_factory(address)
 
     async def _bring_up(self, engine: InferenceEngine) -> None:
-        """Bring a joining engine to the current weights (from disk) before it takes traffic."""
+        """Start a joining engine (a discovered one was only built) and bring it to the current weights, from
+        disk or from the latest tensors, before it takes traffic."""
+        if id(engine) not in self._started_engines:
+            await engine.start()
+            self._started_engines.add(id(engine))
         if engine.version == self._version:
             return
-        if self._weights_path is None:
+        if self._weights_path is not None:
+            await engine.update_weights_from_disk(self._weights_path, self._version)
+        elif self._weights_tensors is not None and "update_weights_from_tensors" in engine.capabilities:
+            await engine.update_weights_from_tensors(self._weights_tensors, self._version)
+        else:
             raise RuntimeError(f"a server joining at version {self._version} (it has {engine.version}) needs the "
-                               "current weights from disk, but they are on no disk (no update_weights_from_disk "
-                               "yet, or the latest update came as tensors); elastic joins after the first update "
-                               "need rollout.weight_sync=disk")
-        await engine.update_weights_from_disk(self._weights_path, self._version)
+                               "current weights, but they are on no disk and no tensors of them are kept (no "
+                               "update yet, or the engine does not take tensors); use rollout.weight_sync=disk")
 
     def add_engine(self, engine: InferenceEngine, timeout_s: float | None = None) -> Topology:
         """Add a live server: start its client, bring it to the current weights at the next rebuild
@@ -598,6 +614,7 @@ class RolloutController:
 
         async def join() -> Topology:
             await engine.start()
+            self._started_engines.add(id(engine))
             member = self.pool.add(engine)
             deadline = time.monotonic() + timeout_s
             while member.state == JOINING:

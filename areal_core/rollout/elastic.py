@@ -34,6 +34,12 @@ log = logging.getLogger("areal.rollout")
 
 ACTIVE, JOINING, DOWN = "active", "joining", "down"
 
+# Between a launcher that restarts inference servers and the trainer that routes to them: the launcher lists the
+# servers it restarted (host:port per line) in the file this variable names, and the trainer's rank 0 writes
+# every server that leaves or joins routing as a row of EVENTS_FILE in the run folder, which the launcher shows.
+LAUNCHER_DISCOVERY_ENV = "AREAL_ROLLOUT_DISCOVERY_FILE"
+EVENTS_FILE = "events.jsonl"
+
 
 @dataclass
 class ElasticConfig:
@@ -51,6 +57,10 @@ class ElasticConfig:
                             "servers listed there"})
     discovery_file: str = field(default="", metadata={"help": "text file of server addresses (host:port), one "
                                 "per line, read when discovery is on"})
+    restarts: int = field(default=3, metadata={"ge": 0, "help": "how many times in all the launcher restarts "
+                          "inference servers that exit during the run (local launcher); a restarted server "
+                          "rejoins with the current weights (kept in the trainer's memory when "
+                          "weight_sync=tensors). 0: a dead server is only dropped"})
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0:
@@ -59,6 +69,8 @@ class ElasticConfig:
             raise ValueError(f"elastic failure_threshold must be >= 1, got {self.failure_threshold}")
         if self.cooldown_s < 0:
             raise ValueError(f"elastic cooldown_s must be >= 0 seconds, got {self.cooldown_s}")
+        if self.restarts < 0:
+            raise ValueError(f"elastic restarts must be >= 0, got {self.restarts}")
 
     def check_discovery(self) -> None:
         if self.discovery and not self.discovery_file:
@@ -130,10 +142,12 @@ def engine_name(engine: InferenceEngine, index: int) -> str:
 class EnginePool:
     """The engines the router may use, and the topology they form. Lives on the controller's loop."""
 
-    def __init__(self, engines: list[InferenceEngine], config: ElasticConfig | None = None) -> None:
+    def __init__(self, engines: list[InferenceEngine], config: ElasticConfig | None = None,
+                 on_event: Callable[[str, str, str], None] | None = None) -> None:
         if not engines:
             raise ValueError("the rollout controller needs at least one inference engine")
         self.config = config
+        self.on_event = on_event  # (kind: "left" / "joined" / "failed to join", server, why): e.g. to the terminal
         self.members = [Member(e, engine_name(e, i)) for i, e in enumerate(engines)]
         self.topology = Topology(0, tuple(m.name for m in self.members))
         self.lock = asyncio.Lock()  # weight updates and rebuilds
@@ -191,6 +205,16 @@ class EnginePool:
         if was_member:
             self.topology = Topology(self.topology.version + 1, tuple(m.name for m in self.active()))
         self._close_later(member.engine)
+        self._tell("left", member.name, f"{why}; {member.in_flight} request(s) it was serving continue elsewhere, "
+                                        f"{len(self.active())} server(s) left in routing")
+
+    def _tell(self, kind: str, name: str, why: str) -> None:
+        if self.on_event is None:
+            return
+        try:
+            self.on_event(kind, name, why)
+        except Exception as exc:  # a report that fails must not change routing
+            log.warning("reporting that inference server %s %s failed: %s", name, kind, exc)
 
     def _close_later(self, engine: InferenceEngine) -> None:
         task = asyncio.get_running_loop().create_task(_close_quietly(engine))
@@ -242,10 +266,15 @@ class EnginePool:
                 member.state = DOWN
                 log.error("inference server %s could not join: %s: %s", member.name, type(result).__name__, result)
                 self._close_later(member.engine)
+                self._tell("failed to join", member.name, f"{type(result).__name__}: {result}")
                 continue
             member.state = ACTIVE
             self.events.append((time.monotonic(), "joined", member.name))
         self.topology = Topology(self.topology.version + 1, tuple(m.name for m in self.active()))
+        for member in joiners:
+            if member.state == ACTIVE:
+                self._tell("joined", member.name, f"at version {member.engine.version}; {self.topology.size} "
+                                                  f"server(s) in routing")
         self.last_rebuild = time.monotonic()
         self.changed.set()
         log.info("inference servers rebuilt: topology version %d, %d member(s): %s", self.topology.version,
@@ -264,13 +293,17 @@ class HealthMonitor:
     """Probes every engine at ``interval_s``, removes failing ones, rebuilds when engines wait to join."""
 
     def __init__(self, pool: EnginePool, bring_up: Callable[[InferenceEngine], Awaitable[None]],
-                 discover: Callable[[str], InferenceEngine] | None = None) -> None:
+                 discover: Callable[[str], InferenceEngine] | None = None,
+                 launcher_file: str | None = None) -> None:
         if pool.config is None:
             raise ValueError("HealthMonitor needs an EnginePool with an ElasticConfig")
         pool.config.check_discovery()
         self.pool, self.config = pool, pool.config
         self.bring_up = bring_up
         self.discover = discover
+        # The launcher's own list of the servers it (re)started (AREAL_ROLLOUT_DISCOVERY_FILE), read beside
+        # the user's discovery_file whether or not discovery is on.
+        self.launcher_file = launcher_file
         self.probes = 0
         self._task: asyncio.Task | None = None
 
@@ -292,8 +325,11 @@ class HealthMonitor:
     async def tick(self) -> None:
         """One round: probe, discover, rebuild if engines are waiting and the cooldown has passed."""
         await self.probe()
-        if self.config.discovery and self.discover is not None:
-            self.read_discovery_file()
+        if self.discover is not None:
+            if self.config.discovery:
+                self.read_discovery_file()
+            if self.launcher_file:
+                self.read_discovery_file(self.launcher_file)
         if self.pool.joining() and self.pool.cooldown_left() == 0 and not self.pool.lock.locked():
             async with self.pool.lock:
                 await self.pool.rebuild(self.bring_up)
@@ -317,8 +353,9 @@ class HealthMonitor:
             return False, f"health() raised {type(exc).__name__}: {exc}"
         return bool(ok), "health() returned False"
 
-    def read_discovery_file(self) -> None:
-        path = Path(self.config.discovery_file)
+    def read_discovery_file(self, file: str | None = None) -> None:
+        """Add every server listed in ``file`` (default: ``discovery_file``) that is not in the pool or left it."""
+        path = Path(file or self.config.discovery_file)
         try:
             lines = path.read_text().split()
         except FileNotFoundError:
@@ -330,6 +367,6 @@ class HealthMonitor:
                 self.pool.add(self.discover(address))
 
 
-__all__ = ["ElasticConfig", "EngineLost", "EnginePool", "HealthMonitor", "Member", "NoEngineError", "Topology",
+__all__ = ["EVENTS_FILE", "LAUNCHER_DISCOVERY_ENV", "ElasticConfig", "EngineLost", "EnginePool", "HealthMonitor", "Member", "NoEngineError", "Topology",
            "settle"]
 
