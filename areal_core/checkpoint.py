@@ -11,12 +11,20 @@ One process writes a store. With several ranks, one rank owns
 :func:`atomic_dir` / :meth:`CheckpointStore.save` and the others write into
 the temporary folder it hands them before ``write`` returns.
 
+A save that cannot fit is refused before anything is written when the free
+space is below the size of the previous checkpoint plus a margin; a disk that
+fills up during the write (whatever the writer: ``torch.save`` reports it as
+``unexpected pos``) ends in :class:`CheckpointSpaceError`, whose message
+names the disk, what the checkpoint needs and the fix, and the partial
+folder is removed as for any failed write.
+
 Importing this module imports neither torch nor numpy.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import pickle
@@ -32,6 +40,14 @@ META_NAME = "meta.json"
 POINTER_NAME = "latest"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _TMP_MARK = ".tmp-"
+# The precheck: free space must exceed the previous checkpoint's size by this fraction plus these bytes (the
+# run's logs and metrics go on meanwhile, and the model's files vary a little in size).
+SPACE_MARGIN_FRACTION = 0.10
+SPACE_MARGIN_BYTES = 64 * 1024**2
+# A write that failed while less than this was free failed for want of space, whatever the writer said.
+FULL_BYTES = 4 * 1024**2
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_FULL_TEXTS = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122")
 
 
 def _fsync_path(path: Path) -> None:
@@ -42,14 +58,17 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_tree(top: Path) -> None:
-    """fsync every file and folder under ``top``, then ``top`` itself."""
+def _fsync_tree(top: Path) -> int:
+    """fsync every file and folder under ``top``, then ``top`` itself; returns the files' total size."""
+    total = 0
     for dirpath, _dirnames, filenames in os.walk(top):
         for name in filenames:
             path = Path(dirpath) / name
             if not path.is_symlink():
                 _fsync_path(path)
+                total += path.stat().st_size
         _fsync_path(Path(dirpath))
+    return total
 
 
 @contextlib.contextmanager
@@ -89,14 +108,193 @@ def atomic_dir(final: str | os.PathLike[str]) -> Iterator[Path]:
         _fsync_path(final.parent)
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
+def _replace_atomically(path: Path, dump: Callable[[Any], None], mode: str = "wb") -> None:
+    """Write ``path`` through ``dump(file)`` into a temporary sibling, fsync, rename over it; on failure the
+    temporary file goes and ``path`` is unchanged."""
     tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, mode, **({"encoding": "utf-8"} if "b" not in mode else {})) as f:
+            dump(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_path(path.parent)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    _replace_atomically(path, lambda f: f.write(text), "w")
+
+
+# ------------------------------------------------------------------ disk space
+class CheckpointSpaceError(OSError):
+    """No room for a checkpoint: the message names the disk, what the checkpoint needs, what is free and the fix.
+
+    ``errno`` is ENOSPC. ``began`` is False when the save was refused before
+    anything was written, True when the disk filled up during the write.
+    """
+
+    def __init__(self, message: str, *, path: Path, needed: int | None, free: int | None, began: bool) -> None:
+        super().__init__(errno.ENOSPC, message)
+        self.message, self.path, self.needed, self.free, self.began = message, path, needed, free, began
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self) -> Any:  # pickled with its keywords (OSError's default drops them)
+        return (_rebuild_space_error, (self.message, self.path, self.needed, self.free, self.began))
+
+
+def _rebuild_space_error(message: str, path: Path, needed: int | None, free: int | None,
+                         began: bool) -> CheckpointSpaceError:
+    return CheckpointSpaceError(message, path=path, needed=needed, free=free, began=began)
+
+
+def tree_bytes(top: str | os.PathLike[str]) -> int:
+    """The total size of the files under ``top`` (0 when it does not exist)."""
+    total = 0
+    for dirpath, _dirnames, filenames in os.walk(top):
+        for name in filenames:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _existing(path: Path) -> Path:
+    path = Path(os.path.abspath(path))
+    while not os.path.exists(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def free_bytes(path: str | os.PathLike[str]) -> int | None:
+    """Bytes free to this user on the filesystem holding ``path`` (its nearest existing folder); None if unknown."""
+    try:
+        return shutil.disk_usage(_existing(Path(path))).free
+    except OSError:
+        return None
+
+
+def describe_disk(path: str | os.PathLike[str]) -> str:
+    """``the filesystem mounted at /data (ext4)``: the filesystem holding ``path``, as ``df`` would name it."""
+    mount = _existing(Path(path))
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    kind = ""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 3 and fields[1].replace("\\040", " ") == str(mount):
+                    kind = fields[2]  # the last entry for a mount point is the one in effect
+    except OSError:
+        pass
+    return f"the filesystem mounted at {mount}" + (f" ({kind})" if kind else "")
+
+
+def human_bytes(n: int | float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def needed_with_margin(expected: int) -> int:
+    """The free space a save expected to take ``expected`` bytes asks for before it starts."""
+    return int(expected * (1 + SPACE_MARGIN_FRACTION)) + SPACE_MARGIN_BYTES
+
+
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc``, its causes and contexts, and the per-rank errors a torch.distributed.checkpoint error holds."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        link = todo.pop(0)
+        if link is None or id(link) in seen:
+            continue
+        seen.add(id(link))
+        yield link
+        todo += [link.__cause__, link.__context__, *_rank_failures(link)]
+
+
+def _rank_failures(exc: BaseException) -> list[BaseException]:
+    """The errors of a torch.distributed.checkpoint ``CheckpointException``: ``failures`` maps each rank to
+    its exception, or to (exception, stack)."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return []
+    found = [f[0] if isinstance(f, tuple) and f else f for f in failures.values()]
+    return [f for f in found if isinstance(f, BaseException)]
+
+
+def is_disk_full(exc: BaseException, path: str | os.PathLike[str]) -> bool:
+    """Whether ``exc``, raised while writing under ``path``, means that its filesystem had no room.
+
+    True for ENOSPC / EDQUOT anywhere in the exception's chain, for writers
+    that only say so in words (safetensors: ``No space left on device (os
+    error 28)``), and for any failure while less than :data:`FULL_BYTES` are
+    free there: ``torch.save`` on a full disk says only ``[enforce fail at
+    inline_container.cc] unexpected pos``. Call it before the partial files
+    are removed.
+    """
+    for link in _chain(exc):
+        if isinstance(link, OSError) and link.errno in _FULL_ERRNOS:
+            return True
+        if any(text in str(link) for text in _FULL_TEXTS):
+            return True
+    free = free_bytes(path)
+    return free is not None and free < FULL_BYTES
+
+
+def _first_line(exc: BaseException) -> str:
+    exc = next(iter(_rank_failures(exc)), exc)  # torch.distributed.checkpoint: the first rank's own error
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
+
+
+def space_error_during_write(exc: BaseException, folder: str | os.PathLike[str], what: str,
+                             expected: int | None = None, expected_from: str = "", outcome: str = "",
+                             measure: bool = True) -> CheckpointSpaceError:
+    """The :class:`CheckpointSpaceError` for a write of ``what`` into ``folder`` that :func:`is_disk_full`
+    says failed for want of space. ``measure``: say how much of it was written (measure before the partial
+    files go). ``expected``: the size of ``expected_from``, the previous checkpoint. ``outcome`` says what
+    is left, as a sentence."""
+    folder = Path(folder)
+    written = tree_bytes(folder) if measure else 0
+    free = free_bytes(folder) or 0
+    done = f" after {human_bytes(written)} of it were written" if written else ""
+    need = ""
+    if measure:  # what it had, written and free: it needs more
+        need = f"; it needs more than the {human_bytes(written + free)} that were free when it began"
+        if expected:
+            need += f" ({expected_from} took {human_bytes(expected)})"
+    message = (f"no space left for {what} in {folder.parent}: {describe_disk(folder)} ran out of space{done} "
+               f"({human_bytes(free)} free now){need}. {outcome}Fix: free space there, or set output_dir to a "
+               f"folder on a disk with room (the writer said: {_first_line(exc)})")
+    return CheckpointSpaceError(message, path=folder, needed=expected, free=free, began=True)
+
+
+@contextlib.contextmanager
+def reporting_full_disk(folder: str | os.PathLike[str], what: str, expected: int | None = None,
+                        expected_from: str = "", outcome: str = "") -> Iterator[None]:
+    """Turn a write into ``folder`` that fails for want of space into :class:`CheckpointSpaceError`.
+
+    For a rank that writes its share of a checkpoint into the folder another
+    rank's :meth:`CheckpointStore.save` handed it. Other errors pass as they are.
+    """
+    try:
+        yield
+    except CheckpointSpaceError:
+        raise
+    except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is no Exception
+        if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)) or not is_disk_full(exc, folder):
+            raise
+        raise space_error_during_write(exc, folder, what, expected, expected_from, outcome) from exc
 
 
 def pid_alive(pid: int) -> bool:
@@ -127,15 +325,75 @@ class CheckpointStore:
         ``meta.json`` inside it, the folder is renamed to ``root/step-<step:08d>``
         (replacing one already there) and ``root/latest`` is replaced to name
         it. If ``write`` raises, nothing under a final name changes.
+
+        Raises :class:`CheckpointSpaceError` before anything is written when
+        the free space is below the previous checkpoint's size plus a margin,
+        and in place of the writer's error when the disk fills up meanwhile.
         """
         final = self.path_for(step)
         record = {"step": step, **meta}
         text = json.dumps(record, indent=2, sort_keys=True)
-        with atomic_dir(final) as tmp:
-            write(tmp)
-            (tmp / META_NAME).write_text(text, encoding="utf-8")
-        self._write_pointer(final.name)
+        what = f"the checkpoint of step {step}"
+        previous = self.latest()
+        expected, expected_from = self._expected_bytes(previous)
+        kept = (f"the checkpoint of step {self._step_of(previous)} is still the latest. " if previous is not None
+                else "no checkpoint of this run is complete yet. ")
+        self._check_space(what, expected, expected_from, kept)
+        try:
+            with atomic_dir(final) as tmp:
+                with reporting_full_disk(tmp, what, expected, expected_from,
+                                         outcome=f"The partial checkpoint was removed; {kept}"):
+                    write(tmp)
+                    (tmp / META_NAME).write_text(text, encoding="utf-8")
+                    size = _fsync_tree(tmp)  # in here, where a full disk is still measured
+        except OSError as exc:  # the rename (a folder that must grow on a full disk)
+            if isinstance(exc, CheckpointSpaceError) or exc.errno not in _FULL_ERRNOS:
+                raise
+            raise space_error_during_write(exc, final, what, expected, expected_from,
+                                           f"Nothing of it was kept; {kept}", measure=False) from exc
+        self._last_bytes = (step, size)
+        try:
+            self._write_pointer(final.name)
+        except OSError as exc:
+            if exc.errno not in _FULL_ERRNOS:
+                raise
+            raise space_error_during_write(
+                exc, self.root / POINTER_NAME, f"the pointer to {final.name}", expected, expected_from,
+                f"{final} is complete, but {kept}", measure=False) from exc
         return final
+
+    _last_bytes: tuple[int, int] | None = None  # (step, size) of the checkpoint this process saved last
+
+    @staticmethod
+    def _step_of(path: Path) -> int:
+        m = _STEP_DIR.match(path.name)
+        return int(m.group(1)) if m else -1
+
+    def _expected_bytes(self, previous: Path | None) -> tuple[int | None, str]:
+        """The size the next checkpoint will likely take: the previous one's; None before the first."""
+        if previous is None:
+            return None, ""
+        step = self._step_of(previous)
+        if self._last_bytes is not None and self._last_bytes[0] == step:
+            size = self._last_bytes[1]
+        else:
+            size = tree_bytes(previous)
+        return (size or None), f"the checkpoint of step {step}"
+
+    def _check_space(self, what: str, expected: int | None, expected_from: str, kept: str) -> None:
+        """Refuse a save that cannot fit, before anything is written."""
+        if not expected:
+            return
+        free, needed = free_bytes(self.root), needed_with_margin(expected)
+        if free is None or free >= needed:
+            return
+        margin = needed - expected
+        raise CheckpointSpaceError(
+            f"no room for {what} in {self.root}: it needs about {human_bytes(expected)} (as much as {expected_from}) "
+            f"plus a margin of {human_bytes(margin)}, and {describe_disk(self.root)} has {human_bytes(free)} free. "
+            f"Nothing was written; {kept}Fix: free at least {human_bytes(needed - free)} there, or set "
+            f"output_dir to a folder on a disk with room",
+            path=self.root, needed=needed, free=free, began=False)
 
     def _write_pointer(self, name: str) -> None:
         _write_text_atomic(self.root / POINTER_NAME, name + "\n")
@@ -257,17 +515,7 @@ def save_pickle_atomic(obj: Any, path: str | os.PathLike[str]) -> None:
     """Pickle ``obj`` to ``path``: written to a temporary file, fsynced, then ``os.replace``d."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_path(path.parent)
+    _replace_atomically(path, lambda f: pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def load_pickle(path: str | os.PathLike[str]) -> Any:

@@ -39,7 +39,10 @@ from typing import Any, Iterator
 
 from areal_core.allocator import retain_freed_memory
 from areal_core.api import Context
-from areal_core.checkpoint import CheckpointStore, load_pickle, rng_state, save_pickle_atomic, set_rng_state
+from areal_core.checkpoint import (
+    CheckpointSpaceError, CheckpointStore, load_pickle, reporting_full_disk, rng_state, save_pickle_atomic,
+    set_rng_state,
+)
 from areal_core.config.validate import ValidatedRun, minibatch_problem, validate_run
 from areal_core.metrics import MetricsLogger, histogram, summarize, truncate_jsonl
 from areal_core.problems import ProblemsError, format_problems
@@ -244,7 +247,12 @@ class Trainer:
             save_pickle_atomic(controller_state, folder / "controller.pkl")
 
     def _save(self) -> None:
-        """Rank 0 owns the atomic folder; the other ranks write into it before it is renamed."""
+        """Rank 0 owns the atomic folder; the other ranks write into it before it is renamed.
+
+        A disk too full for the checkpoint (refused before anything is written, or found full during the
+        write) ends the trainer with the store's message, not a traceback: the partial folder is gone and
+        ``latest`` unchanged, so the run continues with ``--resume`` once there is room.
+        """
         if self.rank == 0:
             state = self.controller.state_dict()
 
@@ -253,11 +261,20 @@ class Trainer:
                 self._write_rank_files(folder, state)
                 self._barrier()
 
-            self.store.save(self.step, write, {"version": self.actor.version})
+            try:
+                self.store.save(self.step, write, {"version": self.actor.version})
+            except CheckpointSpaceError as exc:
+                if not exc.began:
+                    self._broadcast(exc)  # the other ranks wait for a folder: they stop with the same words
+                raise
             self.store.prune(keep=2)
         else:
             folder = self._broadcast(None)
-            self._write_rank_files(folder, None)
+            if isinstance(folder, CheckpointSpaceError):  # rank 0 found no room and wrote nothing
+                raise folder
+            with reporting_full_disk(folder, f"the checkpoint of step {self.step} (rank {self.rank}'s share)",
+                                     outcome="The partial checkpoint never counts as one; `latest` is unchanged. "):
+                self._write_rank_files(folder, None)
             self._barrier()
 
     # -------------------------------------------------------------- the loop
@@ -626,6 +643,10 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(run, args.run_dir, rank, world)
     try:
         trainer.fit(resume=args.resume)
+    except CheckpointSpaceError as exc:
+        # A full disk is the user's to fix: the message names it, what is needed and how to continue.
+        print(f"areal: the run stopped at step {trainer.step}: {exc}", file=sys.stderr)
+        return 1
     except (StallError, RolloutError) as exc:
         # The data gave out or gave no signal: the user's to fix, so the message, not a traceback.
         # A workflow that crashed for any other reason keeps its traceback for the plugin's author.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -46,6 +47,20 @@ def double_stack(tmp_path):
         tmp_path / "stack", "areal-test-doubles", "9.9.9", STACK_ENTRY_POINTS, {"stack_doubles.py": source}
     ):
         yield list(STACK_OVERRIDES)
+
+
+@pytest.fixture
+def rl_doubles_env(tmp_path):
+    """The RL doubles (tests/doubles/rl_doubles.py) installed as a fake distribution, for `areal run` in a
+    subprocess: yields (the doubles' config file, the environment that finds them)."""
+    import rl_doubles
+
+    files = {name: (DOUBLES / name).read_text() for name in ("rl_doubles.py", "latency_engine_double.py")}
+    with install_fake_distribution(tmp_path / "site", "areal-test-rl-doubles", "0.0.1", rl_doubles.ENTRY_POINTS,
+                                   files) as site:
+        config = tmp_path / "run.yaml"
+        config.write_text(rl_doubles.CONFIG)
+        yield config, {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
 
 
 @pytest.fixture(autouse=True)

@@ -16,31 +16,20 @@ from pathlib import Path
 
 import pytest
 
-from areal_core.testing.distributions import install_fake_distribution
-
-DOUBLES = Path(__file__).parent / "doubles"
 AREAL = str(Path(sys.executable).with_name("areal"))
 
 
 @pytest.fixture
-def rl_run(tmp_path):
+def rl_run(tmp_path, rl_doubles_env):
     """Installs the RL doubles; yields a function running `areal run` in a subprocess."""
-    sys.path.insert(0, str(DOUBLES))
-    import rl_doubles
+    config, env = rl_doubles_env
 
-    files = {name: (DOUBLES / name).read_text() for name in ("rl_doubles.py", "latency_engine_double.py")}
-    with install_fake_distribution(tmp_path / "site", "areal-test-rl-doubles", "0.0.1", rl_doubles.ENTRY_POINTS,
-                                   files) as site:
-        config = tmp_path / "run.yaml"
-        config.write_text(rl_doubles.CONFIG)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    def start(*overrides: str, extra_env: dict | None = None) -> subprocess.Popen:
+        return subprocess.Popen([AREAL, "run", str(config), f"output_dir={tmp_path / 'runs'}", *overrides],
+                                env={**env, **(extra_env or {})}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
 
-        def start(*overrides: str, extra_env: dict | None = None) -> subprocess.Popen:
-            return subprocess.Popen([AREAL, "run", str(config), f"output_dir={tmp_path / 'runs'}", *overrides],
-                                    env={**env, **(extra_env or {})}, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
-
-        yield start, tmp_path / "runs" / "areal"
+    yield start, tmp_path / "runs" / "areal"
 
 
 def finish(proc: subprocess.Popen, timeout: float = 120) -> str:

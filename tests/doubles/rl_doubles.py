@@ -91,6 +91,15 @@ class CounterTrainEngineDouble(TrainEngine):
     def save(self, path, *, with_optimizer=True):
         Path(path).mkdir(parents=True, exist_ok=True)
         Path(path, "state.json").write_text(json.dumps(self.state))
+        pad_mb = float(os.environ.get("AREAL_TEST_CHECKPOINT_PAD_MB", 0))  # an optimizer's worth of bytes
+        device = os.environ.get("AREAL_TEST_CHECKPOINT_PAD_DEVICE")  # /dev/full: its writes fail with ENOSPC
+        if pad_mb and device:
+            Path(path, "optimizer.pt").symlink_to(device)
+            Path(path, "optimizer.pt").write_bytes(bytes(int(pad_mb * 2**20)))
+        elif pad_mb:
+            import torch
+
+            torch.save(torch.zeros(int(pad_mb * 2**18)), Path(path, "optimizer.pt"))
 
     def load(self, path, *, with_optimizer=True):
         self.state = json.loads(Path(path, "state.json").read_text())

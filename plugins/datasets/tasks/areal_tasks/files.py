@@ -101,15 +101,35 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict]]:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            text = line.rstrip("\r\n")  # parsed without its newline: an error at its end stays on this line
             try:
-                row = json.loads(line)
+                row = json.loads(text)
             except json.JSONDecodeError as exc:
-                raise DatasetFileError(f"{path} row {line_no}: not valid JSON ({exc.msg} at column {exc.colno})",
+                raise DatasetFileError(f"{path} row {line_no}: not valid JSON {json_error_place(text, exc)}",
                                        "write one JSON object per line") from None
             if not isinstance(row, dict):
                 raise DatasetFileError(f"{path} row {line_no}: a JSON {type(row).__name__}, not an object",
                                        "write one JSON object per line")
             yield line_no, row
+
+
+def json_error_place(text: str, exc: json.JSONDecodeError, context: int = 30) -> str:
+    """Where in the one-line ``text`` parsing failed: ``at column N ('c'): <msg>; the row reads: …<excerpt>``.
+
+    The column counts characters from 1, as editors do; the excerpt ends a few
+    characters past the error, control characters shown escaped.
+    """
+    pos = exc.pos
+    column = pos + 1
+    if pos >= len(text):
+        where = "the end of the line"
+    else:
+        where = repr(text[pos])
+    start, end = max(0, pos - context), min(len(text), pos + 10)
+    excerpt = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text[start:end])
+    excerpt = ("…" if start > 0 else "") + excerpt + ("…" if end < len(text) else "")
+    msg = exc.msg[:-3] + " here" if exc.msg.endswith(" at") else exc.msg  # "Invalid control character at"
+    return f"at column {column} ({where}): {msg}; the row reads: {excerpt}"
 
 
 def missing_field(path: Path, row_no: int, row: dict, field: str, key: str, what: str) -> DatasetFileError:

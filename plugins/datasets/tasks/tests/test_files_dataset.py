@@ -134,6 +134,34 @@ def test_template_field_missing_and_bad_json_are_named(tmp_path):
         build(path=str(tmp_path / "x.txt"), **MAPPING)
 
 
+def test_a_bad_json_row_is_named_by_its_line_and_the_column_of_the_error(tmp_path):
+    """The column is the error's on that line, not column 1 of an imagined next line (a row cut short used to
+    be parsed with its newline, so its error was "line 2 column 1"), with an excerpt ending at the error."""
+    good = json.dumps(ROWS[0])
+    cut = '{"q": "What is 2 + 2? Show your work.", "a": "#### 4"'  # the closing brace is missing
+    bad = tmp_path / "cut.jsonl"
+    bad.write_text(f"{good}\n{good}\r\n{cut}\n{good}\n")
+    with pytest.raises(DatasetFileError) as caught:
+        build(path=str(bad), **MAPPING)
+    assert caught.value.message == (
+        f"{bad} row 3: not valid JSON at column {len(cut) + 1} (the end of the line): Expecting ',' delimiter; "
+        f"the row reads: …{cut[-30:]}")
+    assert cut[-30:] == 'how your work.", "a": "#### 4"'
+
+    inside = '{"q": "x", "a": , "uid": "u1"}'
+    bad.write_text(f"{good}\r\n{inside}\r\n")
+    with pytest.raises(DatasetFileError) as caught:
+        build(path=str(bad), **MAPPING)
+    assert caught.value.message == (f"{bad} row 2: not valid JSON at column 17 (','): Expecting value; "
+                                    f"the row reads: {inside[:26]}…")  # ends 10 characters past the error
+    assert inside[16] == ","
+
+    bad.write_text('{"q": "tab\there", "a": "1"}\n')
+    with pytest.raises(DatasetFileError, match=r"row 1: not valid JSON at column 11 \('\\t'\): Invalid control "
+                                               r"character here; the row reads: \{\"q\": \"tab\\there"):
+        build(path=str(bad), **MAPPING)
+
+
 def test_duplicate_ids_are_refused(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [ROWS[0], ROWS[0]])
     with pytest.raises(DatasetFileError, match="the id 'u0' .* is on two rows"):
