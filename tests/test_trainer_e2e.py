@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from areal_core.testing.processes import processes_mentioning, read_jsonl
+
 AREAL = str(Path(sys.executable).with_name("areal"))
 
 
@@ -36,21 +38,6 @@ def finish(proc: subprocess.Popen, timeout: float = 120) -> str:
     out, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, out
     return out
-
-
-def processes_mentioning(text: str) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode():
-                pids.append(int(proc.name))
-        except OSError:
-            pass
-    return pids
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_a_run_trains_every_step_and_writes_its_outputs(rl_run):

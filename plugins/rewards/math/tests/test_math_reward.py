@@ -122,6 +122,46 @@ def test_pathological_expression_times_out_and_the_pool_recovers():
     assert score("\\boxed{0.25}", "\\frac{1}{4}", timeout_s=1.0)["reward"] == 1.0  # a fresh worker answers
 
 
+def test_a_reward_worker_killed_mid_comparison_scores_that_answer_as_an_error_and_the_pool_recovers():
+    """Fault injection (issue 21): the math-verify worker process dies (SIGKILL, the OOM killer) while it
+    compares: that answer scores 0 with the reason, never an exception into the rollout, and the next
+    comparison gets a fresh worker."""
+    import os
+    import signal
+    from pathlib import Path
+
+    score("\\boxed{0.5}", "\\frac{1}{2}", timeout_s=30.0, workers=1)  # the one-worker pool is up
+
+    def workers_of_this_process() -> list[int]:
+        """The pool's worker processes: children of this one started by multiprocessing's spawn (not its
+        resource tracker)."""
+        found = []
+        for proc in Path("/proc").iterdir():
+            try:
+                if not proc.name.isdigit():
+                    continue
+                parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if parent == os.getpid() and b"spawn_main" in (proc / "cmdline").read_bytes():
+                    found.append(int(proc.name))
+            except (OSError, ValueError):
+                continue
+        return found
+
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(score("\\boxed{9^{9^{9^{9}}}}", "10", timeout_s=30.0,
+                                                                 workers=1)))
+    thread.start()
+    time.sleep(1.0)  # the comparison is running in the worker
+    victims = workers_of_this_process()
+    assert victims, "no worker process found"
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    thread.join(30)
+    assert result["reward"] == 0.0 and result["reason"] == "error", result
+    assert "the worker died" in result["detail"], result
+    assert score("\\boxed{0.25}", "\\frac{1}{4}", timeout_s=30.0, workers=1)["reward"] == 1.0
+
+
 def test_time_queued_behind_other_comparisons_is_not_a_timeout():
     # One worker, a 1 s bound: four pathological answers (each killed at 1 s, its worker replaced) are ahead
     # of an easy one, which waits longer than timeout_s + the grace in the queue but needs milliseconds once
