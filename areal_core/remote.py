@@ -204,6 +204,22 @@ def _is_address(address: str) -> bool:
     return bool(host) and port.isdigit()
 
 
+def _error_text(response: Any) -> str:
+    """What a server said was wrong: FastAPI's ``detail`` or OpenAI's ``error.message`` when the body has one,
+    else the body itself (cut at 800 characters)."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        error = body.get("error")
+        for said in (body.get("detail"), error.get("message") if isinstance(error, dict) else error,
+                     body.get("message")):
+            if isinstance(said, str) and said:
+                return said[:800]
+    return response.text[:800]
+
+
 class RemoteError(RuntimeError):
     """A server answered with an error status; the message names the server, the path and its log."""
 
@@ -294,8 +310,9 @@ class RemoteEngine(InferenceEngine):
                 response = await self._http().request(method, path, json=json, params=params, timeout=timeout)
                 break
             except httpx.TimeoutException:
-                raise TimeoutError(f"waited {timeout:.0f} s for the {self.describe()} to answer {method} {path}"
-                                   ) from None
+                key = " (rollout.request_timeout_s)" if timeout == self.request_timeout_s else ""
+                raise TimeoutError(f"waited {timeout:.0f} s{key} for the {self.describe()} to answer {method} "
+                                   f"{path}") from None
             except httpx.TransportError as exc:
                 if attempt + 1 < attempts:
                     await asyncio.sleep(self.retry_delay_s)
@@ -304,7 +321,7 @@ class RemoteEngine(InferenceEngine):
                                       f"{attempts} attempt(s) ({type(exc).__name__}: {exc}); it has probably "
                                       f"stopped{log_tail(self.log_path)}") from None
         if response.status_code in (400, 422):
-            raise ValueError(f"the {self.describe()} refused {method} {path}: {response.text[:800]}")
+            raise ValueError(f"the {self.describe()} refused {method} {path}: {_error_text(response)}")
         if response.status_code >= 300:
             raise RemoteError(f"the {self.describe()} answered {method} {path} with HTTP {response.status_code}: "
                               f"{response.text[:800]}{log_tail(self.log_path)}")

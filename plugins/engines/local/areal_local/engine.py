@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from areal_core.api import GenerationRequest, GenerationResponse, InferenceEngine, ServerProcess
-from areal_core.remote import log_tail, run_log_path
+from areal_core.api import GenerationRequest, GenerationResponse, ServerProcess
+from areal_core.remote import RemoteEngine, http_ready, run_log_path
 
 
 @dataclass
@@ -26,31 +26,21 @@ def _model_arg(config: Any) -> str:
     return config.model.path or "demo"
 
 
-def _log_tail(config: Any, index: int) -> str:
-    """The server's own last log lines, for errors seen from the trainer."""
-    return log_tail(run_log_path(config, index))
+class LocalEngine(RemoteEngine):
+    """The client of one embedded server, on the HTTP client every remote engine shares
+    (:class:`areal_core.remote.RemoteEngine`: timeouts naming the wait, retries on connection errors where a
+    call may run twice, keep-alive shorter than the server's, errors quoting the server's log)."""
 
-
-class LocalEngine(InferenceEngine):
     capabilities = frozenset({"pause", "seed", "update_weights_from_disk", "update_weights_from_tensors"})
     config_class = LocalEngineConfig
 
     @classmethod
     def server_process(cls, context: Any, index: int, port: int) -> ServerProcess:
-        import httpx
-
         config, options = context.config, context.options or LocalEngineConfig()
         argv = [sys.executable, "-m", "areal_local.server", "--model", _model_arg(config),
                 "--dtype", config.model.dtype, "--port", str(port), "--max-batch", str(options.max_batch)]
-
-        def ready() -> bool:
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
-            except httpx.TransportError:  # not listening yet
-                return False
-
-        return ServerProcess(argv, ready, f"the /health endpoint of embedded engine {index} on 127.0.0.1:{port}",
-                             startup_timeout_s=options.startup_timeout_s)
+        return ServerProcess(argv, http_ready(port), f"the /health endpoint of embedded engine {index} on "
+                             f"127.0.0.1:{port}", startup_timeout_s=options.startup_timeout_s)
 
     @classmethod
     def create(cls, context: Any) -> LocalEngine:
@@ -61,69 +51,23 @@ class LocalEngine(InferenceEngine):
         return cls(context, address)
 
     def __init__(self, context: Any, address: str, timeout_s: float = 600.0) -> None:
-        super().__init__(context)
-        self.address = address
+        options = context.options or LocalEngineConfig()
         self.index = context.extras.get("server_index", 0)
-        config = context.config
-        self.timeout_s = getattr(getattr(config, "rollout", None), "request_timeout_s", timeout_s)
-        self._version = 0
-        self._client: Any = None
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def _http(self) -> Any:
-        import httpx
-
-        if self._client is None:
-            self._client = httpx.AsyncClient(base_url=f"http://{self.address}", timeout=self.timeout_s,
-                                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
-        return self._client
-
-    async def _post(self, path: str, body: dict | None = None) -> dict:
-        import httpx
-
-        try:
-            response = await self._http().post(path, json=body or {})
-        except httpx.TimeoutException:
-            raise TimeoutError(f"waited {self.timeout_s:.0f} s (rollout.request_timeout_s) for embedded engine "
-                               f"{self.index} at {self.address} to answer {path}") from None
-        except httpx.TransportError as exc:
-            raise ConnectionError(f"embedded engine {self.index} at {self.address} is unreachable during {path} "
-                                  f"({type(exc).__name__}: {exc}); it has probably crashed"
-                                  f"{_log_tail(self.context.config, self.index)}") from None
-        if response.status_code == 400:
-            raise ValueError(response.json()["detail"])
-        if response.status_code != 200:
-            raise RuntimeError(f"embedded engine {self.index} answered {path} with HTTP {response.status_code}: "
-                               f"{response.text[:500]}{_log_tail(self.context.config, self.index)}")
-        return response.json()
+        rollout = getattr(context.config, "rollout", None)
+        super().__init__(context, address, request_timeout_s=getattr(rollout, "request_timeout_s", timeout_s),
+                         startup_timeout_s=options.startup_timeout_s,
+                         log_path=context.extras.get("log_path") or run_log_path(context.config, self.index))
+        self.backend = f"embedded engine {self.index}"
 
     async def start(self) -> None:
-        health = await self._get_health()
-        self._version = health["version"]
-
-    async def _get_health(self) -> dict:
-        import httpx
-
-        try:
-            response = await self._http().get("/health", timeout=10)
-        except httpx.TransportError as exc:
-            raise ConnectionError(f"embedded engine {self.index} at {self.address} is unreachable "
-                                  f"({type(exc).__name__}: {exc}){_log_tail(self.context.config, self.index)}") from None
-        response.raise_for_status()
-        return response.json()
-
-    async def health(self) -> bool:
-        try:
-            return (await self._get_health())["status"] == "ok"
-        except Exception:
-            return False
+        """Take the version the server serves. The launcher waited for it to start, so a server that does not
+        answer now has failed: a ConnectionError naming it and quoting its log, not a wait."""
+        self._version = (await self.request("GET", "/health", timeout=10.0))["version"]
 
     async def agenerate(self, request: GenerationRequest) -> GenerationResponse:
         s = request.sampling
-        out = await self._post("/generate", {
+        # Not retried: a generation that reached the server before the connection broke must not run twice.
+        out = await self.request("POST", "/generate", retries=0, json={
             "rid": request.rid, "input_ids": list(request.input_ids),
             "sampling": {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
                          "top_k": s.top_k, "stop": list(s.stop), "stop_token_ids": list(s.stop_token_ids),
@@ -132,13 +76,13 @@ class LocalEngine(InferenceEngine):
                                   out["output_versions"], out["stop_reason"])
 
     async def pause(self) -> None:
-        await self._post("/pause")
+        await self.request("POST", "/pause")
 
     async def resume(self) -> None:
-        await self._post("/resume")
+        await self.request("POST", "/resume")
 
     async def update_weights_from_disk(self, path: str, version: int) -> None:
-        health = await self._post("/update_weights_from_disk", {"path": str(path), "version": version})
+        health = await self.request("POST", "/update_weights_from_disk", json={"path": str(path), "version": version})
         self._version = health["version"]
 
     async def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
@@ -148,7 +92,3 @@ class LocalEngine(InferenceEngine):
 
         await self.update_weights_from_disk(str(stage().write(named_tensors, version)), version)
 
-    async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None

@@ -204,7 +204,8 @@ def test_a_crashed_server_is_reported_with_its_own_log_lines(tmp_path):
         message = run(with_engine(crashing, body))
     finally:
         crashing.close()
-    assert "embedded engine 0 at 127.0.0.1:" in message and "has probably crashed" in message
+    assert "embedded engine 0 at 127.0.0.1:" in message and "is unreachable" in message
+    assert "has probably stopped" in message
     assert "last lines of its log:" in message and "areal_local.server" in message
 
 
