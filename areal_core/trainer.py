@@ -24,7 +24,6 @@ episode is admitted.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import itertools
 import json
 import os
@@ -45,6 +44,7 @@ from areal_core.checkpoint import (
 )
 from areal_core.config.validate import ValidatedRun, minibatch_problem, validate_run
 from areal_core.metrics import MetricsLogger, histogram, summarize, truncate_jsonl
+from areal_core.pending import PendingCall
 from areal_core.problems import ProblemsError, format_problems
 from areal_core.rollout import RolloutController, RolloutError, StallError, has_reward_variance, pack_groups
 from areal_core.rollout.elastic import EVENTS_FILE, LAUNCHER_DISCOVERY_ENV
@@ -72,36 +72,6 @@ def data_stream(dataset: Any, epochs: int) -> Iterator[Any]:
     """The dataset repeated ``epochs`` times (0: without end), in a fixed order."""
     for epoch in itertools.count() if epochs == 0 else range(epochs):
         yield from dataset
-
-
-class Background:
-    """A call run on a daemon thread of its own; :meth:`result` waits for it, at most ``timeout_s``.
-
-    Daemon, unlike ``ThreadPoolExecutor``'s workers, so a run that fails meanwhile is not held at exit by a call
-    still waiting on an inference server (those calls carry their own timeouts).
-    """
-
-    def __init__(self, fn: Any, what: str, timeout_s: float) -> None:
-        self.what, self._timeout_s = what, timeout_s
-        self._future: concurrent.futures.Future = concurrent.futures.Future()
-        self._future.set_running_or_notify_cancel()
-        threading.Thread(target=self._run, args=(fn,), name="areal-background", daemon=True).start()
-
-    def _run(self, fn: Any) -> None:
-        try:
-            self._future.set_result(fn())
-        except BaseException as exc:  # handed to whoever waits in result()
-            self._future.set_exception(exc)
-
-    def result(self) -> Any:
-        try:
-            return self._future.result(self._timeout_s)
-        except concurrent.futures.TimeoutError:
-            # Since Python 3.11 this is the builtin TimeoutError, which the call itself may raise (an engine's own
-            # timeout, naming its server and wait): that one is the true message, so it goes out as it is.
-            if self._future.done():
-                raise
-            raise TimeoutError(f"waited {self._timeout_s:.0f} s for a background call to {self.what}") from None
 
 
 class FilteredOutError(RuntimeError):
@@ -463,8 +433,9 @@ class Trainer:
                     named = [pair for bucket in buckets for pair in bucket]
                     return self.controller.update_weights_from_tensors(named, version, wait=False).result()
 
-                self._pending_sync = Background(export_and_send, f"hand the weights of version {version} to the "
-                                                                 f"inference engines", BACKGROUND_SYNC_TIMEOUT_S)
+                self._pending_sync = PendingCall.on_thread(
+                    export_and_send, BACKGROUND_SYNC_TIMEOUT_S,
+                    f"a background call to hand the weights of version {version} to the inference engines")
                 return paused_s
             named = [pair for bucket in buckets for pair in bucket]
             if self.rank != 0:

@@ -1,4 +1,5 @@
-"""The trainer's background call (the weight export beside training): result, failure, timeout."""
+"""The one pending-call type: the trainer's background call (the weight export beside training) and the rollout
+controller's calls on its loop: result, failure, timeout."""
 
 from __future__ import annotations
 
@@ -6,22 +7,23 @@ import threading
 
 import pytest
 
-from areal_core.trainer import Background
+from areal_core.pending import PendingCall
 
 
 def test_result_and_failure_reach_the_caller():
-    assert Background(lambda: 41 + 1, "add", 5.0).result() == 42
+    assert PendingCall.on_thread(lambda: 41 + 1, 5.0, "a background call to add").result() == 42
 
     def fail():
         raise ValueError("the server went away")
 
     with pytest.raises(ValueError, match="the server went away"):
-        Background(fail, "fail", 5.0).result()
+        PendingCall.on_thread(fail, 5.0, "a background call to fail").result()
 
 
 def test_a_call_past_its_timeout_is_named():
     release = threading.Event()
-    call = Background(release.wait, "hand the weights of version 7 to the inference engines", 0.2)
+    call = PendingCall.on_thread(release.wait, 0.2,
+                                 "a background call to hand the weights of version 7 to the inference engines")
     with pytest.raises(TimeoutError, match="waited 0 s for a background call to hand the weights of version 7"):
         call.result()
     release.set()
@@ -36,18 +38,17 @@ def test_a_timeout_raised_by_the_call_itself_keeps_its_message():
 
     with pytest.raises(TimeoutError, match=r"^waited 30 s \(rollout.request_timeout_s\) for embedded engine 1 at "
                                            r"127.0.0.1:4242"):
-        Background(hung_server, "hand the weights of version 3 to the inference engines", 1200.0).result()
+        PendingCall.on_thread(hung_server, 1200.0,
+                              "a background call to hand the weights of version 3 to the inference engines").result()
 
 
 def test_the_controllers_pending_call_keeps_the_calls_own_timeout_too():
     import concurrent.futures
 
-    from areal_core.rollout.controller import PendingCall
-
     future: concurrent.futures.Future = concurrent.futures.Future()
     future.set_exception(TimeoutError("waited 30 s for the vllm server at 127.0.0.1:8000 to answer POST /pause"))
     with pytest.raises(TimeoutError, match="^waited 30 s for the vllm server at 127.0.0.1:8000"):
-        PendingCall(future, 600.0, "update weights to version 3").result()
+        PendingCall(future, 600.0, "the rollout controller to update weights to version 3").result()
     never: concurrent.futures.Future = concurrent.futures.Future()
     with pytest.raises(TimeoutError, match="^waited 0 s for the rollout controller to pause generation"):
-        PendingCall(never, 0.05, "pause generation").result()
+        PendingCall(never, 0.05, "the rollout controller to pause generation").result()

@@ -43,6 +43,7 @@ from typing import Any, Awaitable, Callable, Iterable, Iterator
 from areal_core.api.inference import InferenceEngine
 from areal_core.api.workflow import Workflow
 from areal_core.rollout.batch import EpisodeGroup
+from areal_core.pending import PendingCall
 from areal_core.rollout.elastic import (DOWN, JOINING, ElasticConfig, EngineLost, EnginePool, HealthMonitor, Member,
                                          NoEngineError, Topology, settle)
 from areal_core.rollout.interruptible import ENGINE_FAILURES, InterruptibleEngine
@@ -65,22 +66,6 @@ def has_reward_variance(group: EpisodeGroup) -> bool:
     """A ``should_accept`` for dynamic filtering: False when every reward in the
     group is the same, which gives no signal under a group baseline."""
     return len(set(group.rewards)) > 1
-
-
-class PendingCall:
-    """A controller call running on its loop; :meth:`result` waits for it, with the controller's timeout."""
-
-    def __init__(self, future: concurrent.futures.Future, timeout_s: float, what: str) -> None:
-        self._future, self._timeout_s, self.what = future, timeout_s, what
-
-    def result(self) -> Any:
-        try:
-            return self._future.result(self._timeout_s)
-        except TimeoutError:
-            if self._future.done():  # the call's own TimeoutError (an engine naming its server): keep its message
-                raise
-            self._future.cancel()
-            raise TimeoutError(f"waited {self._timeout_s:.0f} s for the rollout controller to {self.what}") from None
 
 
 class RolloutController:
@@ -229,7 +214,8 @@ class RolloutController:
         if self._loop is None:
             coro.close()
             raise RuntimeError("the rollout controller is not started; call start() first")
-        return PendingCall(asyncio.run_coroutine_threadsafe(coro, self._loop), self.call_timeout_s, what)
+        return PendingCall(asyncio.run_coroutine_threadsafe(coro, self._loop), self.call_timeout_s,
+                           f"the rollout controller to {what}")
 
     def _kick(self) -> None:
         if self._loop is not None:
