@@ -46,6 +46,19 @@ def test_capacity_formula():
     assert StalenessManager(2, 0, 100).capacity(0) == 2
 
 
+def test_hand_out_waits_for_a_running_group_that_would_break_the_bound():
+    """The hand-out half of the bound, alone: eta 1, batch 2, trained at version 2. Handing out the two
+    oldest ready groups (started at 1) leaves a running group started at 0, due by version 1: it must be
+    trained now, so the batch waits for it. Without it running, or with the ready groups themselves overdue
+    (waiting would never end), the oldest go out."""
+    m = StalenessManager(batch_size=2, max_head_offpolicyness=1, max_concurrent_rollouts=100)
+    assert not m.may_hand_out([1, 1, 2], [0], count=2, version=2)
+    assert m.may_hand_out([1, 1, 2], [], count=2, version=2)
+    assert m.may_hand_out([0, 0, 0], [0], count=2, version=2)  # the ready ones alone overflow: no wait helps
+    assert not m.may_hand_out([1], [], count=2, version=2)  # not enough ready
+    assert m.may_hand_out([1, 2], [2], count=2, version=2)  # the running group is due later
+
+
 def test_pacing_lead_grows_when_the_trainer_waits_and_shrinks_when_a_batch_is_spare():
     m = StalenessManager(batch_size=2, max_head_offpolicyness=3, max_concurrent_rollouts=100, pacing=True)
     assert m.lead == 1 and m.capacity(0) == (1 + 0 + 1) * 2  # starts one version ahead, not eta

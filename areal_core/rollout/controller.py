@@ -326,34 +326,10 @@ class RolloutController:
         return max(self._version, self._target_version) if version is None else version
 
     def _can_hand_out(self, count: int, version: int) -> bool:
-        """Whether the ``count`` oldest ready groups may form the batch trained at ``version``.
-
-        Earliest-deadline-first: a group started at version ``s`` must be
-        trained by version ``s + eta``. Handing out the oldest ready groups
-        is safe when, for every later batch ``k = 0..eta`` steps ahead (trained
-        at ``version + k``), the groups left behind (ready or still running)
-        that are due by then fit in the ``k`` batches before it. Otherwise a
-        running group that is due soon must finish first, and the batch waits
-        for it.
-        """
-        if len(self._ready) < count:
-            return False
-        if len(self._ready) == count and not self._running:
-            return True
-        left_ready = [entry[0] for entry in heapq.nlargest(len(self._ready) - count, self._ready)]
-        if not self._fits(left_ready + list(self._running.values()), count, version):
-            # Waiting helps only if running episodes cause the overflow; when the
-            # ready groups alone overflow (the version moved on without batches
-            # being taken), waiting would never end: hand out the oldest.
-            return not self._fits(left_ready, count, version)
-        return True
-
-    def _fits(self, starts: list[int], count: int, version: int) -> bool:
-        for k in range(self.eta + 1):
-            due = version + k - self.eta
-            if sum(1 for start in starts if start <= due) > k * count:
-                return False
-        return True
+        """Whether the ``count`` oldest ready groups may form the batch trained at ``version`` (the staleness
+        bound's hand-out rule: :meth:`StalenessManager.may_hand_out`)."""
+        return self.staleness.may_hand_out(sorted(entry[0] for entry in self._ready), list(self._running.values()),
+                                           count, version)
 
     def _stalled(self, count: int) -> bool:
         return (self._source_done or self._source is None) and not self._pending and not self._running \

@@ -20,11 +20,11 @@ generation is the slower side keeps ``L = eta``; one whose training is slower
 settles at ``L = 1``, samples one version old instead of ``eta``, at the same
 throughput. ``eta`` stays the bound either way.
 
-Admission alone bounds how many samples exist per version; the controller
-also hands batches out oldest-first and holds a batch
-while an episode old enough to break the bound is still running, which makes
-the bound hold for every sample even when episodes finish out of order (see
-``RolloutController.wait``).
+Admission alone bounds how many samples exist per version; batches also go
+out oldest-first, and a batch is held while an episode old enough to break the
+bound is still running (:meth:`StalenessManager.may_hand_out`), which makes
+the bound hold for every sample even when episodes finish out of order. Both
+halves of the bound live here; the controller only asks.
 """
 
 from __future__ import annotations
@@ -61,6 +61,36 @@ class StalenessManager:
         by_concurrency = self.max_concurrent - c.running
         by_staleness = (self.lead + version + 1) * self.batch_size - (c.accepted + c.running)
         return max(0, min(by_concurrency, by_staleness))
+
+    def may_hand_out(self, ready: list[int], running: list[int], count: int, version: int) -> bool:
+        """Whether the ``count`` oldest ready groups may form the batch trained at ``version``.
+
+        ``ready``: the start versions of the ready groups, oldest first;
+        ``running``: those of the running ones. Earliest-deadline-first: a
+        group started at version ``s`` must be trained by version ``s + eta``.
+        Handing out the oldest ready groups is safe when, for every later batch
+        ``k = 0..eta`` steps ahead (trained at ``version + k``), the groups left
+        behind (ready or still running) that are due by then fit in the ``k``
+        batches before it. Otherwise a running group that is due soon must
+        finish first, and the batch waits for it.
+        """
+        if len(ready) < count:
+            return False
+        if len(ready) == count and not running:
+            return True
+        left = ready[count:]
+        if not self._fits(left + running, count, version):
+            # Waiting helps only if running episodes cause the overflow; when the ready groups alone overflow
+            # (the version moved on without batches being taken), waiting would never end: hand out the oldest.
+            return not self._fits(left, count, version)
+        return True
+
+    def _fits(self, starts: list[int], count: int, version: int) -> bool:
+        for k in range(self.eta + 1):
+            due = version + k - self.eta
+            if sum(1 for start in starts if start <= due) > k * count:
+                return False
+        return True
 
     def on_hand_out(self, waited: bool, ready: int) -> bool:
         """Pacing feedback from one batch taken by the trainer: ``waited`` when the batch was not ready as it
