@@ -22,7 +22,7 @@ AREAL = str(Path(sys.executable).with_name("areal"))
 
 def test_a_short_default_run_writes_a_complete_run_folder(tmp_path):
     pytest.importorskip("areal_fsdp")
-    from areal_local.models import tiny_model
+    from areal_core.testing import tiny_model
 
     model = tiny_model(tmp_path / "tiny", seed=0)
     overrides = [f"output_dir={tmp_path / 'runs'}", f"model.path={model}", "model.dtype=float32",

@@ -125,7 +125,7 @@ class Run:
 @pytest.fixture
 def faulty_run(tmp_path, rl_doubles_env):
     pytest.importorskip("areal_local")
-    from areal_local.models import tiny_model
+    from areal_core.testing import tiny_model
 
     model = tiny_model(tmp_path / "tiny", seed=0)
     config, env = rl_doubles_env

@@ -14,6 +14,12 @@ test class picks which optional features are tested (default: all the
 component declares); a test of one not picked is skipped, saying which.
 See ``docs/writing-plugins.md``.
 
+Helpers that several plugins' tests share live here too, so each plugin's
+tests run with only the core and that plugin installed: :func:`tiny_model`
+(a tiny random HF model folder, in :mod:`areal_core.testing.models` beside
+the numbers tests compare) and :func:`requires_plugin` (skip a test that
+drives another plugin when that plugin is not installed).
+
 Only test suites import this package (it imports pytest; never torch);
 importing :mod:`areal_core` does not.
 """
@@ -23,6 +29,8 @@ from areal_core.testing.base import KNOWN_CAPABILITIES, ComponentConformance, re
 from areal_core.testing.dataset import DatasetConformance
 from areal_core.testing.distributions import install_fake_distribution
 from areal_core.testing.inference import InferenceEngineConformance
+from areal_core.testing.installed import plugin_installed, requires_plugin
+from areal_core.testing.models import tiny_model
 from areal_core.testing.reward import RewardConformance
 from areal_core.testing.scripted_engine import ScriptedInferenceEngine
 from areal_core.testing.train import TrainEngineConformance, neg_logprob_loss
@@ -32,5 +40,6 @@ __all__ = [
     "KNOWN_CAPABILITIES", "AlgorithmConformance", "ComponentConformance", "DatasetConformance",
     "InferenceEngineConformance",
     "RewardConformance", "ScriptedInferenceEngine", "TrainEngineConformance", "WorkflowConformance",
-    "engine_spans", "install_fake_distribution", "neg_logprob_loss", "requires",
+    "engine_spans", "install_fake_distribution", "neg_logprob_loss", "plugin_installed", "requires",
+    "requires_plugin", "tiny_model",
 ]

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from areal_core.api import Context  # noqa: E402
 from areal_core.config.schema import RunConfig  # noqa: E402
 from areal_fsdp.engine import FSDPEngine, FSDPEngineConfig  # noqa: E402
-from areal_local.models import tiny_model  # noqa: E402
+from areal_core.testing import tiny_model  # noqa: E402
 
 LENS = [5, 8, 3]
 

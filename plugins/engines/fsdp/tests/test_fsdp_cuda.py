@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from areal_local.models import tiny_model  # noqa: E402
+from areal_core.testing import tiny_model  # noqa: E402
 
 # The engine tests' helpers (make_batch, LENGTHS, and dist_worker's make_engine / scenario), loaded as
 # test_shared_prefixes.py does.

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from areal_core.api import Context  # noqa: E402
 from areal_fsdp.engine import FSDPEngine, FSDPEngineConfig  # noqa: E402
-from areal_local.models import tiny_model  # noqa: E402
+from areal_core.testing import tiny_model  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("areal_fsdp_engine_tests",
                                                Path(__file__).with_name("test_fsdp_engine.py"))

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from areal_core.testing import requires_plugin
+
 pytest.importorskip("areal_fsdp")
-pytest.importorskip("areal_local")
 torch = pytest.importorskip("torch")
 
 AREAL = str(Path(sys.executable).with_name("areal"))
@@ -23,6 +24,12 @@ def score(prompt, completion, item):
 '''
 
 
+# What the run takes from other plugins, found by entry point as `areal run` finds it: the embedded
+# inference engine, and the default algorithm, workflow and dataset.
+@requires_plugin("areal.engines.inference", "local")
+@requires_plugin("areal.algorithms", "grpo")
+@requires_plugin("areal.workflows", "rlvr")
+@requires_plugin("areal.datasets", "arithmetic")
 @pytest.mark.parametrize(("actor", "lora"), [
     pytest.param("fsdp:cpu", False, id="full", marks=pytest.mark.slow),
     pytest.param("fsdp:cpu", True, id="lora", marks=pytest.mark.slow),
@@ -36,7 +43,7 @@ def score(prompt, completion, item):
 def test_a_run_syncs_weights_as_tensors_through_shared_memory(tmp_path, actor, lora):
     from safetensors.torch import load_file
 
-    from areal_local.models import tiny_model
+    from areal_core.testing import tiny_model
 
     model = tiny_model(tmp_path / "tiny", seed=0)
     (tmp_path / "t5_parity_reward.py").write_text(REWARD_MODULE)

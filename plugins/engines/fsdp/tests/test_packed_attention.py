@@ -89,7 +89,7 @@ def test_the_engine_attends_per_sequence_with_sdpa_and_trains_like_the_masked_pa
     from areal_core.api import Context
     from areal_core.config.schema import RunConfig
     from areal_fsdp.engine import FSDPEngine, FSDPEngineConfig
-    from areal_local.models import tiny_model
+    from areal_core.testing import tiny_model
 
     cfg = RunConfig()
     cfg.model.path, cfg.model.dtype = str(tiny_model(tmp_path / "llama", seed=3)), "float32"

@@ -22,7 +22,7 @@ from areal_core.config.schema import RunConfig  # noqa: E402
 from areal_fsdp import attention  # noqa: E402
 from areal_fsdp import engine as engine_module  # noqa: E402
 from areal_fsdp.prefix import attention_plan, share_prefixes  # noqa: E402
-from areal_local.models import tiny_model  # noqa: E402
+from areal_core.testing import tiny_model  # noqa: E402
 
 # The engine tests' helpers (config, engine, worst), loaded as test_fsdp_lora.py does.
 _spec = importlib.util.spec_from_file_location("areal_fsdp_engine_tests",

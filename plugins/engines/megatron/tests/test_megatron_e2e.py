@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("megatron.core")
-pytest.importorskip("areal_local")
 
+from areal_core.testing import requires_plugin  # noqa: E402
 from areal_core.testing.distributions import install_fake_distribution  # noqa: E402
+
+# The rollout side is the embedded inference engine, another plugin: found by its entry point.
+pytestmark = requires_plugin("areal.engines.inference", "local")
 
 # The core's RL doubles (dataset, workflow, reward, algorithm), installed as a fake distribution as
 # tests/test_trainer_e2e.py does; the train engine is the real megatron one.
@@ -30,14 +33,12 @@ GRPO_WITH_KL = ("algorithm.name=grpo", "algorithm.decoupled=true", "algorithm.pr
     ("megatron:cpu", "disk", ("algorithm.name=rl_pg_double",)),
     ("megatron:t2@cpu", "tensors", ("algorithm.name=rl_pg_double",)),
     # the PPO plugin's grpo: proximal logprobs recomputed, KL to a megatron reference engine (role reference)
-    ("megatron:t2@cpu", "disk", GRPO_WITH_KL),
+    pytest.param("megatron:t2@cpu", "disk", GRPO_WITH_KL, marks=requires_plugin("areal.algorithms", "grpo")),
     # two pipeline stages: the first stage's rank 0 drives the trainer with what the last stage computed
     ("megatron:p2@cpu", "tensors", ("algorithm.name=rl_pg_double",)),
 ], ids=["t1-disk", "t2-tensors", "t2-grpo-kl", "p2-tensors"])
 def test_megatron_trains_against_the_embedded_engine(tmp_path, placement, weight_sync, algorithm):
-    if algorithm is GRPO_WITH_KL:
-        pytest.importorskip("areal_ppo")
-    from areal_local.models import tiny_model
+    from areal_core.testing import tiny_model
 
     sys.path.insert(0, str(DOUBLES))
     try:

@@ -26,8 +26,8 @@ from areal_core.api import Context  # noqa: E402
 from areal_core.config.allocation import parse_allocation  # noqa: E402
 from areal_core.config.schema import RunConfig  # noqa: E402
 from areal_core.launch.supervisor import free_port, rendezvous_env  # noqa: E402
-from areal_core.testing import TrainEngineConformance  # noqa: E402
-from areal_local.models import tiny_model  # noqa: E402
+from areal_core.testing import TrainEngineConformance, tiny_model  # noqa: E402
+from areal_core.testing.models import hf_logprobs, max_abs_diff as worst  # noqa: E402
 from areal_megatron import convert  # noqa: E402
 from areal_megatron.cpu import CPURNGStatesTracker, cuda_device_reads_cpu  # noqa: E402
 from areal_megatron.engine import MegatronEngine, MegatronEngineConfig, Schedule, balanced_split, pack_under  # noqa: E402
@@ -86,25 +86,6 @@ def engine(cfg: RunConfig, role: str = "actor", allocation: str = "megatron:cpu"
                                       extras={"role": role}))
     e.initialize()
     return e
-
-
-def hf_logprobs(lm, batch: dict, temperature: float = 1.0) -> list[float]:
-    """Each sequence alone through a plain HF forward: log_softmax(logits / T) gathered at the next token."""
-    out: list[float] = []
-    cu = batch["cu_seqlens"]
-    with torch.no_grad():
-        for a, b in zip(cu[:-1], cu[1:]):
-            ids = torch.tensor(batch["input_ids"][a:b])[None]
-            logp = (lm(ids).logits[0].float() / temperature).log_softmax(-1)
-            out += [0.0] + logp[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
-    return out
-
-
-def worst(a, b) -> float:
-    a = torch.as_tensor(a, dtype=torch.float64)
-    b = torch.as_tensor(b, dtype=torch.float64)
-    assert a.shape == b.shape, f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}"
-    return (a - b).abs().max().item() if a.numel() else 0.0
 
 
 def nll(logprobs, entropy, mb):

@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from areal_core.testing import requires_plugin
 from areal_core.testing.distributions import install_fake_distribution
 from areal_vllm.engine import default_python
 
-pytestmark = pytest.mark.slow
+# The train side of these runs is the fsdp engine, another plugin: found by its entry point.
+pytestmark = [pytest.mark.slow, requires_plugin("areal.engines.train", "fsdp")]
 
 PYTHON = default_python()
 if PYTHON == sys.executable or not Path(PYTHON).is_file():
@@ -27,7 +29,7 @@ AREAL = str(Path(sys.executable).with_name("areal"))
 
 
 def tiny_vllm_model(tmp_path):
-    from areal_local.models import tiny_model
+    from areal_core.testing import tiny_model
 
     # vLLM's CPU attention needs a head size of 64 (the default tiny shape has 16)
     return tiny_model(tmp_path / "tiny", seed=0, hidden_size=128, heads=2, kv_heads=1, dtype="bfloat16")
@@ -54,7 +56,6 @@ def areal_run(tmp_path, trial: str, model, overrides: list[str]):
 
 
 def test_areal_run_trains_fsdp_against_real_vllm_servers(tmp_path):
-    pytest.importorskip("areal_fsdp")
     proc, run_dir = areal_run(tmp_path, "vllm", tiny_vllm_model(tmp_path), [
         "allocation=vllm:d2@cpu+fsdp:cpu", f"rollout.python={PYTHON}", "rollout.kv_cache_gib=1",
         "rollout.max_model_len=256", "rollout.max_head_offpolicyness=1", "trainer.total_steps=3",
@@ -71,7 +72,6 @@ def test_areal_run_trains_fsdp_against_real_vllm_servers(tmp_path):
 def test_areal_run_attaches_to_a_running_vllm_server(tmp_path):
     """rollout.addresses: the launcher starts no server; the run generates on, and sends its weights to, one
     started beforehand (here by a ServerFleet, as a user would start it elsewhere)."""
-    pytest.importorskip("areal_fsdp")
     from areal_core.api import ServerProcess
     from areal_core.remote import ServerFleet, http_ready
     from areal_vllm.engine import VLLMEngineConfig, server_argv

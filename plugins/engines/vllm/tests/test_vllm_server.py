@@ -39,7 +39,7 @@ OPTIONS = VLLMEngineConfig(kv_cache_gib=1, max_model_len=8192, startup_timeout_s
 
 
 def tiny(path: Path, seed: int) -> Path:
-    from areal_local.models import tiny_model
+    from areal_core.testing import tiny_model
 
     # vLLM's CPU attention needs a head size of 32, 64, 80, 96, 112, 128...: 16 (the default tiny shape) crashes it.
     return tiny_model(path, seed=seed, hidden_size=128, heads=2, kv_heads=1, dtype="bfloat16",

@@ -13,6 +13,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def tiny_model_dir():
-    from areal_local.models import tiny_model
+    from areal_core.testing import tiny_model
 
     return tiny_model(Path(tempfile.mkdtemp(prefix="areal-multi-turn-")) / "model", seed=0, max_position_embeddings=1024)

@@ -248,7 +248,7 @@ class TestMultiTurnConformance(WorkflowConformance):
     items = [CHAT, RAW]
 
     def make(self, cls):
-        from areal_local.models import tiny_model
+        from areal_core.testing import tiny_model
 
         folder = Path(tempfile.gettempdir()) / "areal-multi-turn-conformance-model"
         if not (folder / "config.json").exists():

@@ -10,7 +10,7 @@ import pytest
 
 from areal_core.api import Context, call_reward
 from areal_core.config.schema import RunConfig
-from areal_core.testing import ScriptedInferenceEngine, WorkflowConformance
+from areal_core.testing import ScriptedInferenceEngine, WorkflowConformance, requires_plugin
 from areal_rlvr.workflow import RLVRConfig, RLVRWorkflow
 
 FEW_SHOT = {"id": "a/1", "prompt": "3+4=7\n10+5=15\n8+9=17\n6+19=", "answer": "25", "stop": ["\n"],
@@ -99,7 +99,7 @@ class TestRLVRConformance(WorkflowConformance):
         import tempfile
         from pathlib import Path
 
-        from areal_local.models import tiny_model
+        from areal_core.testing import tiny_model
 
         folder = Path(tempfile.gettempdir()) / "areal-rlvr-conformance-model"
         if not (folder / "config.json").exists():
@@ -108,17 +108,29 @@ class TestRLVRConformance(WorkflowConformance):
                                   extras={"reward": starts_with_answer}))
 
 
+# The real embedded engine is another plugin's: found by its entry point, as `areal run` finds it.
+needs_local_engine = requires_plugin("areal.engines.inference", "local")
+
+
+def local_engine_class():
+    from areal_core.api import InferenceEngine
+    from areal_core.registry import resolve
+
+    return resolve("inference_engine", "local", InferenceEngine)
+
+
 @pytest.fixture(scope="module")
 def local_server(tiny_model_dir, tmp_path_factory):
     """The real embedded engine serving the tiny model, started with the launcher's own recipe."""
     from areal_core.launch import ProcessSpec, Supervisor, free_port
-    from areal_local.engine import LocalEngine, LocalEngineConfig
 
+    local_engine = local_engine_class()
     root = tmp_path_factory.mktemp("rlvr-local")
     config = make_config(tiny_model_dir)
     config.output_dir, config.experiment, config.trial = str(root / "runs"), "e", "t"
     port = free_port()
-    recipe = LocalEngine.server_process(Context(config=config, options=LocalEngineConfig(max_batch=8)), 0, port)
+    options = local_engine.config_class(max_batch=8)
+    recipe = local_engine.server_process(Context(config=config, options=options), 0, port)
     supervisor = Supervisor(root / "logs", term_timeout_s=5)
     process = supervisor.start(ProcessSpec("rollout-0", recipe.argv, threads=1))
     try:
@@ -128,13 +140,12 @@ def local_server(tiny_model_dir, tmp_path_factory):
         supervisor.stop_all()
 
 
+@needs_local_engine
 def test_same_seed_same_trajectory_with_the_real_local_engine(tiny_model_dir, local_server):
-    from areal_local.engine import LocalEngine
-
     config, port = local_server
 
     async def episode(seed):
-        engine = LocalEngine.create(Context(config=config, extras={"address": f"127.0.0.1:{port}"}))
+        engine = local_engine_class().create(Context(config=config, extras={"address": f"127.0.0.1:{port}"}))
         await engine.start()
         try:
             flow = workflow(tiny_model_dir, seed=seed, group_size=4, max_new_tokens=8, temperature=1.0)
