@@ -86,7 +86,7 @@ def areal_validate_config(config: Any) -> list[Problem]:
 
 
 @hookspec(firstresult=True)
-def areal_resolve_model(path: str, dtype: str) -> str | None:
+def areal_resolve_model(path: str, dtype: str, materialize: bool) -> str | None:
     """Turn ``model.path`` into a local HF folder, or return None to pass.
 
     Called (in any process, possibly often) by
@@ -97,6 +97,11 @@ def areal_resolve_model(path: str, dtype: str) -> str | None:
     and the tokenizer, materialising it first if needed (a one-time
     conversion into a user cache is fine; a network download is not). The
     first non-None answer wins.
+
+    ``materialize`` is False when ``areal check`` only asks whether the name
+    is known (for a non-empty ``model.path`` that is not a folder): answer
+    with the folder it would be, writing nothing. A non-empty path that is
+    not a folder and that no plugin knows is refused before the run starts.
     """
 
 

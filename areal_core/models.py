@@ -28,7 +28,7 @@ def resolve_model_path(path: str, dtype: str = "auto") -> Path:
     from areal_core.plugins import get_plugin_manager
 
     concrete = resolve_dtype(dtype)
-    answer = get_plugin_manager().hook.areal_resolve_model(path=path, dtype=concrete)
+    answer = get_plugin_manager().hook.areal_resolve_model(path=path, dtype=concrete, materialize=True)
     if answer is not None:
         return Path(answer)
     if not path:

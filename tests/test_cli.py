@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -94,6 +95,7 @@ def test_run_writes_the_resolved_config_then_launches(double_stack, tmp_path):
     assert written["allocation"] == "infer_double:cpu+train_double:cpu"
     assert json.loads((run_dir / "launched.json").read_text()) == {"allocation": "infer_double:cpu+train_double:cpu",
                                                                    "resume": False}
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "time": 0}\n')  # the launcher double trains no step itself
     again, _ = invoke("run", *double_stack, f"output_dir={out}", "experiment=exp")
     assert again.exit_code == 1
     assert "already holds a run. Fix: continue it with --resume" in again.output
@@ -156,3 +158,159 @@ def test_console_script_prints_plugin_warnings_on_stderr(tmp_path):
                              text=True, env=env)
     assert out.returncode == 0
     assert 'warning: Error importing plugin "broken" (areal-plugin-broken 0.3.0)' in " ".join(out.stderr.split())
+
+
+# --- issue 21, item 3: check refuses what run would refuse or crash on; a failed start does not block its re-run ---
+
+LONG_OVERRIDE = "actor.optimizer.lr=1" + "0" * 400  # longer than a file name may be (255 bytes)
+
+
+def test_a_long_first_override_is_an_override_not_a_config_path(double_stack, tmp_path):
+    for command in ("check", "run"):
+        result, _ = invoke(command, LONG_OVERRIDE, *double_stack, f"output_dir={tmp_path / 'runs'}")
+        assert result.exit_code == 1 and not isinstance(result.exception, OSError), result.exception
+        assert result.output == (
+            "1 problem in the built-in demo:\n"
+            "  1. [core.range] actor.optimizer.lr: an integer of 401 digits is too large for a number (at most "
+            "about 1.8e308)\n         fix: set actor.optimizer.lr to a smaller number\n")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_long_config_path_is_a_problem_not_a_traceback(tmp_path):
+    result, _ = invoke("check", "x" * 300 + ".yaml")
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
+    assert "[core.config-file] cannot read config xxx" in result.output and "File name too long" in result.output
+
+
+def test_an_existing_config_file_with_an_equals_sign_in_its_name_is_still_the_config(double_stack, tmp_path):
+    path = tmp_path / "lr=1e-5.yaml"
+    path.write_text("actor:\n  optimizer:\n    lr: 1.0e-5\n")
+    result, _ = invoke("check", str(path), *double_stack)
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"{path}: OK.")
+
+
+@pytest.mark.parametrize("override, key", [
+    ("rollout.sampling.temperature=.inf", "rollout.sampling.temperature"),
+    ('rollout.sampling.stop=[""]', "rollout.sampling.stop"),
+    ("eval.success=nan", "eval.success"),
+    ("trainer.save_every_s=.inf", "trainer.save_every_s"),
+    ("actor.optimizer.eps=.inf", "actor.optimizer.eps"),
+    ("rollout.group_size=1e20", "rollout.group_size"),
+    ("rollout.group_size=100000000000000000000", "rollout.group_size"),
+    ("model.path=/nowhere/at/all", "model.path"),
+])
+def test_check_refuses_what_the_run_would_refuse(double_stack, override, key):
+    result, _ = invoke("check", *double_stack, override)
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert result.output.startswith("1 problem in the built-in demo:\n") and f"] {key}: " in result.output
+
+
+def test_check_and_run_refuse_an_empty_or_missing_model_folder(double_stack, tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "weights.safetensors").write_bytes(b"")
+    for path, what in ((tmp_path / "empty", "is an empty folder"), (tmp_path / "weights.safetensors", "is a file")):
+        for command in ("check", "run"):
+            result, _ = invoke(command, *double_stack, f"model.path={path}", f"output_dir={tmp_path / 'runs'}")
+            assert result.exit_code == 1, result.output
+            assert f"[core.model] model.path: '{path}' {what}" in result.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_empty_config_file_is_refused_by_check_and_run(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing set yet\n")
+    for command in ("check", "run"):
+        result, _ = invoke(command, str(path), f"output_dir={tmp_path / 'runs'}")
+        assert result.exit_code == 1
+        assert f"[core.config-file] config {path} is empty" in result.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_output_dir_that_cannot_be_written_is_refused_and_nothing_is_left(double_stack, tmp_path, monkeypatch):
+    import errno
+    import tempfile
+
+    real_mkdtemp = tempfile.mkdtemp
+    parent = tmp_path / "mount"
+    parent.mkdir()
+
+    def read_only_below(*args, dir=None, **kwargs):
+        if dir is not None and Path(dir).is_relative_to(parent):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        return real_mkdtemp(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only_below)
+    for command in ("check", "run"):
+        result, _ = invoke(command, *double_stack, f"output_dir={parent / 'runs'}")
+        assert result.exit_code == 1, result.output
+        assert "[core.output-dir] output_dir:" in result.output and "the file system is read-only" in result.output
+    assert list(parent.iterdir()) == []
+    ok, _ = invoke("check", *double_stack, f"output_dir={tmp_path / 'elsewhere'}")
+    assert ok.exit_code == 0, ok.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mount", "stack"]
+
+
+@pytest.fixture
+def failing_launch(monkeypatch):
+    """The launcher double, failing before the first step (as a server that dies at start) until told not to."""
+    import stack_doubles
+
+    state = {"fail": True, "launches": []}
+    real = stack_doubles.LauncherDouble.launch
+
+    def launch(self, run, run_dir, *, resume=False):
+        state["launches"].append(resume)
+        if state["fail"]:
+            (Path(run_dir) / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.1}\n')  # eval before
+            (Path(run_dir) / "samples.jsonl").write_text("")
+            return 1
+        return real(self, run, run_dir, resume=resume)
+
+    monkeypatch.setattr(stack_doubles.LauncherDouble, "launch", launch)
+    return state
+
+
+def test_a_start_that_failed_before_its_first_step_does_not_block_its_re_run(double_stack, tmp_path, failing_launch):
+    out = [*double_stack, f"output_dir={tmp_path / 'runs'}"]
+    run_dir = tmp_path / "runs" / "demo" / "run0"
+    first, _ = invoke("run", *out)
+    assert first.exit_code == 1 and (run_dir / "config.yaml").exists()
+    failing_launch["fail"] = False
+    again, _ = invoke("run", *out, "algorithm.eps_clip=0.4")  # the same trial, its config fixed
+    assert again.exit_code == 0, again.output
+    assert failing_launch["launches"] == [False, False]
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["algorithm"]["extra"]["eps_clip"] == 0.4
+    assert not (run_dir / "metrics.jsonl").exists()  # the failed start's rows are gone
+
+
+def test_resume_of_a_start_that_failed_before_its_first_step_starts_afresh(double_stack, tmp_path, failing_launch):
+    out = [*double_stack, f"output_dir={tmp_path / 'runs'}"]
+    run_dir = tmp_path / "runs" / "demo" / "run0"
+    assert invoke("run", *out)[0].exit_code == 1
+    failing_launch["fail"] = False
+    resumed, _ = invoke("run", *out, "algorithm.eps_clip=0.4", "--resume")  # a changed config is no obstacle
+    assert resumed.exit_code == 0, resumed.output
+    assert "holds no completed step" in resumed.output and "nothing to resume from" in resumed.output
+    assert failing_launch["launches"] == [False, False]
+    assert json.loads((run_dir / "launched.json").read_text())["resume"] is False
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')  # now it holds a step: a run
+    refused, _ = invoke("run", *out, "algorithm.eps_clip=0.4")
+    assert refused.exit_code == 1 and "already holds a run" in refused.output
+    resumed, _ = invoke("run", *out, "algorithm.eps_clip=0.4", "--resume")
+    assert resumed.exit_code == 0 and failing_launch["launches"][-1] is True
+
+
+def test_a_run_folder_in_use_is_refused(double_stack, tmp_path, failing_launch):
+    import fcntl
+
+    out = [*double_stack, f"output_dir={tmp_path / 'runs'}"]
+    run_dir = tmp_path / "runs" / "demo" / "run0"
+    assert invoke("run", *out)[0].exit_code == 1  # a start that stopped before its first step...
+    failing_launch["fail"] = False
+    with open(run_dir / "run.lock", "a") as held:  # ...and another `areal run` of the same trial still starting
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        busy, _ = invoke("run", *out)
+    assert busy.exit_code == 1 and "is in use by another areal run" in busy.output
+    assert failing_launch["launches"] == [False]
+    assert invoke("run", *out)[0].exit_code == 0

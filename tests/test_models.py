@@ -50,3 +50,21 @@ def test_the_local_plugin_provides_the_demo_model():
     from areal_local import hooks
 
     assert hooks.areal_resolve_model(path="/some/folder", dtype="float32") is None
+
+
+def test_a_run_asks_the_plugins_to_materialize_the_model(monkeypatch):
+    """`areal check` asks with materialize=False (tests/test_config.py); the run's own resolution with True."""
+    import areal_core.plugins as plugins
+
+    asked = []
+
+    class NamedModels:
+        @staticmethod
+        @hookimpl
+        def areal_resolve_model(path, dtype, materialize):
+            asked.append((path, dtype, materialize))
+            return "/cache/" + path
+
+    monkeypatch.setattr(plugins, "get_plugin_manager", lambda **_: manager_from_modules(NamedModels))
+    assert str(resolve_model_path("tiny-llama", "float32")) == "/cache/tiny-llama"
+    assert asked == [("tiny-llama", "float32", True)]

@@ -15,6 +15,10 @@ def _rules(meta: dict) -> str:
     parts = [f"{_RULE_WORDS[k]} {v}" for k, v in meta.items() if k in _RULE_WORDS]
     if "choices" in meta:
         parts.append("one of " + ", ".join(map(str, meta["choices"])))
+    if "min_length" in meta:
+        parts.append("no empty string" if meta["min_length"] == 1 else f"strings of >= {meta['min_length']} characters")
+    if meta.get("allow_inf"):
+        parts.append(".inf allowed")
     return ", ".join(parts)
 
 

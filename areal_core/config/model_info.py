@@ -32,10 +32,9 @@ def read_model_info(path: str) -> ModelInfo | None:
     """Read ``path/config.json``; None when there is no such local file (yet)."""
     if not path:
         return None
-    config_file = Path(path).expanduser() / "config.json"
     try:
-        raw = json.loads(config_file.read_text())
-    except (OSError, ValueError):
+        raw = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError, RuntimeError):  # RuntimeError: '~nobody' names no home folder
         return None
     if not isinstance(raw, dict):
         return None

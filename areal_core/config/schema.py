@@ -1,10 +1,14 @@
 """The typed run config. YAML and ``key=value`` overrides are checked against it.
 
 Ranges and choices live in each field's metadata (``ge``, ``gt``, ``le``,
-``lt``, ``choices``, ``pattern``) so one walker checks all of them and names
-the key, the value and what is allowed. A component section (``actor``,
-``rollout``, ``algorithm``, ...) may also hold keys its selected component
-declares in its own ``config_class``; those land in the section's ``extra``.
+``lt``, ``choices``, ``pattern``, ``min_length``) so one walker checks all of
+them and names the key, the value and what is allowed. Every float is finite
+(``nan`` and ``.inf`` are refused: no consumer here takes them, and a server
+cannot even send them as JSON) unless its metadata says ``allow_inf=True``;
+every int fits in 64 bits; ``list[str]`` items are strings. A component
+section (``actor``, ``rollout``, ``algorithm``, ...) may also hold keys its
+selected component declares in its own ``config_class``; those land in the
+section's ``extra``.
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ class SamplingConfig:
     temperature: float = spec(1.0, ge=0.0, help="0 = greedy")
     top_p: float = spec(1.0, gt=0.0, le=1.0)
     top_k: int = spec(-1, ge=-1, help="-1 = off")
-    stop: list = spec(factory=list, help="stop strings")
+    stop: list[str] = spec(factory=list, min_length=1, help="stop strings (none empty: an empty one would stop "
+                           "every completion at once, and the servers refuse it)")
 
 
 @dataclass

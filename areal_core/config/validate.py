@@ -9,7 +9,9 @@ its plugin rather than a traceback.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from areal_core.config.allocation import Allocation, AllocationParseError, parse_allocation
@@ -147,6 +149,106 @@ def _capability_problems(run: ValidatedRun) -> list[Problem]:
     return [] if problem is None else [problem]
 
 
+def _path_error(exc: Exception) -> str:
+    """What the file system (or pathlib) said about a path, in words."""
+    if isinstance(exc, RuntimeError):  # Path.expanduser
+        return "its '~user' names no home folder on this machine"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc)
+
+
+MODEL_FIX = ("set model.path to a local Hugging Face model folder (config.json, *.safetensors weights, tokenizer), "
+             "or to '' for the built-in demo model")
+
+
+def model_path_problems(path: str, dtype: str, manager: PluginManager, problems: list[Problem]) -> list[Problem]:
+    """What makes ``model.path`` unloadable, found without loading it.
+
+    ``""`` (the built-in demo model) is left to the plugin that provides it. A folder must hold a readable
+    ``config.json`` and ``*.safetensors`` weights (what every train engine reads). Anything else must be a
+    name some plugin's ``areal_resolve_model`` knows; it is asked with ``materialize=False``, so nothing is
+    written. A plugin that crashes when asked is reported in ``problems``.
+    """
+    if not path:
+        return []
+    shown = path if len(path) <= 120 else f"{path[:100]}... ({len(path)} characters)"
+    try:
+        folder = Path(path).expanduser()
+        is_dir, exists = folder.is_dir(), folder.exists()
+    except (OSError, ValueError, RuntimeError) as exc:  # too long a name, a NUL byte, an unknown ~user
+        return [Problem("core.model", f"{shown!r} cannot be a model folder: {_path_error(exc)}", MODEL_FIX,
+                        "model.path")]
+    if not is_dir:
+        known = [answer for _, answer in manager.call_each("areal_resolve_model", problems, path=path, dtype=dtype,
+                                                           materialize=False) if answer is not None]
+        if known:
+            return []
+        what = "is a file, not a folder" if exists else "does not exist"
+        return [Problem("core.model", f"{shown!r} {what}, and no installed plugin knows it as a model name",
+                        MODEL_FIX, "model.path")]
+    try:
+        names = {child.name for child in folder.iterdir()}
+    except OSError as exc:
+        return [Problem("core.model", f"folder {shown!r} cannot be read: {exc.strerror or exc}", MODEL_FIX,
+                        "model.path")]
+    missing = []
+    if "config.json" not in names:
+        missing.append("no config.json")
+    else:
+        try:
+            parsed = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            missing.append(f"a config.json that cannot be read as JSON ({exc})")
+        else:
+            if not isinstance(parsed, dict):
+                missing.append("a config.json that is not a JSON object")
+    if not any(name.endswith(".safetensors") for name in names):
+        bins = any(name.endswith(".bin") for name in names)
+        missing.append("only PyTorch *.bin weights; the engines read *.safetensors (convert with transformers: "
+                       "from_pretrained then save_pretrained)" if bins else "no *.safetensors weights")
+    if not missing:
+        return []
+    what = "is an empty folder" if not names else f"holds {' and '.join(missing)}"
+    return [Problem("core.model", f"{shown!r} {what}: it is not a Hugging Face model folder", MODEL_FIX,
+                    "model.path")]
+
+
+def output_problems(config: RunConfig) -> list[Problem]:
+    """Whether ``<output_dir>/<experiment>/<trial>`` can be created and written, tried for real.
+
+    The nearest folder of that path that exists already gets a temporary folder made and removed in it
+    (so a read-only mount or a missing permission shows, for root too where the file system refuses);
+    nothing is left behind.
+    """
+    import errno
+    import os
+    import tempfile
+
+    key = "output_dir"
+    raw = config.output_dir
+    shown = raw if len(raw) <= 120 else f"{raw[:100]}... ({len(raw)} characters)"
+    try:
+        run_dir = Path(raw).expanduser() / config.experiment / config.trial
+        probe = run_dir
+        while not probe.exists():
+            if probe.parent == probe:
+                break
+            probe = probe.parent
+        if not probe.is_dir():
+            return [Problem("core.output-dir", f"{probe} is a file, so the run folder {run_dir} cannot be made "
+                            f"there", "set output_dir to a folder (it is created if missing)", key)]
+        os.rmdir(tempfile.mkdtemp(prefix=".areal-check-", dir=probe))
+    except (OSError, ValueError, RuntimeError) as exc:
+        reason = {errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+                  errno.EPERM: "permission denied", errno.ENOSPC: "the disk is full"}.get(
+            getattr(exc, "errno", None), _path_error(exc))
+        return [Problem("core.output-dir", f"{shown!r}: the run folder <output_dir>/{config.experiment}/"
+                        f"{config.trial} cannot be written: {reason}",
+                        "set output_dir to a folder you can write (it is created if missing)", key)]
+    return []
+
+
 def validate_run(path: str | None = None, overrides: list[str] | None = None, *,
                  manager: PluginManager | None = None, with_components: bool = True) -> ValidatedRun:
     """Load, resolve and validate a run; ``run.problems`` holds everything wrong."""
@@ -163,6 +265,7 @@ def validate_run(path: str | None = None, overrides: list[str] | None = None, *,
                                     f"{exc.position + 1}\n      {exc.text}\n      {' ' * exc.position}^",
                                     "see docs/engines.md for the allocation grammar", key="allocation"))
     run.model = read_model_info(config.model.path)
+    run.problems.extend(model_path_problems(config.model.path, config.model.dtype, manager, run.problems))
     if with_components:
         resolve_components(run)
         run.problems.extend(_capability_problems(run))

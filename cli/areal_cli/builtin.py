@@ -17,26 +17,34 @@ from areal_core.problems import format_problems
 console = Console(highlight=False, soft_wrap=True, markup=False)
 err = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
 
-ConfigArg = Annotated[Optional[Path], typer.Argument(help="YAML run config; omit for the built-in demo")]
+# A str, not a Path: what the file system makes of the name is the loader's to report (as a problem).
+ConfigArg = Annotated[Optional[str], typer.Argument(help="YAML run config (a file path); omit for the built-in demo")]
 OverridesArg = Annotated[Optional[list[str]], typer.Argument(help="dotted overrides, e.g. actor.optimizer.lr=1e-5")]
 
 
 DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
 
 
-def _split(config: Path | None, overrides: list[str] | None) -> tuple[str, list[str]]:
+def _split(config: str | None, overrides: list[str] | None) -> tuple[str, list[str]]:
     """The config file (the built-in demo when none is given) and the overrides.
 
-    Typer cannot tell `areal check a=1` from `areal check file.yaml`; an '=' marks an override.
+    Typer cannot tell `areal check a=1` from `areal check file.yaml`: a first argument with an '=' is an
+    override unless it names an existing file (a name the file system refuses, too long for instance, names
+    none). Without an '=' it is the config, and what is wrong with it is reported as a problem.
     """
     overrides = list(overrides or [])
-    if config is not None and "=" in str(config) and not config.exists():
-        return str(DEMO_CONFIG), [str(config), *overrides]
-    return (str(config) if config is not None else str(DEMO_CONFIG)), overrides
+    if config is not None and "=" in config:
+        try:
+            is_file = Path(config).is_file()
+        except (OSError, ValueError):
+            is_file = False
+        if not is_file:
+            return str(DEMO_CONFIG), [config, *overrides]
+    return (config if config is not None else str(DEMO_CONFIG)), overrides
 
 
-def _validated(config: Path | None, overrides: list[str] | None):
-    from areal_core.config.validate import validate_run
+def _validated(config: str | None, overrides: list[str] | None):
+    from areal_core.config.validate import output_problems, validate_run
     from areal_core.problems import ProblemsError
 
     path, overrides = _split(config, overrides)
@@ -45,6 +53,7 @@ def _validated(config: Path | None, overrides: list[str] | None):
     except ProblemsError as exc:
         err.print(str(exc))
         raise typer.Exit(1) from None
+    run.problems.extend(output_problems(run.config))
     if run.problems:
         source = "the built-in demo" if path == str(DEMO_CONFIG) else path
         err.print(format_problems(run.problems, source))
@@ -64,34 +73,118 @@ ResumeOpt = Annotated[bool, typer.Option("--resume", help="continue the run in i
 
 
 def run(config: ConfigArg = None, overrides: OverridesArg = None, resume: ResumeOpt = False) -> None:
-    """Train: with no CONFIG, the built-in demo (a small real model on a built-in task, CPU only)."""
+    """Train: with no CONFIG, the built-in demo (a small real model on a built-in task, CPU only).
+
+    The run folder is <output_dir>/<experiment>/<trial>. One that holds a run
+    (a completed step or a checkpoint) is continued with --resume, with the
+    same config, and refused without it. One whose earlier start stopped
+    before its first step holds nothing to keep: the run starts afresh there,
+    with this config, with or without --resume (which then says that there
+    is nothing to resume from).
+    """
     from areal_core.api import Context
 
     validated, _ = _validated(config, overrides)
     cfg = validated.config
     run_dir = Path(cfg.output_dir).expanduser() / cfg.experiment / cfg.trial
-    saved = run_dir / "config.yaml"
     resolved = validated.resolved_dict()
+    resume = _decide(run_dir, resolved, resume)
+    launcher_cls = validated.components["launcher"]
+    launcher = launcher_cls.create(Context(config=cfg, options=validated.options.get("launcher")))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        claim = _claim(run_dir)
+    except OSError as exc:
+        err.print(f"cannot create the run folder {run_dir}: {exc.strerror or exc}. Fix: set output_dir to a folder "
+                  f"you can write.")
+        raise typer.Exit(1) from None
+    with claim:
+        if _decide(run_dir, resolved, resume, quiet=True) != resume:  # another start got there in between
+            err.print(f"run folder {run_dir} changed while this run was starting. Fix: run the command again.")
+            raise typer.Exit(1)
+        if not resume:
+            for leftover in (METRICS_FILE, SAMPLES_FILE):  # rows of a start that stopped before its first step
+                (run_dir / leftover).unlink(missing_ok=True)
+            write_resolved_config(resolved, run_dir / CONFIG_FILE)
+        code = launcher.launch(validated, run_dir, resume=resume)
+    raise typer.Exit(code)
+
+
+CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, LOCK_FILE = "config.yaml", "metrics.jsonl", "samples.jsonl", "run.lock"
+
+
+def _decide(run_dir: Path, resolved: dict, resume: bool, *, quiet: bool = False) -> bool:
+    """Whether to launch with resume, from what the run folder holds; exits (1) where it must refuse."""
+    saved = run_dir / CONFIG_FILE
+    started = _holds_a_step(run_dir)
     if resume:
         if not saved.exists():
             err.print(f"--resume: {run_dir} holds no run to resume (no config.yaml). Fix: check output_dir, "
                       f"experiment and trial, or drop --resume to start the run.")
             raise typer.Exit(1)
+        if not started:
+            if not quiet:
+                err.print(f"--resume: {run_dir} holds no completed step (its earlier start stopped before the first "
+                          f"one), so there is nothing to resume from; starting the run afresh there.")
+            return False
         differences = _differences(_load_yaml(saved), resolved)
         if differences:
             err.print(f"--resume: the config differs from the one {run_dir} was started with, at: "
                       f"{', '.join(differences)}. Fix: resume with the same config and overrides.")
             raise typer.Exit(1)
-    elif saved.exists():
+        return True
+    if started:
         err.print(f"run folder {run_dir} already holds a run. Fix: continue it with --resume, choose another "
                   f"name with trial=<name>, or delete the folder.")
         raise typer.Exit(1)
-    launcher_cls = validated.components["launcher"]
-    launcher = launcher_cls.create(Context(config=cfg, options=validated.options.get("launcher")))
-    if not resume:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_resolved_config(resolved, saved)
-    raise typer.Exit(launcher.launch(validated, run_dir, resume=resume))
+    return False
+
+
+def _holds_a_step(run_dir: Path) -> bool:
+    """A complete checkpoint, or a step (>= 1) in metrics.jsonl; an unreadable folder counts as holding one."""
+    from areal_core.checkpoint import CheckpointStore
+
+    try:
+        if CheckpointStore(run_dir / "checkpoints").latest() is not None:
+            return True
+        lines = (run_dir / METRICS_FILE).read_bytes().splitlines()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # cannot tell: never start over what may be a run's results
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] >= 1:
+            return True
+    return False
+
+
+class _claim:
+    """An exclusive lock on <run_dir>/run.lock for as long as this command runs the folder's run.
+
+    The lock goes with the process (flock), so a crashed or killed ``areal run`` never leaves it held.
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        import fcntl
+
+        self.file = open(run_dir / LOCK_FILE, "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.close()
+            err.print(f"run folder {run_dir} is in use by another areal run (it holds {LOCK_FILE}). Fix: wait for "
+                      f"it to end, or choose another name with trial=<name>.")
+            raise typer.Exit(1) from None
+
+    def __enter__(self) -> "_claim":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.file.close()
 
 
 def _load_yaml(path: Path) -> dict:

@@ -27,7 +27,7 @@ from areal_core import Problem
 from areal_core.api import Reward
 from areal_core.config.schema import spec
 from areal_tasks.expression import evaluate
-from areal_tasks.synthetic import SyntheticDataset
+from areal_tasks.synthetic import MAX_VALIDATION_SIZE, SyntheticDataset
 
 STYLES = ("few_shot", "chat")
 ALLOWED_OPERATORS = ("+", "-", "*")
@@ -55,7 +55,9 @@ class ArithmeticConfig:
                                              "accuracy with answer-line completions")
     instruction: str = spec(CHAT_INSTRUCTION, help="the chat style's user message; {expression} is the problem")
     size: int = spec(0, ge=0, help="train problems; 0 = an endless stream")
-    validation_size: int = spec(64, ge=0, help="held-out problems, never in the train split")
+    validation_size: int = spec(64, ge=0, le=MAX_VALIDATION_SIZE,
+                                help="held-out problems, never in the train split (drawn at the start, by "
+                                     "areal check too)")
 
 
 class ArithmeticDataset(SyntheticDataset):

@@ -20,7 +20,7 @@ from areal_core import Problem
 from areal_core.api import Reward
 from areal_core.config.schema import spec
 from areal_tasks.expression import ExpressionError, evaluate
-from areal_tasks.synthetic import SyntheticDataset
+from areal_tasks.synthetic import MAX_VALIDATION_SIZE, SyntheticDataset
 
 MAX_TRIES = 1000
 PROMPT = ("Using the numbers {numbers}, write an arithmetic expression that equals {target}. "
@@ -40,7 +40,9 @@ class CountdownConfig:
     use_all: bool = spec(False, help="the answer must use every number (each exactly once)")
     exact_division: bool = spec(True, help="every division must leave no remainder")
     size: int = spec(0, ge=0, help="train problems; 0 = an endless stream")
-    validation_size: int = spec(64, ge=0, help="held-out problems, never in the train split")
+    validation_size: int = spec(64, ge=0, le=MAX_VALIDATION_SIZE,
+                                help="held-out problems, never in the train split (drawn at the start, by "
+                                     "areal check too)")
 
 
 class CountdownDataset(SyntheticDataset):

@@ -36,10 +36,18 @@ def _files_problems(config: Any, extra: dict) -> list[Problem]:
                                 "dataset.path"))
     for key in ("path", "validation_path"):
         value = extra.get(key, "")
-        if value and isinstance(value, str) and not Path(value).expanduser().exists():
+        if value and isinstance(value, str) and not _exists(value):
             problems.append(Problem("tasks.missing-file", f"{value} does not exist",
                                     f"point dataset.{key} at an existing file or folder", f"dataset.{key}"))
     return problems or _rows_problems(config, extra)
+
+
+def _exists(path: str) -> bool:
+    """False too for a name the file system refuses (too long, a NUL byte) and for '~nobody/...'."""
+    try:
+        return Path(path).expanduser().exists()
+    except (OSError, ValueError, RuntimeError):
+        return False
 
 
 def _rows_problems(config: Any, extra: dict) -> list[Problem]:

@@ -19,6 +19,8 @@ from areal_core.api import Dataset, pass_order, stable_seed
 
 # Draws allowed per wanted problem before the problem space is declared too small.
 MAX_DRAWS_PER_ITEM = 50
+# The most held-out problems a task draws (at the start of a run, and in `areal check`): a few seconds' work.
+MAX_VALIDATION_SIZE = 10_000
 
 
 class SyntheticDataset(Dataset):
@@ -58,16 +60,19 @@ class SyntheticDataset(Dataset):
     def _draw_validation(self) -> list[tuple[Hashable, dict[str, Any]]]:
         wanted = self.options.validation_size
         found: dict[Hashable, dict[str, Any]] = {}
-        draws = 0
+        draws = last_new = 0
         while len(found) < wanted:
-            if draws >= MAX_DRAWS_PER_ITEM * wanted:
+            # Given up after 50 draws per wanted problem, or as soon as 50 per problem found brought nothing new
+            # (the space is spent: a space of 441 problems asked for 10**8 stops after ~22,000 draws, not 5e9).
+            if draws >= MAX_DRAWS_PER_ITEM * wanted or draws - last_new >= MAX_DRAWS_PER_ITEM * max(1, len(found)):
                 raise ValueError(
                     f"{self.task}: only {len(found)} distinct problems found in {draws} draws, but "
                     f"dataset.validation_size is {wanted}; the options allow too few problems. Fix: lower "
                     f"dataset.validation_size, or widen the problem space (more operands, larger numbers)")
             key, item = self.draw(self._rng("validation", draws))
             draws += 1
-            found.setdefault(key, item)
+            if key not in found:
+                found[key], last_new = item, draws
         return [(key, {"id": f"{self.task}/validation/{k}", **item}) for k, (key, item) in enumerate(found.items())]
 
     def _train(self) -> Iterator[dict[str, Any]]:

@@ -60,6 +60,19 @@ def test_validation_set_larger_than_the_problem_space_is_refused():
         ArithmeticDataset(Context(options=ArithmeticConfig(min_value=0, max_value=2, validation_size=20)))
 
 
+def test_a_spent_problem_space_is_refused_at_once_and_the_validation_size_is_bounded():
+    """441 problems asked for 10,000 held-out ones: refused after ~50 fruitless draws per problem found, not
+    after 50 per problem wanted (areal check took minutes on 10**8); above 10,000 is a range problem."""
+    import re
+
+    with pytest.raises(ValueError, match="only 441 distinct problems") as err:
+        ArithmeticDataset(Context(options=ArithmeticConfig(validation_size=10_000)))
+    assert int(re.search(r"found in (\d+) draws", str(err.value)).group(1)) <= 441 * 60
+    run = validate_run(None, ["dataset.name=countdown", "dataset.validation_size=100000000"])
+    assert [p.message for p in run.problems if p.key == "dataset.validation_size"] == [
+        "100000000 is out of range; it must be <= 10000"]
+
+
 def test_areal_check_refuses_evaluation_without_validation_problems():
     def problems(*overrides):
         run = validate_run(None, ["dataset.name=arithmetic", *overrides])
@@ -107,3 +120,9 @@ class TestCountdownConformance(DatasetConformance):
     component_name = "countdown"
     options = {"count": 3, "max_number": 10, "max_target": 40, "validation_size": 30}
     take = 200
+
+
+def test_a_files_path_the_file_system_cannot_resolve_is_a_missing_file_not_a_crash():
+    for path in ("~no-such-user-here/train.jsonl", "x" * 300 + ".jsonl"):
+        run = validate_run(None, ["dataset.name=files", f"dataset.path={path}"])
+        assert [p.code for p in run.problems if p.key == "dataset.path"] == ["tasks.missing-file"], run.problems
