@@ -51,7 +51,6 @@ from areal_core.rollout.elastic import EVENTS_FILE, LAUNCHER_DISCOVERY_ENV
 from areal_core.threads import serial_torch
 from areal_core.train_batches import MINIBATCH_KEY, POLICY_VERSION_KEY, assign_minibatches
 
-DIST_TIMEOUT_S = 600
 WEIGHT_BUCKET_BYTES = 256 * 1024**2  # rollout.weight_sync=tensors: the most bytes gathered at once
 # A weight export beside training, then the engines' update: each waits 600 s at most on its own
 BACKGROUND_SYNC_TIMEOUT_S = 1200.0
@@ -605,7 +604,10 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S))
+        # Every collective of this group waits at most trainer.collective_timeout_s for the other ranks: a hung
+        # rank (stopped, deadlocked) ends the run then, from the ranks still running, instead of holding it.
+        timeout = datetime.timedelta(seconds=run.config.trainer.collective_timeout_s)
+        dist.init_process_group(backend, timeout=timeout)
     # The launcher stops a run with SIGTERM (then SIGKILL after its grace period). Python's default for SIGTERM
     # ends the process at once, skipping every finally block and finalizer: the weights staged in /dev/shm
     # (hundreds of MB) then outlived the run. As SystemExit they are cleaned up like at a normal exit.
@@ -625,7 +627,29 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"areal: the run stopped at step {trainer.step}: {exc.__cause__ or exc}", file=sys.stderr)
         return 1
+    except RuntimeError as exc:
+        if world == 1 or not _collective_timed_out(exc):
+            raise
+        # A rank that stopped answering: the traceback only says that a receive timed out; say what and whom.
+        others = ", ".join(f"actor-rank{r}" for r in range(world) if r != rank)
+        print(f"areal trainer rank {rank}: waited trainer.collective_timeout_s = "
+              f"{run.config.trainer.collective_timeout_s:g} s at step {trainer.step} for the other train rank(s) "
+              f"({others}) in a collective, and gave up: one of them is hung or lost (its log shows where it "
+              f"stopped). Fix: see their logs; if a step can legitimately keep a rank away longer, raise "
+              f"trainer.collective_timeout_s. ({str(exc).strip().splitlines()[-1][:300]})", file=sys.stderr)
+        return 1
     return 0
+
+
+def _collective_timed_out(exc: BaseException) -> bool:
+    """Whether ``exc`` (or its cause) is torch.distributed's timeout of a collective (gloo: "Timed out waiting
+    ... for recv operation"; nccl: "Watchdog caught collective operation timeout")."""
+    while exc is not None:
+        text = str(exc)
+        if "Timed out waiting" in text or "collective operation timeout" in text:
+            return True
+        exc = exc.__cause__
+    return False
 
 
 if __name__ == "__main__":

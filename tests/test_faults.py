@@ -8,6 +8,8 @@ reproducible (``pytest tests/test_faults.py -m slow -k "server-kill and 3"``). W
 
 - a train rank killed: the launcher stops within seconds naming the rank and how it died, every process of the
   run is gone, and ``--resume`` finishes the run with each step recorded once and no item trained twice;
+- a train rank hung (SIGSTOP, two ranks): the other rank gives up after ``trainer.collective_timeout_s`` and
+  the run stops naming it; ``--resume`` as above;
 - the launcher killed: every process follows it; ``--resume`` as above;
 - the launcher stopped (SIGSTOP) and continued: the run finishes as if nothing happened;
 - a server killed: without ``rollout.elastic`` the run stops naming the server; with it the run finishes
@@ -158,6 +160,26 @@ def test_train_rank_killed(faulty_run, seed):
     run.finish()
     run.assert_trained_once_within_the_bound()
     run.assert_no_orphans()
+
+
+def test_train_rank_hung(faulty_run):
+    """A train rank stopped (SIGSTOP: a deadlock, a wedged device) holds the others in their next collective for
+    trainer.collective_timeout_s, then the run stops naming the rank that gave up, and the stopped one is
+    killed with the rest. With one train rank nothing waits on it: that case is not covered."""
+    _, steps, delay = moment(5)
+    run = faulty_run("rank-hang", "allocation=local:d2@cpu+rl_train_double:d2@cpu", "trainer.collective_timeout_s=15")
+    run.start_until(steps, delay)
+    trainers = run.pids("trainer")
+    assert len(trainers) == 2
+    os.kill(trainers[1], signal.SIGSTOP)
+    out, took = run.fails(within_s=120)
+    assert run.proc.returncode == 1 and "exited with code 1" in out, out
+    assert "waited trainer.collective_timeout_s = 15 s" in out and "one of them is hung or lost" in out, out
+    assert took < 15 + 45, (took, out)
+    run.assert_no_orphans()
+    run.start("--resume")
+    run.finish()
+    run.assert_trained_once_within_the_bound()
 
 
 @pytest.mark.parametrize("seed", [0, 1])

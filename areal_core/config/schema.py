@@ -138,6 +138,9 @@ class TrainerConfig:
     save_every: int = spec(0, ge=0, help="steps between checkpoints; 0 = only at the end")
     save_every_s: float = spec(0.0, ge=0.0, help="seconds between checkpoints; 0 = off")
     seed: int = spec(1, ge=0)
+    collective_timeout_s: float = spec(600.0, gt=0.0, help="seconds a train rank waits for the others in a "
+                                       "collective (gradients, broadcasts, checkpoints) before it stops the run: "
+                                       "how long a hung or lost rank can hold a multi-rank run")
 
 
 @dataclass
