@@ -20,6 +20,13 @@ ALLOW_ENV = "AREAL_LOAD_PLUGINS"
 BLOCK_ENV = "AREAL_DISABLE_PLUGINS"
 
 
+def claimed_twice(what: str, owners: str) -> tuple[str, str]:
+    """(message, fix) for a name two installed distributions both provide: ``what`` names it ("trainer engine
+    'fsdp'", 'plugin name "x"'), ``owners`` lists them."""
+    return (f"{what} is provided by two distributions: {owners}",
+            f"uninstall one of them, or block one with {BLOCK_ENV}=<distribution>")
+
+
 def normalize(name: str) -> str:
     """PEP 503 normalisation, so ``Areal_Plugin.FSDP`` names ``areal-plugin-fsdp``."""
     return re.sub(r"[-_.]+", "-", name).lower()

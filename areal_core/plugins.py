@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import pluggy
 
 from areal_core import hookspecs
-from areal_core.discovery import BLOCK_ENV, Found, closest, entry_points
+from areal_core.discovery import claimed_twice, BLOCK_ENV, Found, closest, entry_points
 from areal_core.hookspecs import PROJECT
 
 GROUP = "areal"
@@ -123,10 +123,8 @@ class PluginManager:
                 owners = " and ".join(c.owner for c in claims)
                 for c in claims:
                     info = self._info(c)
-                    info.errors.append(
-                        f'plugin name "{name}" is claimed by two distributions: {owners}. '
-                        f"Fix: uninstall one, or block one with {BLOCK_ENV}=<distribution>."
-                    )
+                    message, fix = claimed_twice(f'plugin name "{name}"', owners)
+                    info.errors.append(f"{message}. Fix: {fix}.")
                     self.plugins[f"{name} ({c.owner})"] = info
                 continue
             self.register_found(claims[0])

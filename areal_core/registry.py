@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from areal_core.discovery import BLOCK_ENV, Found, did_you_mean, entry_points
+from areal_core.discovery import Found, claimed_twice, did_you_mean, entry_points
 
 # kind -> (entry-point group, what a user calls one, config key that selects it)
 KINDS: dict[str, tuple[str, str, str]] = {
@@ -42,7 +42,12 @@ def contract_for(kind: str) -> type | None:
 
 
 class ComponentError(Exception):
-    """The selected component cannot be used; the message says why and how to fix it."""
+    """The selected component cannot be used: ``message`` says why, ``fix`` what to do (kept apart so that
+    ``areal check`` reports them as a problem's fields; ``str()`` joins them for a traceback)."""
+
+    def __init__(self, message: str, fix: str) -> None:
+        self.message, self.fix = message, fix
+        super().__init__(f"{message}. Fix: {fix}.")
 
 
 @dataclass(frozen=True)
@@ -98,15 +103,11 @@ def find(kind: str, name: str) -> ComponentEntry:
         else:
             what = f"No {label} plugin is installed."
         raise ComponentError(
-            f"no {label} named '{name}' is installed.{did_you_mean(name, available)} {what} "
-            f"Fix: correct {key}, or install the plugin that provides '{name}'."
-        )
+            f"no {label} named '{name}' is installed.{did_you_mean(name, available)} {what}".rstrip("."),
+            f"correct {key}, or install the plugin that provides '{name}'")
     if len(matches) > 1:
-        owners = " and ".join(f"{m.owner} ({m.value})" for m in matches)
-        raise ComponentError(
-            f"{label} '{name}' is provided by two distributions: {owners}. "
-            f"Fix: uninstall one of them, or block one with {BLOCK_ENV}=<distribution>."
-        )
+        raise ComponentError(*claimed_twice(f"{label} '{name}'",
+                                            " and ".join(f"{m.owner} ({m.value})" for m in matches)))
     return matches[0]
 
 
@@ -122,21 +123,18 @@ def resolve(kind: str, name: str, expected: type | None = None) -> object:
         obj = Found(KINDS[kind][0], entry.name, entry.value, entry.distribution, entry.version).load()
     except Exception as exc:
         raise ComponentError(
-            f"{label} '{name}' from {entry.owner} failed to import ({entry.value}): "
-            f"{type(exc).__name__}: {exc}. Fix: reinstall it with "
-            f"`pip install --force-reinstall {entry.distribution}`, or select another {label}."
+            f"{label} '{name}' from {entry.owner} failed to import ({entry.value}): {type(exc).__name__}: {exc}",
+            f"reinstall it with `pip install --force-reinstall {entry.distribution}`, or select another {label}"
         ) from exc
     if expected is not None and not (isinstance(obj, type) and issubclass(obj, expected)):
         raise ComponentError(
             f"{label} '{name}' from {entry.owner} points at {entry.value}, which is "
-            f"{obj!r}, not a subclass of {expected.__module__}.{expected.__qualname__}. "
-            f"Fix: the plugin's entry point must name a class implementing that contract."
-        )
+            f"{obj!r}, not a subclass of {expected.__module__}.{expected.__qualname__}",
+            "the plugin's entry point must name a class implementing that contract")
     if expected is not None and inspect.isabstract(obj):
         missing = ", ".join(sorted(obj.__abstractmethods__))
         raise ComponentError(
             f"{label} '{name}' from {entry.owner} ({entry.value}) leaves {missing} of "
-            f"{expected.__qualname__} unimplemented, so it cannot be built. "
-            f"Fix: the plugin must implement every abstract method of the contract."
-        )
+            f"{expected.__qualname__} unimplemented, so it cannot be built",
+            "the plugin must implement every abstract method of the contract")
     return obj

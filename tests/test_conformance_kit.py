@@ -173,9 +173,12 @@ def test_reward_suite_passes_good_rewards_and_fails_each_broken_one(pytester, ki
     """)
     every = set(public_tests(RewardConformance))
     assert outcomes(results, "TestToyReward") == {"passed": every, "skipped": set(), "failed": set()}
+    # No config_class (no keys of its own) and no examples: those two checks skip, naming why.
+    not_applicable = {"test_examples_score_as_expected", "test_config_class_is_a_dataclass_with_defaults"}
     assert outcomes(results, "TestAsyncDictReward") == {
-        "passed": every - {"test_examples_score_as_expected"}, "skipped": {"test_examples_score_as_expected"},
-        "failed": set()}
+        "passed": every - not_applicable, "skipped": not_applicable, "failed": set()}
+    assert "has no config_class" in message(
+        results, "TestAsyncDictReward::test_config_class_is_a_dataclass_with_defaults")
     assert "TestAsyncDictReward.examples is empty" in message(
         results, "TestAsyncDictReward::test_examples_score_as_expected")
 
@@ -236,8 +239,9 @@ def test_workflow_suite_checks_token_in_token_out(pytester, kit_doubles):
             items = ITEMS[1:]
     """)
     every = set(public_tests(WorkflowConformance))
-    assert outcomes(results, "TestToyWorkflow")["passed"] == every
-    assert outcomes(results, "TestMultiTurnWorkflow")["passed"] == every
+    no_keys = {"test_config_class_is_a_dataclass_with_defaults"}  # workflow doubles without keys of their own
+    for double in ("TestToyWorkflow", "TestMultiTurnWorkflow"):
+        assert outcomes(results, double) == {"passed": every - no_keys, "skipped": no_keys, "failed": set()}
 
     # Its re-made ids are not the engine's, yet it trains on them and tags them with a version.
     assert failed(results, "TestRetokenizingWorkflow") == {"test_loss_mask_is_one_exactly_on_engine_tokens",
@@ -544,3 +548,20 @@ def test_importing_the_core_imports_neither_the_kit_nor_torch():
                                    TrainEngineConformance, AlgorithmConformance])
 def test_suites_are_not_collected_until_subclassed(suite):
     assert not suite.__name__.startswith("Test") and "__init__" not in vars(suite)
+
+
+def test_no_kit_check_passes_by_returning_early():
+    """A kit check that does not apply to a component skips with the reason; one that returned early would be
+    reported as passed while it checked nothing (issue 22)."""
+    import ast
+    from pathlib import Path
+
+    import areal_core.testing
+
+    early = []
+    for path in Path(areal_core.testing.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_"):
+                early += [f"{path.name}:{sub.lineno} {node.name}" for sub in ast.walk(node)
+                          if isinstance(sub, ast.Return) and sub.value is None]
+    assert not early, "kit checks that return without asserting (skip instead): " + ", ".join(early)

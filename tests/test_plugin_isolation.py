@@ -170,6 +170,13 @@ def test_the_core_imports_no_plugin():
     assert not found, "the core must not import a plugin:\n" + "\n".join(f"  {c}" for c in found)
 
 
+def test_the_core_never_imports_the_cli():
+    """The CLI renders what the core gathers (the plugin listing, problems); a core module that imports it
+    would make every plugin's tests and every trainer process depend on the command line."""
+    found = cross_imports(python_files(ROOT / "areal_core"), frozenset(), {"areal_cli": "areal (the CLI)"})
+    assert not found, "the core must not import the CLI:\n" + "\n".join(f"  {c}" for c in found)
+
+
 # ---------------------------------------------------------------------- the check itself
 
 def write(path: Path, text: str) -> None:

@@ -93,8 +93,8 @@ def test_two_distributions_claiming_one_plugin_name_are_both_named(tmp_path):
          plugin(tmp_path, "areal-plugin-two", "same", "two_hooks", GOOD_HOOKS, "2.0.0"):
         manager = get_plugin_manager(refresh=True)
     errors = [e for info in manager.plugins.values() for e in info.errors]
-    expected = ('plugin name "same" is claimed by two distributions: areal-plugin-one 1.0.0 and '
-                "areal-plugin-two 2.0.0. Fix: uninstall one, or block one with "
+    expected = ('plugin name "same" is provided by two distributions: areal-plugin-one 1.0.0 and '
+                "areal-plugin-two 2.0.0. Fix: uninstall one of them, or block one with "
                 "AREAL_DISABLE_PLUGINS=<distribution>.")
     assert errors == [expected, expected]
     assert "same" not in manager.pm.list_name_plugin()
@@ -167,6 +167,7 @@ def test_two_distributions_claiming_one_component_name(tmp_path, monkeypatch):
         "areal-plugin-a 1.0.0 (m:f). Fix: uninstall one of them, or block one with "
         "AREAL_DISABLE_PLUGINS=<distribution>."
     )
+    assert err.value.fix == "uninstall one of them, or block one with AREAL_DISABLE_PLUGINS=<distribution>"
 
 
 def test_component_import_error_names_distribution_and_fix(tmp_path):

@@ -17,7 +17,7 @@ from typing import Any
 from areal_core.config.allocation import Allocation, AllocationParseError, parse_allocation
 from areal_core.config.load import build, load_config
 from areal_core.config.model_info import ModelInfo, read_model_info
-from areal_core.discovery import closest
+from areal_core.discovery import claimed_twice, closest
 from areal_core.config.schema import COMPONENT_SECTIONS, RunConfig
 from areal_core.parallelism import BackendSupport, role_of
 from areal_core.plugins import PluginManager, get_plugin_manager
@@ -57,11 +57,6 @@ class ValidatedRun:
         return data
 
 
-def split_fix(message: str) -> tuple[str, str]:
-    head, sep, fix = message.partition(" Fix: ")
-    return head, fix.rstrip(".") if sep else ""
-
-
 def declared_backends(manager: PluginManager) -> tuple[dict[str, BackendSupport], dict[str, str], list[Problem]]:
     """Every declared backend, who declared it, and any clash between declarations."""
     backends: dict[str, BackendSupport] = {}
@@ -75,12 +70,9 @@ def declared_backends(manager: PluginManager) -> tuple[dict[str, BackendSupport]
                                         f"report this to the maintainers of {info.distribution}"))
                 continue
             if support.backend in backends:
-                problems.append(Problem(
-                    "core.duplicate-backend",
-                    f"backend '{support.backend}' is declared by two plugins: "
-                    f"{owners[support.backend]} and {info.distribution} {info.version}",
-                    "uninstall one of them, or block one with AREAL_DISABLE_PLUGINS=<distribution>",
-                    key="allocation"))
+                problems.append(Problem("core.duplicate-backend", *claimed_twice(
+                    f"backend '{support.backend}'", f"{owners[support.backend]} and {info.distribution} "
+                                                    f"{info.version}"), key="allocation"))
                 continue
             backends[support.backend] = support
             owners[support.backend] = f"{info.distribution} {info.version}"
@@ -98,7 +90,7 @@ def resolve_components(run: ValidatedRun) -> None:
         try:
             cls = resolve(kind, name, expected=contract_for(kind))
         except ComponentError as exc:
-            message, fix = split_fix(str(exc))
+            message, fix = exc.message, exc.fix
             owner = run.backend_owners.get(name) if kind.endswith("_engine") else None
             if owner and name not in names(kind):
                 message += (f" ({owner} declares the backend '{name}' for placement checks but "

@@ -216,7 +216,7 @@ def write_resolved_config(data: dict, target: Path) -> None:
 
 def plugins(as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False) -> None:
     """Every installed plugin: distribution, version, components, hooks and load errors."""
-    from areal_cli.listing import collect_listing
+    from areal_core.listing import collect_listing
 
     listing = collect_listing()
     if as_json:

@@ -1,15 +1,22 @@
-"""What ``areal plugins`` reports, gathered without importing any component."""
+"""What is installed, by distribution: hook plugins, components, declared backends, errors and warnings.
+
+Gathered without importing any component (entry points and hook calls only).
+``areal plugins`` renders it; the conformance kit reads it. Data here, the
+presentation in the CLI (as datasette keeps ``get_plugins()`` in its core).
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 
-from areal_core.discovery import entry_points, normalize
+from areal_core.discovery import claimed_twice, entry_points, normalize
 from areal_core.plugins import get_plugin_manager
 from areal_core.registry import KINDS
 
 
 def collect_listing() -> dict:
+    """``{"distributions": [{"distribution", "version", "builtin", "plugins", "hooks", "components",
+    "backends", "errors", "warnings"}, ...]}``, the core first, then by name."""
     manager = get_plugin_manager()
     by_dist: dict[str, dict] = {}
 
@@ -33,11 +40,9 @@ def collect_listing() -> dict:
             claims.setdefault(found.name, []).append(found)
         for name, founds in claims.items():
             if len(founds) > 1:
-                owners = " and ".join(f.owner for f in founds)
+                message, fix = claimed_twice(f"{label} '{name}'", " and ".join(f.owner for f in founds))
                 for f in founds:
-                    entry(f.distribution, f.version, f.builtin)["errors"].append(
-                        f"{label} '{name}' is provided by two distributions: {owners}. Fix: uninstall "
-                        f"one, or block one with AREAL_DISABLE_PLUGINS=<distribution>.")
+                    entry(f.distribution, f.version, f.builtin)["errors"].append(f"{message}. Fix: {fix}.")
     for info, result in manager.call_each("areal_declare_backends"):
         for support in result or []:
             try:
