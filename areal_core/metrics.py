@@ -197,7 +197,7 @@ class ProgressDisplay:
             return
         from rich.console import Console
 
-        console = console if console is not None else Console(stderr=True)
+        console = console if console is not None else Console(stderr=True, emoji=False)
         if not console.is_terminal:
             return
         from rich.progress import (

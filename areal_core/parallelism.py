@@ -4,16 +4,24 @@ Each engine plugin declares its backends through ``areal_declare_backends``;
 the rules every plan must obey whatever the backend (known backend, supported
 dimensions and devices, colocated components of equal size, one trainer and
 at least one inference engine) are checked here, and plugins add their own
-through ``areal_validate_parallelism``.
+through ``areal_validate_parallelism``. :func:`declare_backend` and
+:func:`validate_components` build those two hooks, so that a plugin's hook
+module states only its backend and its rules.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from areal_core.config.allocation import DIMENSION_NAMES, DIMENSIONS, Allocation, Component
 from areal_core.discovery import did_you_mean
+from areal_core.hookspecs import hookimpl
 from areal_core.problems import Problem
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from areal_core.config.model_info import ModelInfo
 
 KINDS = ("train", "inference")
 
@@ -38,6 +46,52 @@ class BackendSupport:
         bad = set(self.dims) - set(DIMENSIONS)
         if bad:
             raise ValueError(f"BackendSupport.dims has unknown dimension(s) {sorted(bad)}")
+
+
+def declare_backend(
+    backend: str,
+    kind: str,
+    *,
+    dims: str = "d",
+    devices: tuple[str, ...] = ("gpu",),
+    description: str = "",
+) -> Callable[[], list[BackendSupport]]:
+    """An ``areal_declare_backends`` hook that declares one backend.
+
+    Assign it to that name in a plugin's hook module:
+    ``areal_declare_backends = declare_backend("mine", "train", dims="dt")``.
+    """
+    support = BackendSupport(backend, kind, dims=dims, devices=devices, description=description)
+
+    @hookimpl
+    def areal_declare_backends() -> list[BackendSupport]:
+        return [support]
+
+    return areal_declare_backends
+
+
+# What a backend's plan rules say about one of its components: problems, and None for each rule that holds.
+ComponentRules = Callable[[Any, Component, "ModelInfo | None"], Iterable["Problem | None"]]
+
+
+def validate_components(backend: str, rules: ComponentRules) -> Callable[..., list[Problem]]:
+    """An ``areal_validate_parallelism`` hook that applies ``rules(config, component, model)``
+    to every component of ``backend`` in the allocation, in order, and reports the problems found.
+
+    Assign it to that name in a plugin's hook module:
+    ``areal_validate_parallelism = validate_components("mine", my_rules)``.
+    """
+
+    @hookimpl
+    def areal_validate_parallelism(config: Any, allocation: Allocation, model: ModelInfo | None) -> list[Problem]:
+        return [
+            problem
+            for comp in allocation.find(backend=backend)
+            for problem in rules(config, comp, model)
+            if problem is not None
+        ]
+
+    return areal_validate_parallelism
 
 
 def default_role(kind: str) -> str:

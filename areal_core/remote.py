@@ -199,6 +199,13 @@ def addresses_problem(backend: str, servers: int, addresses: Any) -> Problem | N
     return None
 
 
+def rollout_addresses_problem(backend: str, config: Any, comp: Any) -> Problem | None:
+    """:func:`addresses_problem` for the ``rollout.addresses`` of a run config (kept in ``config.rollout.extra``)
+    and one allocated component of ``backend`` (its ``d`` servers)."""
+    extra = getattr(getattr(config, "rollout", None), "extra", None) or {}
+    return addresses_problem(backend, comp.parallel.d, extra.get("addresses"))
+
+
 def _is_address(address: str) -> bool:
     host, _, port = address.rpartition(":")
     return bool(host) and port.isdigit()

@@ -314,3 +314,13 @@ def test_a_run_folder_in_use_is_refused(double_stack, tmp_path, failing_launch):
     assert busy.exit_code == 1 and "is in use by another areal run" in busy.output
     assert failing_launch["launches"] == [False]
     assert invoke("run", *out)[0].exit_code == 0
+
+
+def test_names_with_colons_print_as_typed_not_as_emoji(tmp_path):
+    """rich turns ":m:" into an emoji by default: the fuzzer's config name ":M" was reported as "1 problem in Ⓜ".
+    A user's path, key or value is printed as typed."""
+    result, _ = invoke("check", ":M")
+    assert result.exit_code == 1
+    assert "1 problem in :M" in result.output and "config :M does not exist" in result.output
+    result, _ = invoke("check", "trial=a:smile:b")  # refused (a trial name has no colons), quoted as typed
+    assert result.exit_code == 1 and "a:smile:b" in result.output and "😄" not in result.output

@@ -29,6 +29,13 @@ def plugin(tmp_path, dist, ep_name, module, source, version="1.0.0"):
     return fake(tmp_path, dist, version, {"areal": {ep_name: module}}, {f"{module}.py": source})
 
 
+def resolve_error(kind, name):
+    """The ComponentError that resolving ``name`` of ``kind`` raises."""
+    with pytest.raises(ComponentError) as err:
+        resolve(kind, name)
+    return err.value
+
+
 def test_hook_plugin_is_found_through_its_entry_point(tmp_path):
     with plugin(tmp_path, "areal-plugin-acme", "acme", "acme_hooks", GOOD_HOOKS, "1.2.3"):
         info = get_plugin_manager(refresh=True).plugins["acme"]
@@ -145,9 +152,8 @@ def test_unknown_component_lists_what_exists_and_suggests_the_closest(tmp_path, 
     monkeypatch.setenv("AREAL_LOAD_PLUGINS", "areal-plugin-r")  # not the real math / code plugins
     eps = {"areal.rewards": {"math": "m:f", "code": "m:f"}}
     with fake(tmp_path, "areal-plugin-r", eps=eps, files={"m.py": "def f(*a):\n    return 0.0\n"}):
-        with pytest.raises(ComponentError) as err:
-            resolve("reward", "mth")
-    assert str(err.value) == (
+        error = resolve_error("reward", "mth")
+    assert str(error) == (
         "no reward named 'mth' is installed. Did you mean 'math'? Available: "
         "code (areal-plugin-r 1.0.0), function (areal-core 0.1.0), math (areal-plugin-r 1.0.0), "
         "weighted (areal-core 0.1.0). "
@@ -160,22 +166,20 @@ def test_two_distributions_claiming_one_component_name(tmp_path, monkeypatch):
     src = {"m.py": "def f(*a):\n    return 0.0\n"}
     with fake(tmp_path, "areal-plugin-a", eps={"areal.rewards": {"math": "m:f"}}, files=src), \
          fake(tmp_path, "acme-rewards", "2.0", eps={"areal.rewards": {"math": "m:f"}}, files=src):
-        with pytest.raises(ComponentError) as err:
-            resolve("reward", "math")
-    assert str(err.value) == (
+        error = resolve_error("reward", "math")
+    assert str(error) == (
         "reward 'math' is provided by two distributions: acme-rewards 2.0 (m:f) and "
         "areal-plugin-a 1.0.0 (m:f). Fix: uninstall one of them, or block one with "
         "AREAL_DISABLE_PLUGINS=<distribution>."
     )
-    assert err.value.fix == "uninstall one of them, or block one with AREAL_DISABLE_PLUGINS=<distribution>"
+    assert error.fix == "uninstall one of them, or block one with AREAL_DISABLE_PLUGINS=<distribution>"
 
 
 def test_component_import_error_names_distribution_and_fix(tmp_path):
     eps = {"areal.algorithms": {"boom": "boom_mod:Algo"}}
     with fake(tmp_path, "areal-plugin-boom", "0.2.0", eps=eps, files={"boom_mod.py": "raise RuntimeError('no GPU here')\n"}):
-        with pytest.raises(ComponentError) as err:
-            resolve("algorithm", "boom")
-    assert str(err.value) == (
+        error = resolve_error("algorithm", "boom")
+    assert str(error) == (
         "algorithm 'boom' from areal-plugin-boom 0.2.0 failed to import (boom_mod:Algo): "
         "RuntimeError: no GPU here. Fix: reinstall it with `pip install --force-reinstall "
         "areal-plugin-boom`, or select another algorithm."

@@ -32,7 +32,7 @@ from areal_core.launch.supervisor import (
 )
 from areal_core.rollout.elastic import EVENTS_FILE, LAUNCHER_DISCOVERY_ENV
 
-console = Console(stderr=True, highlight=False, markup=False, soft_wrap=True)
+console = Console(stderr=True, highlight=False, markup=False, soft_wrap=True, emoji=False)
 
 
 def thread_plan(n_servers: int, world_size: int, eta: int, cpu_count: int | None = None) -> tuple[list[int], list[int]]:

@@ -10,7 +10,7 @@ from rich.console import Console
 from areal_core.cli_registrar import CommandRegistrar
 from areal_core.plugins import PluginManager, get_plugin_manager
 
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, emoji=False)  # ":m:" in a path or value must print as typed
 
 HELP = "areal: fully asynchronous RL for LLM reasoning and agents."
 

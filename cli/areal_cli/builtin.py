@@ -14,8 +14,8 @@ from rich.table import Table
 from areal_core.hookspecs import hookimpl
 from areal_core.problems import format_problems
 
-console = Console(highlight=False, soft_wrap=True, markup=False)
-err = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
+console = Console(highlight=False, soft_wrap=True, markup=False, emoji=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True, markup=False, emoji=False)
 
 # A str, not a Path: what the file system makes of the name is the loader's to report (as a problem).
 ConfigArg = Annotated[Optional[str], typer.Argument(help="YAML run config (a file path); omit for the built-in demo")]

@@ -4,43 +4,26 @@ from __future__ import annotations
 
 import pytest
 
-from areal_core.config.allocation import parse_allocation
 from areal_core.config.model_info import ModelInfo
-from areal_core.config.schema import RunConfig
-from areal_core.parallelism import BackendSupport, core_plan_problems
-from areal_core.plugins import manager_from_modules
+from areal_core.testing.plans import GEN, codes, core_problems, declared, registered_hooks, validate_plan
 from areal_fsdp import hooks
 from areal_fsdp.hooks import areal_declare_backends, areal_validate_parallelism
 
 # 32 query heads, 8 key-value heads (grouped-query attention).
 MODEL = ModelInfo(path="m", num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=24)
-# Any inference backend, so the core's "needs an inference engine" rule stays quiet.
-INFERENCE = BackendSupport("gen", "inference", dims="d", devices=("gpu", "cpu"))
 
 
 def validate(text: str, model: ModelInfo | None = MODEL):
     """The plan problems the fsdp hook reports."""
-    return areal_validate_parallelism(config=RunConfig(), allocation=parse_allocation(text), model=model)
-
-
-def codes(problems):
-    return [p.code for p in problems]
+    return validate_plan(areal_validate_parallelism, text, model)
 
 
 def test_declaration():
-    (support,) = areal_declare_backends()
-    assert (support.backend, support.kind, support.dims, support.devices) == (
-        "fsdp",
-        "train",
-        "dtc",
-        ("gpu", "cpu"),
-    )
+    assert declared(areal_declare_backends) == ("fsdp", "train", "dtc", ("gpu", "cpu"))
 
 
 def test_hook_module_registers_cleanly():
-    manager = manager_from_modules(hooks, names=["fsdp"])
-    assert manager.warnings() == []
-    assert manager.plugins["fsdp"].hooks == ["areal_declare_backends", "areal_validate_parallelism"]
+    assert registered_hooks(hooks, "fsdp") == ([], ["areal_declare_backends", "areal_validate_parallelism"])
 
 
 @pytest.mark.parametrize(
@@ -100,9 +83,9 @@ def test_each_component_reported():
 
 
 def test_core_rejects_undeclared_dimensions():
-    backends = {b.backend: b for b in [*areal_declare_backends(), INFERENCE]}
-    assert core_plan_problems(parse_allocation("gen:d1+fsdp:d2t2c2"), backends) == []
-    problems = core_plan_problems(parse_allocation("gen:d1+fsdp:d2p2e4"), backends)
+    backends = [*areal_declare_backends(), GEN]
+    assert core_problems("gen:d1+fsdp:d2t2c2", *backends) == []
+    problems = core_problems("gen:d1+fsdp:d2p2e4", *backends)
     assert codes(problems) == ["core.unsupported-dimension", "core.unsupported-dimension"]
     assert "p2" in problems[0].message and "e4" in problems[1].message
 

@@ -8,22 +8,13 @@ dimension and device, so this plugin adds no plan rules of its own.
 from __future__ import annotations
 
 from areal_core import hookimpl
-from areal_core.parallelism import BackendSupport
+from areal_core.parallelism import declare_backend
 
 BACKEND = "local"
 
-
-@hookimpl
-def areal_declare_backends() -> list[BackendSupport]:
-    return [
-        BackendSupport(
-            BACKEND,
-            "inference",
-            dims="d",
-            devices=("cpu",),
-            description="embedded CPU generator, one process per d",
-        )
-    ]
+areal_declare_backends = declare_backend(
+    BACKEND, "inference", dims="d", devices=("cpu",), description="embedded CPU generator, one process per d"
+)
 
 
 @hookimpl

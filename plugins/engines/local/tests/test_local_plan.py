@@ -4,35 +4,25 @@ from __future__ import annotations
 
 import pytest
 
-from areal_core.config.allocation import parse_allocation
-from areal_core.parallelism import BackendSupport, core_plan_problems
-from areal_core.plugins import manager_from_modules
+from areal_core.testing.plans import TRAINER, core_problems, declared, registered_hooks
 from areal_local import hooks
 from areal_local.hooks import areal_declare_backends
 
-TRAIN = BackendSupport("trainer", "train", dims="d", devices=("gpu", "cpu"))
-
 
 def plan_problems(text: str):
-    backends = {b.backend: b for b in [*areal_declare_backends(), TRAIN]}
-    return core_plan_problems(parse_allocation(text), backends)
+    return core_problems(text, *areal_declare_backends(), TRAINER)
 
 
 def test_declaration():
+    assert declared(areal_declare_backends) == ("local", "inference", "d", ("cpu",))
     (support,) = areal_declare_backends()
-    assert (support.backend, support.kind, support.dims, support.devices) == (
-        "local",
-        "inference",
-        "d",
-        ("cpu",),
-    )
     assert support.description == "embedded CPU generator, one process per d"
 
 
 def test_hook_module_declares_the_backend_and_provides_the_demo_model():
-    manager = manager_from_modules(hooks, names=["local"])
-    assert manager.warnings() == []
-    assert sorted(manager.plugins["local"].hooks) == ["areal_declare_backends", "areal_resolve_model"]
+    warnings, names = registered_hooks(hooks, "local")
+    assert warnings == []
+    assert sorted(names) == ["areal_declare_backends", "areal_resolve_model"]
 
 
 @pytest.mark.parametrize("text", ["local:cpu+trainer:d1@cpu", "local:d4@cpu+trainer:d2@cpu", "local:d2@cpu|trainer:d2@cpu"])

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from areal_core import Problem, hookimpl
-from areal_core.config.allocation import Allocation, Component
+from areal_core import Problem
+from areal_core.config.allocation import Component
 from areal_core.config.model_info import ModelInfo
-from areal_core.parallelism import BackendSupport, role_of
+from areal_core.parallelism import declare_backend, role_of, validate_components
 from areal_core.parallelism_rules import divisors, experts_problem, heads_problem, layers_problem
 
 BACKEND = "megatron"
@@ -27,34 +27,13 @@ UNBUILT = {
 }
 
 
-@hookimpl
-def areal_declare_backends() -> list[BackendSupport]:
-    return [
-        BackendSupport(
-            BACKEND,
-            "train",
-            dims="dptce",
-            devices=("gpu", "cpu"),
-            description="Megatron-Core trainer: data, pipeline, tensor, context, expert parallel",
-        )
-    ]
-
-
-@hookimpl
-def areal_validate_parallelism(
-    config: Any, allocation: Allocation, model: ModelInfo | None
-) -> list[Problem]:
-    problems: list[Problem] = []
+def _rules(config: Any, comp: Component, model: ModelInfo | None) -> list[Problem | None]:
+    # actor.virtual_pipeline_size configures the actor; other megatron
+    # components (a ref model) keep the default of no virtual pipeline.
+    if role_of(comp, "train") != "actor":
+        return _component_problems(comp, model, 1)
     vpp, vpp_problems = _virtual_pipeline_size(config)
-    for comp in allocation.find(backend=BACKEND):
-        # actor.virtual_pipeline_size configures the actor; other megatron
-        # components (a ref model) keep the default of no virtual pipeline.
-        if role_of(comp, "train") == "actor":
-            problems.extend(vpp_problems)
-            problems.extend(_component_problems(comp, model, vpp))
-        else:
-            problems.extend(_component_problems(comp, model, 1))
-    return problems
+    return [*vpp_problems, *_component_problems(comp, model, vpp)]
 
 
 def _virtual_pipeline_size(config: Any) -> tuple[int, list[Problem]]:
@@ -72,9 +51,9 @@ def _virtual_pipeline_size(config: Any) -> tuple[int, list[Problem]]:
     ]
 
 
-def _component_problems(comp: Component, model: ModelInfo | None, vpp: int) -> list[Problem]:
+def _component_problems(comp: Component, model: ModelInfo | None, vpp: int) -> list[Problem | None]:
     par = comp.parallel
-    found = [
+    return [
         heads_problem(f"{BACKEND}.tensor-heads", comp, par.t, model),
         layers_problem(f"{BACKEND}.pipeline-layers", comp, par.p, model),
         _virtual_pipeline_problem(comp, model, vpp),
@@ -82,7 +61,6 @@ def _component_problems(comp: Component, model: ModelInfo | None, vpp: int) -> l
         _expert_placement_problem(comp),
         _not_built_problem(comp),
     ]
-    return [problem for problem in found if problem is not None]
 
 
 def _virtual_pipeline_problem(comp: Component, model: ModelInfo | None, vpp: int) -> Problem | None:
@@ -143,3 +121,10 @@ def _not_built_problem(comp: Component) -> Problem | None:
         f"'megatron:d{par.world_size // (par.p * par.t)}{built}'",
         key="allocation",
     )
+
+
+areal_declare_backends = declare_backend(
+    BACKEND, "train", dims="dptce", devices=("gpu", "cpu"),
+    description="Megatron-Core trainer: data, pipeline, tensor, context, expert parallel",
+)
+areal_validate_parallelism = validate_components(BACKEND, _rules)

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from areal_core.config.allocation import parse_allocation
 from areal_core.config.model_info import ModelInfo
 from areal_core.config.schema import RunConfig
-from areal_core.parallelism import BackendSupport, core_plan_problems
-from areal_core.plugins import manager_from_modules
+from areal_core.testing.plans import GEN, codes, core_problems, declared, registered_hooks, validate_plan
 from areal_megatron import hooks
 from areal_megatron.hooks import areal_declare_backends, areal_validate_parallelism
 
@@ -16,7 +14,6 @@ DENSE = ModelInfo(path="dense", num_attention_heads=32, num_key_value_heads=8, n
 MOE = ModelInfo(
     path="moe", num_attention_heads=32, num_key_value_heads=4, num_hidden_layers=48, num_experts=64
 )
-INFERENCE = BackendSupport("gen", "inference", dims="d", devices=("gpu", "cpu"))
 
 
 def config(vpp=None) -> RunConfig:
@@ -27,11 +24,7 @@ def config(vpp=None) -> RunConfig:
 
 
 def validate(text: str, model: ModelInfo | None = DENSE, vpp=None):
-    return areal_validate_parallelism(config=config(vpp), allocation=parse_allocation(text), model=model)
-
-
-def codes(problems):
-    return [p.code for p in problems]
+    return validate_plan(areal_validate_parallelism, text, model, config(vpp))
 
 
 def planned(problems):
@@ -40,19 +33,11 @@ def planned(problems):
 
 
 def test_declaration():
-    (support,) = areal_declare_backends()
-    assert (support.backend, support.kind, support.dims, support.devices) == (
-        "megatron",
-        "train",
-        "dptce",
-        ("gpu", "cpu"),
-    )
+    assert declared(areal_declare_backends) == ("megatron", "train", "dptce", ("gpu", "cpu"))
 
 
 def test_hook_module_registers_cleanly():
-    manager = manager_from_modules(hooks, names=["megatron"])
-    assert manager.warnings() == []
-    assert manager.plugins["megatron"].hooks == ["areal_declare_backends", "areal_validate_parallelism"]
+    assert registered_hooks(hooks, "megatron") == ([], ["areal_declare_backends", "areal_validate_parallelism"])
 
 
 @pytest.mark.parametrize(
@@ -181,9 +166,9 @@ def test_only_megatron_components_are_judged():
 
 
 def test_core_rejects_undeclared_dimensions_and_accepts_all_five():
-    backends = {b.backend: b for b in [*areal_declare_backends(), INFERENCE]}
-    assert core_plan_problems(parse_allocation("gen:d1+megatron:d2p2t2c2e2"), backends) == []
-    problems = core_plan_problems(parse_allocation("gen:d1@cpu+megatron:t2@cpu"), backends)
+    backends = [*areal_declare_backends(), GEN]
+    assert core_problems("gen:d1+megatron:d2p2t2c2e2", *backends) == []
+    problems = core_problems("gen:d1@cpu+megatron:t2@cpu", *backends)
     assert problems == []
-    problems = core_plan_problems(parse_allocation("gen:d1+megatron:d2+megatron:d2"), backends)
+    problems = core_problems("gen:d1+megatron:d2+megatron:d2", *backends)
     assert codes(problems) == ["core.duplicate-role"]

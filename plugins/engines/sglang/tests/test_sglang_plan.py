@@ -4,41 +4,26 @@ from __future__ import annotations
 
 import pytest
 
-from areal_core.config.allocation import parse_allocation
 from areal_core.config.model_info import ModelInfo
 from areal_core.config.schema import RunConfig
-from areal_core.parallelism import BackendSupport, core_plan_problems
-from areal_core.plugins import manager_from_modules
+from areal_core.testing.plans import TRAINER, codes, core_problems, declared, registered_hooks, validate_plan
 from areal_sglang import hooks
 from areal_sglang.hooks import areal_declare_backends, areal_validate_parallelism
 
 DENSE = ModelInfo(path="dense", num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32)
 MOE = ModelInfo(path="moe", num_attention_heads=32, num_key_value_heads=4, num_hidden_layers=48, num_experts=64)
-TRAIN = BackendSupport("trainer", "train", dims="d", devices=("gpu", "cpu"))
 
 
 def validate(text: str, model: ModelInfo | None = DENSE):
-    return areal_validate_parallelism(config=RunConfig(), allocation=parse_allocation(text), model=model)
-
-
-def codes(problems):
-    return [p.code for p in problems]
+    return validate_plan(areal_validate_parallelism, text, model)
 
 
 def test_declaration():
-    (support,) = areal_declare_backends()
-    assert (support.backend, support.kind, support.dims, support.devices) == (
-        "sglang",
-        "inference",
-        "dtpe",
-        ("gpu",),
-    )
+    assert declared(areal_declare_backends) == ("sglang", "inference", "dtpe", ("gpu",))
 
 
 def test_hook_module_registers_cleanly():
-    manager = manager_from_modules(hooks, names=["sglang"])
-    assert manager.warnings() == []
-    assert manager.plugins["sglang"].hooks == ["areal_declare_backends", "areal_validate_parallelism"]
+    assert registered_hooks(hooks, "sglang") == ([], ["areal_declare_backends", "areal_validate_parallelism"])
 
 
 @pytest.mark.parametrize(
@@ -110,12 +95,12 @@ def test_only_sglang_components_are_judged():
 
 
 def test_core_rejects_cpu_and_undeclared_dimensions():
-    backends = {b.backend: b for b in [*areal_declare_backends(), TRAIN]}
-    assert core_plan_problems(parse_allocation("sglang:d2p2t2e2+trainer:d4"), backends) == []
-    problems = core_plan_problems(parse_allocation("sglang:d2c2+trainer:d4"), backends)
+    backends = [*areal_declare_backends(), TRAINER]
+    assert core_problems("sglang:d2p2t2e2+trainer:d4", *backends) == []
+    problems = core_problems("sglang:d2c2+trainer:d4", *backends)
     assert codes(problems) == ["core.unsupported-dimension"]
     assert "c2" in problems[0].message
-    problems = core_plan_problems(parse_allocation("sglang:cpu+trainer:d1@cpu"), backends)
+    problems = core_problems("sglang:cpu+trainer:d1@cpu", *backends)
     assert codes(problems) == ["core.unsupported-device"]
     assert "'sglang:cpu'" in problems[0].message
 
@@ -123,6 +108,6 @@ def test_core_rejects_cpu_and_undeclared_dimensions():
 def test_attached_servers_must_be_host_port():
     config = RunConfig()
     config.rollout.extra = {"addresses": ["gpu-node-1"]}
-    (problem,) = areal_validate_parallelism(config=config, allocation=parse_allocation("sglang:d1"), model=None)
+    (problem,) = validate_plan(areal_validate_parallelism, "sglang:d1", None, config)
     assert (problem.code, problem.key) == ("sglang.addresses", "rollout.addresses")
     assert "'gpu-node-1': not host:port" in problem.message

