@@ -478,7 +478,8 @@ def test_elastic_restarts_a_killed_server_and_it_rejoins_with_the_current_weight
     lags = tmp_path / f"lags-{sync}.jsonl"
     proc = start(f"trial=elastic-{sync}", "allocation=local:d2@cpu+rl_train_double:cpu", "rollout.backend=local",
                  f"model.path={model}", "model.dtype=float32", f"rollout.weight_sync={sync}",
-                 "rollout.max_head_offpolicyness=1", "trainer.total_steps=40", "actor.step_s=0.3",
+                 # 60 steps of 0.3 s: time for the replacement (a torch import and a model load) to rejoin
+                 "rollout.max_head_offpolicyness=1", "trainer.total_steps=60", "actor.step_s=0.3",
                  "rollout.elastic.enabled=true", "rollout.elastic.interval_s=0.5",
                  "rollout.elastic.failure_threshold=2", "rollout.elastic.cooldown_s=0", "rollout.elastic.restarts=1",
                  extra_env={"AREAL_TEST_LAGS_FILE": str(lags)})
@@ -494,9 +495,9 @@ def test_elastic_restarts_a_killed_server_and_it_rejoins_with_the_current_weight
     events = read_jsonl(run_dir / "events.jsonl")
     assert [e["event"] for e in events] == ["left", "joined"]
     metrics = read_jsonl(run_dir / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == list(range(1, 41))
+    assert [m["step"] for m in metrics] == list(range(1, 61))
     trained = [json.loads(line) for line in lags.read_text().splitlines()]
-    assert [t["version"] for t in trained] == list(range(40))
+    assert [t["version"] for t in trained] == list(range(60))
     assert max(max(t["lags"]) for t in trained) <= 1
     # The replacement loaded the trainer's weights when it joined and every version after (its own log): it
     # stayed in routing, where only routed servers get updates.
