@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from rich.console import Console
 
 from areal_core.api import Context, Launcher
 from areal_core.launch.supervisor import (
-    Managed, ProcessFailed, ProcessSpec, Shutdown, Supervisor, _describe_exit, free_port, rendezvous_env,
+    Managed, ProcessFailed, ProcessSpec, Shutdown, Supervisor, describe_exit, free_port, rendezvous_env,
     split_threads,
 )
 from areal_core.rollout.elastic import EVENTS_FILE, LAUNCHER_DISCOVERY_ENV
@@ -99,16 +98,11 @@ class MetricsTail:
     def _read_new_events(self) -> None:
         if not self.events_path.exists():
             return
-        with open(self.events_path, "rb") as f:
-            f.seek(self.events_offset)
-            for line in f:
-                if not line.endswith(b"\n"):
-                    break
-                self.events_offset += len(line)
-                row = json.loads(line)
-                self.say(f"inference server {row['server']} {row['event']}"
-                         f"{' routing' if row['event'] in ('left', 'joined') else ''} at step {row.get('step', '?')}"
-                         f": {row.get('why', '')}")
+        for self.events_offset, line in _complete_lines(self.events_path, self.events_offset):
+            row = json.loads(line)
+            self.say(f"inference server {row['server']} {row['event']}"
+                     f"{' routing' if row['event'] in ('left', 'joined') else ''} at step {row.get('step', '?')}"
+                     f": {row.get('why', '')}")
 
     def say(self, line: str) -> None:
         """One line above the bar (or alone when stderr is not a terminal); any thread may call it."""
@@ -125,20 +119,15 @@ class MetricsTail:
         stat = self.path.stat()
         if (stat.st_ino, stat.st_dev) != self.identity or stat.st_size < self.offset:
             self.identity, self.offset = (stat.st_ino, stat.st_dev), 0
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            for line in f:
-                if not line.endswith(b"\n"):
-                    break
-                self.offset += len(line)
-                row = json.loads(line)
-                if "eval/accuracy" in row:
-                    self.last_eval = {k: v for k, v in row.items() if k.startswith("eval/")}
-                    earlier = self.earlier is not None and self.identity == self.earlier[0] \
-                        and self.offset <= self.earlier[1]
-                    if row["step"] > self.announced_until and not earlier:
-                        self._say_eval(row)
-                self.display.update(row["step"] - 1, {**self.last_eval, **row})  # accuracy stays shown
+        for self.offset, line in _complete_lines(self.path, self.offset):
+            row = json.loads(line)
+            if "eval/accuracy" in row:
+                self.last_eval = {k: v for k, v in row.items() if k.startswith("eval/")}
+                earlier = self.earlier is not None and self.identity == self.earlier[0] \
+                    and self.offset <= self.earlier[1]
+                if row["step"] > self.announced_until and not earlier:
+                    self._say_eval(row)
+            self.display.update(row["step"] - 1, {**self.last_eval, **row})  # accuracy stays shown
 
     def _say_eval(self, row: dict) -> None:
         """One line per evaluation, above the bar (or alone when stderr is not a terminal)."""
@@ -152,6 +141,18 @@ class MetricsTail:
 
     def close(self) -> None:
         self.display.close()
+
+
+def _complete_lines(path: Path, offset: int) -> Iterator[tuple[int, bytes]]:
+    """The lines of ``path`` after byte ``offset`` that a writer has finished (newline-ended), each with the
+    offset just past it; a half-written last line waits for the next call."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        for line in f:
+            if not line.endswith(b"\n"):
+                return
+            offset += len(line)
+            yield offset, line
 
 
 class ServerKeeper:
@@ -173,28 +174,30 @@ class ServerKeeper:
                  say: Callable[[str], None], threads: dict[int, int]) -> None:
         self.sup, self.make, self.budget, self.say, self.threads = sup, make, budget, say, threads
         self.discovery_file = Path(discovery_file)
-        self.servers: dict[int, tuple[int, int, int]] = {}  # id(managed) -> (index, port, restart number)
-        self.listed: dict[int, str] = {}  # id(managed) -> address, restarted servers that are up
+        # process name -> (server index, port); a restart is entered before it starts, so that an exit at once
+        # is still known for a server's
+        self.servers: dict[str, tuple[int, int]] = {}
+        self.listed: dict[str, str] = {}  # process name -> address: the restarted servers that are up
         self.used = 0
         self._lock = threading.Lock()
         self._write()
 
-    def track(self, managed: Managed, index: int, port: int, restart: int = 0) -> None:
-        self.servers[id(managed)] = (index, port, restart)
+    def track(self, name: str, index: int, port: int) -> None:
+        self.servers[name] = (index, port)
 
     def on_exit(self, managed: Managed) -> bool:
         """Supervisor.watch's hook: True (taken care of) for a server, False for anything else."""
-        if id(managed) not in self.servers:
+        if managed.name not in self.servers:
             return False
-        index, port, _ = self.servers[id(managed)]
+        index, port = self.servers[managed.name]
         with self._lock:
-            self.listed.pop(id(managed), None)
+            self.listed.pop(managed.name, None)
             self._write()
             left = self.budget - self.used
             if left > 0:
                 self.used += 1
                 number = self.used
-        what = f"{managed.name} (127.0.0.1:{port}) {_describe_exit(managed.returncode)}"
+        what = f"{managed.name} (127.0.0.1:{port}) {describe_exit(managed.returncode)}"
         if left <= 0:
             self.say(f"{what}; no restarts left (rollout.elastic.restarts={self.budget}), so the run goes on with "
                      f"the other inference servers; its log: {managed.log_path}")
@@ -208,27 +211,24 @@ class ServerKeeper:
     def _restart(self, index: int, number: int) -> None:
         port = free_port()
         server = self.make(index, port)
+        name = f"rollout-{index}-restart{number}"
+        self.track(name, index, port)
         try:
-            managed = self.sup.start(ProcessSpec(f"rollout-{index}-restart{number}", server.argv, env=server.env,
-                                                 threads=self.threads.get(index)))
+            managed = self.sup.start(ProcessSpec(name, server.argv, env=server.env, threads=self.threads.get(index)))
         except (RuntimeError, OSError) as exc:  # the run is being stopped, or the command cannot start
             self.say(f"rollout-{index} was not restarted: {exc}")
             return
-        self.track(managed, index, port, number)
         try:
             self.sup.wait_ready(managed, server.ready, server.startup_timeout_s, server.what)
         except ProcessFailed:
             return  # it ended: on_exit has it (another restart while the budget lasts)
         except TimeoutError as exc:
             self.say(f"restart {number} of rollout-{index} did not come up: {exc}")
-            try:
-                os.killpg(managed.pid, signal.SIGKILL)  # its exit goes to on_exit like any other
-            except (ProcessLookupError, PermissionError):
-                pass
+            managed.kill()  # its exit goes to on_exit like any other
             return
         with self._lock:
             if managed.poll() is None:
-                self.listed[id(managed)] = f"127.0.0.1:{port}"
+                self.listed[name] = f"127.0.0.1:{port}"
                 self._write()
         self.say(f"rollout-{index} is back on 127.0.0.1:{port} (restart {number} of {self.budget}); it rejoins "
                  f"routing with the current weights at the next rebuild (rollout.elastic.cooldown_s)")
@@ -272,7 +272,7 @@ class LocalLauncher(Launcher):
                     started.append((managed, server))
                     addresses[f"AREAL_ROLLOUT_{i}_ADDRESS"] = f"127.0.0.1:{ports[i]}"
                     if keeper is not None:
-                        keeper.track(managed, i, ports[i])
+                        keeper.track(managed.name, i, ports[i])
                 for managed, server in started:
                     sup.wait_ready(managed, server.ready, server.startup_timeout_s, server.what)
                 ranks = []

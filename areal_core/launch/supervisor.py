@@ -121,7 +121,8 @@ def rendezvous_env(rank: int, world_size: int, master_port: int, local_rank: int
     }
 
 
-def _describe_exit(returncode: int) -> str:
+def describe_exit(returncode: int) -> str:
+    """How a process ended, for messages: "exited with code 3", "was killed by signal 9 (SIGKILL) (...)"."""
     if returncode >= 0:
         return f"exited with code {returncode}"
     try:
@@ -146,7 +147,7 @@ class ProcessFailed(RuntimeError):
         self, name: str, returncode: int, log_tail: list[str], log_path: Path | None = None, context: str = ""
     ) -> None:
         self.name, self.returncode, self.log_tail, self.log_path = name, returncode, log_tail, log_path
-        super().__init__(f"{name} {_describe_exit(returncode)}{context}{_format_tail(log_path, log_tail)}")
+        super().__init__(f"{name} {describe_exit(returncode)}{context}{_format_tail(log_path, log_tail)}")
 
 
 class Shutdown(KeyboardInterrupt):
@@ -185,6 +186,10 @@ class Managed:
         """The exit status once the process has ended, else None. Use this, not ``popen.poll()``."""
         return self.returncode
 
+    def kill(self) -> None:
+        """SIGKILL its whole process group now (its exit is then seen like any other)."""
+        _signal_group(self, signal.SIGKILL)
+
     def tail(self, n: int = 20) -> list[str]:
         """The last ``n`` lines of its log (stdout and stderr together)."""
         try:
@@ -196,7 +201,7 @@ class Managed:
         return data.decode(errors="replace").splitlines()[-n:] if n > 0 else []
 
     def __repr__(self) -> str:
-        state = "running" if self.returncode is None else _describe_exit(self.returncode)
+        state = "running" if self.returncode is None else describe_exit(self.returncode)
         return f"<Managed {self.name} pid={self.pid} {state}>"
 
 
