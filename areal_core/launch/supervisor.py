@@ -71,6 +71,9 @@ _SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _REAP_TIMEOUT_S = 5.0  # after SIGKILL only a process stuck in the kernel takes longer
 
 
+PROCESS_NAME_ENV = "AREAL_PROCESS_NAME"
+
+
 @dataclass
 class ProcessSpec:
     """One process of a run: what to execute and in which environment."""
@@ -266,7 +269,9 @@ class Supervisor:
         if spec.threads is not None and spec.threads < 1:
             raise ValueError(f"{spec.name}: threads must be >= 1, got {spec.threads}")
         threads = {} if spec.threads is None else {v: str(spec.threads) for v in _THREAD_VARS}
-        env = {**os.environ, **threads, **spec.env}
+        # PROCESS_NAME_ENV lets a process (and a test or operator reading /proc/PID/environ) know which of the
+        # run's processes it is, whatever order the pids came in.
+        env = {**os.environ, **threads, **spec.env, PROCESS_NAME_ENV: spec.name}
         _check_executable(spec, env)
         argv = list(spec.argv)
         if _LINUX:

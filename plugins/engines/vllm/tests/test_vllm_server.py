@@ -208,8 +208,16 @@ def test_weights_from_disk_and_from_tensors_change_the_output(servers):
             await engine.aclose()
 
     first, other, back, version = run(body())
-    assert other.output_ids != first.output_ids and set(other.output_versions) == {1}
-    assert back.output_ids == first.output_ids and set(back.output_versions) == {2} and version == 2
+
+    def logprob_gap(a, b):
+        return max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs))
+
+    # A random tied-embedding model tends to repeat the prompt's last token under greedy decoding whatever its
+    # seed (CI saw both models answer 41 41 41 ...), so the other weights are told apart by their logprobs too.
+    assert other.output_ids != first.output_ids or logprob_gap(other, first) > 0.05, (first, other)
+    assert set(other.output_versions) == {1}
+    assert back.output_ids == first.output_ids and logprob_gap(back, first) < 1e-3, (first, back)
+    assert set(back.output_versions) == {2} and version == 2
 
 
 class TokenWorkflowDouble(Workflow):
