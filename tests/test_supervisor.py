@@ -74,7 +74,8 @@ def spawner(name: str, pid_file: Path) -> ProcessSpec:
 
 
 def test_processes_get_their_env_and_threads_and_log_to_log_dir(tmp_path):
-    show = "import os; print('threads', *(os.environ[v] for v in ['OMP_NUM_THREADS', 'MKL_NUM_THREADS', 'ROLE']))"
+    show = ("import os; print('threads', *(os.environ[v] for v in "
+            "['OMP_NUM_THREADS', 'MKL_NUM_THREADS', 'ROLE', 'AREAL_PROCESS_NAME']))")
     with Supervisor(tmp_path / "logs") as sup:
         a = sup.start(ProcessSpec("rollout-0", [PY, "-c", show], env={"ROLE": "server"}, threads=3))
         trainer_env = {"ROLE": "trainer", "OMP_NUM_THREADS": "5"}
@@ -82,8 +83,8 @@ def test_processes_get_their_env_and_threads_and_log_to_log_dir(tmp_path):
         sup.watch(timeout_s=20)
     assert a.poll() == 0 and b.poll() == 0
     assert a.log_path == tmp_path / "logs" / "rollout-0.log"
-    assert a.tail()[-1] == "threads 3 3 server"
-    assert b.tail()[-1] == "threads 5 1 trainer"  # an explicit env var wins over `threads`
+    assert a.tail()[-1] == "threads 3 3 server rollout-0"
+    assert b.tail()[-1] == "threads 5 1 trainer actor-rank0"  # an explicit env var wins over `threads`
 
 
 def test_cwd_is_used_and_a_missing_program_names_the_process(tmp_path):
