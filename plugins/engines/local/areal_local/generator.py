@@ -9,7 +9,7 @@ Batching and the KV cache
 -------------------------
 Every running request owns one row ("slot") of a preallocated KV buffer per
 layer, ``[rows, kv_heads, columns, head_dim]``, handed to the HF model as its
-``past_key_values`` (:class:`SlotCache`). A row's tokens occupy columns
+``past_key_values`` (:class:`~areal_local.cache.SlotCache`). A row's tokens occupy columns
 ``start .. end-1``; its next token is written at column ``end``. Each forward
 gets a 4D attention mask built from ``start`` / ``end`` (so the model never
 builds one) and per-row position ids ``column - start``:
@@ -37,38 +37,13 @@ copied when they grow. Attention runs through the model's own attention code
 layout works for any model whose layers call ``past_key_values.update``
 (Llama, Qwen2, Mistral-style models; sliding-window layers get their own mask).
 
-Sampling
+Requests
 --------
-Per request: ``temperature`` (0 = greedy), ``top_k``, ``top_p`` (applied in
-that order, as HF's logits warpers do), ``max_new_tokens``, ``stop`` strings,
-``stop_token_ids`` / EOS, ``seed``. All rows are sampled at once: logits are
-divided by per-row temperatures, top-k / top-p masks are applied to the rows
-that ask for them, and each row draws its token by inverse-CDF sampling from
-one uniform number. For a seeded request that number depends on the seed and
-on the position the token takes in the sequence (prompt + output) only: output
-number ``position`` of a SplitMix64 stream whose state comes from the seed
-(:func:`_seeded_uniform`); unseeded requests draw from the generator's RNG. So
-a seeded request draws the same numbers whatever else is in the batch: given
-the same logits it samples the same tokens alone or beside other requests.
-And an interrupted request, continued from prompt + its k tokens with the same
-seed (by the server after a weight update, by the rollout controller after a
-pause), draws for its i-th token the number of the uninterrupted request's
-token k+i: the stream goes on, so the draws after a weight swap are independent
-of the ones before it, and under unchanged weights the continuation samples
-exactly the uninterrupted tokens. (A ``random.Random(seed)`` per request would
-restart at every continuation, handing token k+i the number of token i.)
-
-The logits themselves depend on the batch only through rounding: in float32
-(SmolLM2, 64 tokens, alone vs. in a batch of 16) logprobs agree within 2e-5
-and the seeded tokens were identical; in bfloat16 the same comparison moves
-logprobs by up to ~0.1 (HF ``generate`` alone vs. batched does the same) and
-seeded tokens part ways after a few tokens. Same seed, same tokens across batch
-compositions is a float32 property.
-
-The logprob of each sampled token is taken, in float32, under the
-distribution actually sampled from: ``log_softmax`` of ``logits /
-temperature`` after the top-k / top-p masks (renormalised); for greedy rows
-``log_softmax`` of the raw logits.
+Per request: ``temperature`` (0 = greedy), ``top_k``, ``top_p``,
+``max_new_tokens``, ``stop`` strings, ``stop_token_ids`` / EOS, ``seed``. All
+running rows are sampled at once by :func:`areal_local.sampling.sample`, which
+says how tokens and their logprobs are drawn and why a seeded request samples
+the same tokens whatever else is in the batch.
 
 Stops: EOS and ``stop_token_ids`` end a request with the stop token kept in
 ``output_ids``; a stop string ends it at the token that completed it (kept,
@@ -80,208 +55,31 @@ reaches ``max_new_tokens`` reports ``"stop"``.
 from __future__ import annotations
 
 import inspect
-import math
 import os
 import random
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 import torch
-from transformers.cache_utils import Cache
 
 from areal_core.api.inference import SamplingParams
+from areal_local.cache import SlotCache
 from areal_local.lean_decode import SUPPORTED_MODEL_TYPES, LeanDecoder
 from areal_local.lean_decode import supports as lean_supports
 from areal_local.packed import PackedLinears, packing_available
+from areal_local.requests import Finished, RequestError, _Request, new_request
+from areal_local.sampling import sample
 
-__all__ = ["Finished", "Generator", "RequestError", "SlotCache"]
+__all__ = ["Finished", "Generator", "RequestError"]
 
 _SUPPORTED_ATTENTION = ("sdpa", "eager")
 _SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
-
-class RequestError(ValueError):
-    """A request the generator refuses; the message names the request, the field, the value and the limit."""
-
-
-@dataclass
-class Finished:
-    """A request that left the generator: its sampled tokens, their logprobs, and why it stopped.
-
-    ``stop_reason``: ``"stop"`` (EOS, a stop token id, or a stop string),
-    ``"length"`` (``max_new_tokens`` reached) or ``"abort"`` (the tokens so far;
-    continue from ``input_ids + output_ids``).
-    """
-
-    rid: str
-    output_ids: list[int]
-    logprobs: list[float]
-    stop_reason: str
-
-
-@dataclass(eq=False)
-class _Request:
-    rid: str
-    input_ids: list[int]
-    sampling: SamplingParams
-    stop_ids: frozenset[int]
-    stop_window: int  # tokens decoded to look for a stop string
-    seed_state: int | None  # _seed_state(seed); None: unseeded, draws from the generator's RNG
-    output_ids: list[int]
-    logprobs: list[float]
-
-    def finished(self, reason: str) -> Finished:
-        return Finished(self.rid, self.output_ids, self.logprobs, reason)
-
-    def draw(self) -> float:
-        """The seeded uniform number of the token sampled next: keyed by its position in the sequence, so a
-        continuation from ``input_ids + output_ids`` draws what this request would have drawn there."""
-        return _seeded_uniform(self.seed_state, len(self.input_ids) + len(self.output_ids))
-
-
-class SlotCache(Cache):
-    """KV cache of a batch whose rows start and end at their own columns.
-
-    Per layer, ``keys`` / ``values`` are ``[rows, kv_heads, columns, head_dim]``
-    buffers, allocated at the first write with the capacity set by
-    :meth:`reserve`. Before each forward the owner says where the new K/V go:
-    :meth:`plan_prefill` (rows ``r0 .. r0+n-1``, columns ``0 .. P-1``) or
-    :meth:`plan_decode` (rows ``0 .. B-1``, one column per row). ``update``
-    writes there and returns the window the attention reads
-    (the owner's mask hides what a row must not see).
-    """
-
-    def __init__(self) -> None:
-        super().__init__(layers=[])
-        self.keys: list[torch.Tensor | None] = []
-        self.values: list[torch.Tensor | None] = []
-        self.rows = 0
-        self.columns = 0
-        self._plan: tuple = ("none",)
-        self._flat: tuple | None = None
-        self._length = 0
-
-    # -- capacity ---------------------------------------------------------
-    def reserve(self, rows: int, columns: int, max_rows: int, max_columns: int) -> None:
-        """Make room for ``rows`` x ``columns``; existing contents are kept.
-
-        Growth doubles (rows up to ``max_rows``, columns up to ``max_columns``,
-        what the running requests can reach), so copies are rare.
-        """
-        if rows <= self.rows and columns <= self.columns:
-            return
-        new_rows = self.rows if rows <= self.rows else min(max_rows, max(rows, 2 * self.rows))
-        new_cols = self.columns
-        if columns > self.columns:
-            new_cols = max(columns, min(max_columns, -(-max(2 * self.columns, columns + 64) // 64) * 64))
-        for store in (self.keys, self.values):
-            for i, old in enumerate(store):
-                if old is None:
-                    continue
-                grown = old.new_zeros((new_rows, old.shape[1], new_cols, old.shape[3]))
-                grown[: old.shape[0], :, : old.shape[2]] = old
-                store[i] = grown
-        self.rows, self.columns = new_rows, new_cols
-
-    def _buffer(self, like: torch.Tensor) -> torch.Tensor:
-        """A layer's zeroed K or V buffer at the reserved capacity, for states shaped like ``like`` [., heads,
-        ., dim]."""
-        return like.new_zeros((self.rows, like.shape[1], self.columns, like.shape[3]))
-
-    def clear(self) -> None:
-        """Drop every buffer (memory is returned; the next write allocates again)."""
-        self.keys, self.values = [], []
-        self.rows = self.columns = 0
-        self._plan = ("none",)
-
-    def move_row(self, src: int, dst: int, columns: int) -> None:
-        """Copy row ``src``'s first ``columns`` columns onto row ``dst``."""
-        for store in (self.keys, self.values):
-            for buf in store:
-                if buf is not None:
-                    buf[dst, :, :columns] = buf[src, :, :columns]
-
-    def copy_rows(self, first: int, source: list[int], columns: int) -> None:
-        """Rows ``first + j`` become copies of rows ``first + source[j]`` (first ``columns`` columns)."""
-        src = torch.tensor(source) + first
-        for store in (self.keys, self.values):
-            for buf in store:
-                if buf is not None:
-                    buf[first:first + len(source), :, :columns] = buf[src, :, :columns]  # gathers before writing
-
-    # -- what the next forward writes -----------------------------------------
-    def plan_prefill(self, first_row: int, n: int, length: int, first_column: int = 0) -> None:
-        """Rows ``first_row .. first_row + n - 1`` write columns ``first_column .. length - 1``; attention
-        reads columns ``0 .. length - 1`` (what lies before ``first_column`` was placed there already)."""
-        self._plan = ("prefill", first_row, n, length, first_column)
-        self._length = length
-
-    def place(self, prefix: SlotCache, first: int, offsets: list[int], columns: int) -> None:
-        """Row ``first + j`` gets ``prefix``'s row 0 (its first ``columns`` columns) at columns
-        ``offsets[j] ..``: a prompt prefix computed once, placed where each row's copy of it lies."""
-        for store, source in ((self.keys, prefix.keys), (self.values, prefix.values)):
-            while len(store) < len(source):
-                store.append(None)
-            for i, src in enumerate(source):
-                if store[i] is None:
-                    store[i] = self._buffer(src)
-                for j, offset in enumerate(offsets):
-                    store[i][first + j, :, offset:offset + columns] = src[0, :, :columns]
-
-    def plan_decode(self, n: int, columns: torch.Tensor, length: int) -> None:
-        """Row ``i`` (of ``0 .. n-1``) writes at column ``columns[i]``; attention reads ``length`` columns."""
-        self._plan = ("decode", torch.arange(n), columns, n, length)
-        self._flat = None
-        self._length = length
-
-    # -- the HF Cache interface -------------------------------------------------
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        while len(self.keys) <= layer_idx:
-            self.keys.append(None)
-            self.values.append(None)
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
-        if keys is None:
-            keys = self.keys[layer_idx] = self._buffer(key_states)
-            values = self.values[layer_idx] = self._buffer(value_states)
-        plan = self._plan
-        if plan[0] == "decode":
-            _, rows, cols, n, length = plan
-            # Row r's new K/V go to column cols[r] of every head: flat row (r * heads + h) * columns + cols[r]
-            # of the buffer seen as [rows * heads * columns, head_dim]. index_copy_ on that view is ~10x
-            # faster than the equivalent advanced-index assignment (13% of a decode step in a profile).
-            flat = self._decode_index(keys.shape[1], keys.shape[2])
-            keys.view(-1, keys.shape[3]).index_copy_(0, flat, key_states[:, :, 0].reshape(-1, keys.shape[3]))
-            values.view(-1, values.shape[3]).index_copy_(0, flat, value_states[:, :, 0].reshape(-1, values.shape[3]))
-            return keys[:n, :, :length], values[:n, :, :length]
-        if plan[0] == "prefill":
-            _, r0, n, length, c0 = plan
-            keys[r0 : r0 + n, :, c0:length] = key_states
-            values[r0 : r0 + n, :, c0:length] = value_states
-            return keys[r0 : r0 + n, :, :length], values[r0 : r0 + n, :, :length]
-        raise RuntimeError("SlotCache.update called without a plan; the Generator sets one before each forward")
-
-    def _decode_index(self, heads: int, columns: int) -> torch.Tensor:
-        """The flat rows the decode plan writes, computed once per step (every layer shares them)."""
-        _, rows, cols, _, _ = self._plan
-        if self._flat is None or self._flat[0] != (heads, columns):  # plan_decode resets it
-            flat = ((rows[:, None] * heads + torch.arange(heads)[None, :]) * columns + cols[:, None]).reshape(-1)
-            self._flat = ((heads, columns), flat)
-        return self._flat[1]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._length
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
+# A prompt prefix shared by the joiners is run once (Generator._shared_prefix) when it is at least this
+# long and saves at least this many tokens of prefill in all.
+_MIN_SHARED_PREFIX = 8
+_MIN_SHARED_SAVING = 64
 
 
 class Generator:
@@ -395,66 +193,9 @@ class Generator:
         self._live.add(rid)
 
     def _validate(self, rid: str, input_ids: list[int], sampling: SamplingParams) -> _Request:
-        who = f"request {rid!r}"
-        if rid in self._live:
-            raise RequestError(f"{who} is already running or waiting; request ids must be unique among live requests")
-        ids = list(input_ids)
-        if not ids:
-            raise RequestError(f"{who}: input_ids is empty; a prompt needs at least 1 token")
-        for i, tok in enumerate(ids):
-            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < self.vocab_size:
-                raise RequestError(f"{who}: input_ids[{i}] = {tok!r} is outside the vocabulary [0, {self.vocab_size})")
-        n_new = sampling.max_new_tokens
-        if isinstance(n_new, bool) or not isinstance(n_new, int) or n_new < 1:
-            raise RequestError(f"{who}: sampling.max_new_tokens is {n_new!r}; it must be at least 1")
-        prompt, limit = len(ids), self.max_seq_len
-        if prompt >= limit:
-            raise RequestError(
-                f"{who}: the prompt has {prompt} tokens; max_seq_len is {limit}, so a prompt may have "
-                f"at most {limit - 1} tokens"
-            )
-        if prompt + n_new > limit:
-            raise RequestError(
-                f"{who}: the prompt ({prompt} tokens) + sampling.max_new_tokens ({n_new}) = {prompt + n_new} "
-                f"exceeds max_seq_len {limit}; max_new_tokens may be at most {limit - prompt} for this prompt"
-            )
-        t = sampling.temperature
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
-            raise RequestError(f"{who}: sampling.temperature is {t!r}; it must be a finite number >= 0 (0 = greedy)")
-        p = sampling.top_p
-        if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 < p <= 1:
-            raise RequestError(f"{who}: sampling.top_p is {p!r}; it must be in (0, 1]")
-        k = sampling.top_k
-        if isinstance(k, bool) or not isinstance(k, int) or (k != -1 and k < 1):
-            raise RequestError(f"{who}: sampling.top_k is {k!r}; it must be -1 (off) or at least 1")
-        for i, tok in enumerate(sampling.stop_token_ids):
-            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < self.vocab_size:
-                raise RequestError(
-                    f"{who}: sampling.stop_token_ids[{i}] = {tok!r} is outside the vocabulary [0, {self.vocab_size})"
-                )
-        for i, s in enumerate(sampling.stop):
-            if not isinstance(s, str) or not s:
-                raise RequestError(f"{who}: sampling.stop[{i}] is {s!r}; stop strings must be non-empty str")
-        if sampling.stop and self.decode_fn is None:
-            raise RequestError(
-                f"{who}: sampling.stop is {tuple(sampling.stop)!r} but this Generator has no decode_fn "
-                "to turn tokens into text; build it with decode_fn=tokenizer.decode"
-            )
-        seed = sampling.seed
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise RequestError(f"{who}: sampling.seed is {seed!r}; it must be an int or None")
-        # A character is at most 4 byte tokens; a little slack for a window that starts mid-character.
-        window = 4 * max((len(s) for s in sampling.stop), default=0) + 4
-        return _Request(
-            rid=rid,
-            input_ids=ids,
-            sampling=sampling,
-            stop_ids=self.eos_token_ids | frozenset(sampling.stop_token_ids),
-            stop_window=window,
-            seed_state=_seed_state(seed) if seed is not None else None,
-            output_ids=[],
-            logprobs=[],
-        )
+        return new_request(rid, input_ids, sampling, live=self._live, vocab_size=self.vocab_size,
+                           max_seq_len=self.max_seq_len, eos_token_ids=self.eos_token_ids,
+                           can_decode=self.decode_fn is not None)
 
     def abort(self, rid: str) -> Finished | None:
         """Take ``rid`` out (running or waiting) with its tokens so far, ``"abort"``; None when not live."""
@@ -769,120 +510,3 @@ class Generator:
             self._waiting.extendleft(reversed(self._rows))
         self._rows, self._start, self._end = [], [], []
         self._cache.clear()
-
-
-# A prompt prefix shared by the joiners is run once (Generator._shared_prefix) when it is at least this
-# long and saves at least this many tokens of prefill in all.
-_MIN_SHARED_PREFIX = 8
-_MIN_SHARED_SAVING = 64
-
-# exp() of float32 inputs below about -87 (results in the subnormal range or 0, -inf included)
-# takes a slow path in torch's CPU kernel, 30-80x slower; differences from the row's max are
-# clamped here first. exp(-80) ~ 1.8e-35: the mass this gives tokens that are less likely than
-# that is below 1e-30 in total, and the logprob of a sampled token is computed unclamped.
-_EXP_FLOOR = -80.0
-
-
-_NUCLEUS_CANDIDATES = 256
-
-# SplitMix64 (Steele, Lea & Flood 2014): its n-th output from state s is mix(s + (n + 1) * gamma), so a draw
-# can be computed for any position without the ones before it.
-_MASK64 = (1 << 64) - 1
-_GAMMA = 0x9E3779B97F4A7C15
-
-
-def _mix64(z: int) -> int:
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
-def _seed_state(seed: int) -> int:
-    """The SplitMix64 state of a request's ``seed`` (any int; mixed, so nearby seeds are far-apart streams)."""
-    return _mix64(seed & _MASK64)
-
-
-def _seeded_uniform(state: int, position: int) -> float:
-    """The uniform number in [0, 1) of the token at sequence ``position`` of a request seeded to ``state``:
-    output number ``position`` of the seed's SplitMix64 stream, computed directly (~1 us)."""
-    return (_mix64((state + (position + 1) * _GAMMA) & _MASK64) >> 11) * 2.0**-53
-
-
-def _nucleus(z: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """The top-p mask of each row of ``z`` (``[n, vocab]``, dropped tokens at -inf; ``top_p`` ``[n, 1]``).
-
-    A token is kept when the probability of the tokens more likely than it
-    is below ``top_p`` (HF drops a token when the ascending cumulative
-    probability up to it is <= 1 - top_p: the same set). The more likely
-    tokens are found among the top 256 (``topk``, ~15x cheaper than sorting
-    49k logits); rows whose top 256 hold less than ``top_p`` are sorted whole.
-    """
-    n, vocab = z.shape
-    top = min(_NUCLEUS_CANDIDATES, vocab)
-    values, order = torch.topk(z, top, dim=-1)  # descending
-    m = values[:, :1]
-    total = (z - m).clamp_(min=_EXP_FLOOR).exp_().masked_fill_(z == -math.inf, 0.0).sum(-1, keepdim=True)
-    p = (values - m).clamp_(min=_EXP_FLOOR).exp_().masked_fill_(values == -math.inf, 0.0).div_(total)
-    before = p.cumsum(-1) - p  # probability of the more likely candidates
-    keep = torch.zeros_like(z, dtype=torch.bool).scatter_(1, order, before < top_p)
-    short = ((before[:, -1:] + p[:, -1:]) < top_p)[:, 0]  # the top candidates do not reach top_p
-    if short.any():
-        rows = short.nonzero()[:, 0]
-        values, order = torch.sort(z[rows], dim=-1, descending=True)
-        p = (values - values[:, :1]).clamp_(min=_EXP_FLOOR).exp_().masked_fill_(values == -math.inf, 0.0)
-        p /= p.sum(-1, keepdim=True)
-        keep[rows] = torch.zeros_like(values, dtype=torch.bool).scatter_(1, order, (p.cumsum(-1) - p) < top_p[rows])
-    return keep
-
-
-def sample(
-    logits: torch.Tensor, params: list[SamplingParams], draws: list[Callable[[], float]]
-) -> tuple[list[int], list[float]]:
-    """One token per row of ``logits`` (``[n, vocab]`` float32) and its logprob, all rows at once.
-
-    Row ``i`` uses ``params[i]`` and calls ``draws[i]()`` (a uniform number in
-    [0, 1)) once when it samples (temperature > 0). ``z`` is ``logits / temperature``
-    (``[n, vocab]``); ``keep`` the top-k / top-p mask (``[n, vocab]`` bool, or
-    None when no row asks for one); ``m`` the row max, ``e`` the unnormalised
-    probabilities ``exp(z - m)`` with dropped tokens at 0, ``cdf`` their
-    running sum. The token is the first column whose ``cdf`` reaches
-    ``u * cdf[-1]``, ``u`` in (0, 1], so its probability is never 0; its
-    logprob is ``z[token] - m - log(sum(e))``, i.e. ``log_softmax`` of the
-    masked ``z``, renormalised (greedy rows: of the raw logits).
-    """
-    n, vocab = logits.shape
-    temps = [p.temperature for p in params]
-    if all(t == 0 for t in temps):
-        best = logits.argmax(-1, keepdim=True)
-        m = logits.amax(-1, keepdim=True)
-        total = (logits - m).clamp_(min=_EXP_FLOOR).exp_().sum(-1, keepdim=True)
-        logprobs = logits.gather(1, best) - m - total.log_()
-        return best[:, 0].tolist(), logprobs[:, 0].tolist()
-
-    z = logits  # never written in place
-    if any(t not in (0, 1) for t in temps):
-        z = logits / torch.tensor([t if t > 0 else 1.0 for t in temps])[:, None]
-    keep = None
-    ks = [p.top_k if t > 0 and 0 < p.top_k < vocab else 0 for p, t in zip(params, temps)]
-    if any(ks):  # top-k: keep what is >= the k-th largest (ties kept, as in HF)
-        kth = torch.topk(z, max(ks), dim=-1).values.gather(1, torch.tensor([max(k, 1) - 1 for k in ks])[:, None])
-        kth.masked_fill_(torch.tensor([k == 0 for k in ks])[:, None], -math.inf)
-        keep = z >= kth
-    nucleus = [i for i, (p, t) in enumerate(zip(params, temps)) if t > 0 and p.top_p < 1.0]
-    if nucleus:  # top-p after top-k, as HF's TopPLogitsWarper
-        rows = torch.tensor(nucleus)
-        sub = z[rows] if keep is None else z[rows].masked_fill(~keep[rows], -math.inf)
-        kept = _nucleus(sub, torch.tensor([params[i].top_p for i in nucleus])[:, None])
-        keep = torch.ones_like(z, dtype=torch.bool) if keep is None else keep
-        keep[rows] &= kept
-    m = z.amax(-1, keepdim=True)  # the top token is always kept
-    e = torch.sub(z, m).clamp_(min=_EXP_FLOOR).exp_()
-    if keep is not None:
-        e.mul_(keep)
-    cdf = e.cumsum(-1)
-    u = torch.tensor([1.0 - draw() if t > 0 else 1.0 for draw, t in zip(draws, temps)], dtype=torch.float32)
-    tokens = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:]).clamp_(max=vocab - 1)  # [n, 1]
-    if any(t == 0 for t in temps):  # greedy rows: z is the raw logits and no mask applies
-        tokens = torch.where(torch.tensor([t == 0 for t in temps])[:, None], logits.argmax(-1, keepdim=True), tokens)
-    logprobs = z.gather(1, tokens) - m - e.sum(-1, keepdim=True).log_()
-    return tokens[:, 0].tolist(), logprobs[:, 0].tolist()

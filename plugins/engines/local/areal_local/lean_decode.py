@@ -12,7 +12,7 @@ the model's own modules and weights with fewer, larger operations:
 - the rotary cos / sin are computed once per step by the model's own
   ``rotary_emb``;
 - new keys / values are written straight into the generator's
-  :class:`~areal_local.generator.SlotCache` buffers and attention is one
+  :class:`~areal_local.cache.SlotCache` buffers and attention is one
   ``scaled_dot_product_attention`` call per layer over them (grouped-query
   heads without copies);
 - with packed weights, the residual adds, the SiLU and the gate x up
@@ -65,7 +65,7 @@ def supports(model: Any) -> bool:
 
 
 class LeanDecoder:
-    """Decode steps of ``model`` over a :class:`~areal_local.generator.SlotCache`; see the module docstring."""
+    """Decode steps of ``model`` over a :class:`~areal_local.cache.SlotCache`; see the module docstring."""
 
     def __init__(self, model: Any, *, packed: Any = None) -> None:
         """``packed``: the generator's :class:`~areal_local.packed.PackedLinears` (None: torch's own linears);
