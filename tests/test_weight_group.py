@@ -128,3 +128,28 @@ def test_a_member_that_refuses_is_named_and_the_group_is_dropped():
     failed, group, a = asyncio.run(body())
     assert failed.member.name == "bad:1" and "no weights update group named" in str(failed.cause)
     assert group.layout is None and a.groups == {} and a.version == 0  # dropped on the one still there
+
+
+def test_a_survivor_failing_because_another_server_died_does_not_take_the_blame():
+    """A server killed mid-broadcast makes the broadcast fail on a survivor first (gloo: connection reset), and
+    its own call fails a moment later: the dead one is named (and leaves routing), not the survivor."""
+    from areal_core.rollout.interruptible import ENGINE_FAILURES
+
+    class EchoFailureMemberDouble(GroupMemberDouble):
+        async def receive_weight_bucket(self, layout, names, dtypes, shapes):
+            raise RuntimeError("Read error [127.0.0.1]:45267: Connection reset by peer")
+
+    class DyingMemberDouble(GroupMemberDouble):
+        async def receive_weight_bucket(self, layout, names, dtypes, shapes):
+            await asyncio.sleep(0.3)
+            raise ConnectionRefusedError("the server at dead:1 refused the connection")
+
+    async def body():
+        survivor, dead = EchoFailureMemberDouble(1), DyingMemberDouble(1)
+        group = FleetWeightGroup(host="127.0.0.1", backend="gloo", bucket_bytes=300, timeout_s=3)
+        with pytest.raises(GroupMemberFailed) as failed:
+            await group.update([Member(survivor, "survivor:1"), Member(dead, "dead:1")], 0, tensors(1), 1)
+        return failed.value
+
+    failed = asyncio.run(body())
+    assert failed.member.name == "dead:1" and isinstance(failed.cause, ENGINE_FAILURES)

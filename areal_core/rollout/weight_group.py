@@ -272,26 +272,47 @@ class FleetWeightGroup:
                     if task in lost:
                         raise GroupMemberFailed(lost[task], EngineLost(lost[task].name))
                     if task in calls and task.exception() is not None:
-                        raise GroupMemberFailed(calls[task], task.exception())
+                        raise await self._blame(calls, GroupMemberFailed(calls[task], task.exception()), lost)
                     if task is local and task.exception() is not None:
-                        raise await self._blame(calls, task.exception())
+                        raise await self._blame(calls, task.exception(), lost)
         finally:
             for task in (*calls, *lost):
                 task.cancel()
             local.add_done_callback(lambda f: f.cancelled() or f.exception())
         log.debug("%s: done on %d server(s)", what, len(members))
 
-    async def _blame(self, calls: dict[asyncio.Future, Member], failure: BaseException) -> BaseException:
-        """What to raise when the trainer's rank failed (gloo: "connection closed by peer"): a server that
-        died makes it fail, and its own call fails too, a moment later. Wait briefly for that, so that the
-        dead server is the one named (and leaves routing); else the trainer's failure itself."""
-        pending = [task for task in calls if not task.done()]
-        if pending:
-            await asyncio.wait(pending, timeout=min(BLAME_GRACE_S, self.timeout_s))
-        for task, member in calls.items():
-            if task.done() and not task.cancelled() and isinstance(task.exception(), ENGINE_FAILURES):
-                return GroupMemberFailed(member, task.exception())
-        return failure
+    async def _blame(self, calls: dict[asyncio.Future, Member], failure: BaseException,
+                     lost: dict[asyncio.Future, Member]) -> BaseException:
+        """What to raise for ``failure``: the trainer's rank failing (gloo: "connection closed by peer"), or a
+        server's call failing on its side of the broadcast, is often the echo of another server dying, whose
+        own call fails (or which leaves routing) a moment later. Wait briefly for that, so that the dead
+        server is the one named (and leaves routing); else ``failure`` itself. A failure that already names a
+        lost or unreachable server is that server's."""
+        if isinstance(failure, GroupMemberFailed) and isinstance(failure.cause, (*ENGINE_FAILURES, EngineLost)):
+            return failure
+        culprit = failure.member if isinstance(failure, GroupMemberFailed) else None
+
+        def dead() -> BaseException | None:
+            for task, member in lost.items():
+                if task.done() and not task.cancelled() and member is not culprit:
+                    return GroupMemberFailed(member, EngineLost(member.name))
+            for task, member in calls.items():
+                if member is not culprit and task.done() and not task.cancelled() \
+                        and isinstance(task.exception(), ENGINE_FAILURES):
+                    return GroupMemberFailed(member, task.exception())
+            return None
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(BLAME_GRACE_S, self.timeout_s)
+        pending = {task for task in (*calls, *lost) if not task.done()}
+        while (found := dead()) is None and pending:
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                break
+        return found or failure
 
 
 __all__ = ["FleetWeightGroup", "GroupLayout", "GroupMember", "GroupMemberFailed", "TrainerRank", "plan_layout"]
