@@ -1,8 +1,8 @@
 """A call that runs elsewhere (an event loop, a thread of its own) and is waited for later, with a timeout.
 
-One type for both places the project starts work it collects afterwards: the
-rollout controller's calls on its event loop (``update_weights(..., wait=False)``)
-and the trainer's weight export beside training (a daemon thread).
+One type for every place the project starts work it collects afterwards: the
+rollout controller's calls on its event loop (``update_weights(..., wait=False)``,
+``evaluate``) and the trainer's weight export beside training (a daemon thread).
 """
 
 from __future__ import annotations
@@ -45,11 +45,14 @@ class PendingCall:
     def done(self) -> bool:
         return self._future.done()
 
-    def result(self) -> Any:
+    def result(self, timeout: float | None = None) -> Any:
+        """The call's result (or its exception), waiting at most ``timeout`` seconds (default: the timeout it
+        was made with), as ``concurrent.futures.Future.result`` does."""
+        timeout_s = self._timeout_s if timeout is None else timeout
         try:
-            return self._future.result(self._timeout_s)
+            return self._future.result(timeout_s)
         except TimeoutError:
             if self._future.done():  # the call's own TimeoutError: keep its message
                 raise
             self._future.cancel()  # a call on an event loop that has not started yet never starts
-            raise TimeoutError(f"waited {self._timeout_s:.0f} s for {self.waited_for}") from None
+            raise TimeoutError(f"waited {timeout_s:.0f} s for {self.waited_for}") from None

@@ -185,3 +185,60 @@ def merge_update_stats(steps: list[dict[str, float]], epochs: int = 1) -> dict[s
         out["grad_norm_max"] = max(s["grad_norm"] for s in steps if "grad_norm" in s)
     out["n_optimizer_steps"] = float(len(steps))
     return out
+
+
+class Packed:
+    """A trainer batch as CPU tensors (:func:`to_tensor`) with its sequence boundaries, cut into micro-batches
+    by sequence. ``who`` names the engine in errors about a malformed batch."""
+
+    def __init__(self, batch: dict, who: str = "the train engine") -> None:
+        cu = [int(c) for c in as_list(batch["cu_seqlens"])]
+        if len(cu) < 2:
+            raise ValueError(f"{who}: the batch holds no sequences (cu_seqlens has fewer than 2 entries)")
+        n_ids = len(as_list(batch["input_ids"]))
+        if n_ids != cu[-1]:
+            raise ValueError(f"{who}: the batch has {n_ids} input_ids but cu_seqlens ends at {cu[-1]}")
+        from areal_core.api.batch import PackedBatch
+
+        if isinstance(batch, PackedBatch):  # each list column converted once, kept for the next reader
+            self.tensors = {k: batch.tensor(k) for k in list(batch) if k != "cu_seqlens"}
+        else:
+            self.tensors = {k: to_tensor(k, v) for k, v in batch.items() if k != "cu_seqlens"}
+        self.cu = cu
+        self.T = cu[-1]
+        self.lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
+        self.ids = self.tensors["input_ids"]
+        self.shortest = min(range(len(self.lengths)), key=lambda i: (self.lengths[i], i))
+
+    def lens(self, seqs: list[int]) -> list[int]:
+        return [self.lengths[s] for s in seqs]
+
+    def token_index(self, seqs: list[int]) -> Any:
+        import torch
+
+        return torch.cat([torch.arange(self.cu[s], self.cu[s + 1]) for s in seqs])
+
+    def micro_batch(self, seqs: list[int], with_positions: bool = False) -> dict:
+        """Per-token keys over the tokens of ``seqs`` (packed in that order), per-sequence keys over ``seqs``,
+        anything else as is; plus ``seq_lens``, ``cu_seqlens``, ``token_index`` (the tokens' places in the
+        batch) and, with ``with_positions``, ``position_ids`` counting from 0 in each sequence unless the
+        batch carries its own."""
+        import torch
+
+        tokens = self.token_index(seqs)
+        n_seq = len(self.lengths)
+        mb: dict = {}
+        for key, value in self.tensors.items():
+            if isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == self.T:
+                mb[key] = value[tokens]
+            elif isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == n_seq:
+                mb[key] = value[torch.tensor(seqs, dtype=torch.long)]
+            else:
+                mb[key] = value
+        lens = self.lens(seqs)
+        mb["seq_lens"] = torch.tensor(lens, dtype=torch.long)
+        mb["cu_seqlens"] = torch.tensor([0, *cumsum(lens)], dtype=torch.long)
+        mb["token_index"] = tokens
+        if with_positions and "position_ids" not in mb:
+            mb["position_ids"] = torch.cat([torch.arange(n) for n in lens])
+        return mb

@@ -19,6 +19,9 @@ counters and done items, the RNG states and the step, so ``--resume``
 continues with no sample trained twice or skipped; the restored weights reach
 the inference engines (which restart from the base model) before the first
 episode is admitted.
+
+The weight hand-over lives in :mod:`areal_core.trainer_weights`, evaluation
+on validation items in :mod:`areal_core.trainer_eval`.
 """
 
 from __future__ import annotations
@@ -27,33 +30,27 @@ import argparse
 import itertools
 import json
 import os
-import shutil
 import signal
 import sys
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
 from areal_core.allocator import retain_freed_memory
-from areal_core.api import Context
+from areal_core.api import Context, PackedBatch
 from areal_core.checkpoint import (
     CheckpointSpaceError, CheckpointStore, load_pickle, reporting_full_disk, rng_state, save_pickle_atomic,
     set_rng_state,
 )
 from areal_core.config.validate import ValidatedRun, minibatch_problem, validate_run
 from areal_core.metrics import MetricsLogger, histogram, summarize, truncate_jsonl
-from areal_core.pending import PendingCall
 from areal_core.problems import ProblemsError, format_problems
 from areal_core.rollout import RolloutController, RolloutError, StallError, has_reward_variance, pack_groups
 from areal_core.rollout.elastic import EVENTS_FILE, LAUNCHER_DISCOVERY_ENV
-from areal_core.threads import serial_torch
-from areal_core.train_batches import MINIBATCH_KEY, POLICY_VERSION_KEY, assign_minibatches
-
-WEIGHT_BUCKET_BYTES = 256 * 1024**2  # rollout.weight_sync=tensors: the most bytes gathered at once
-# A weight export beside training, then the engines' update: each waits 600 s at most on its own
-BACKGROUND_SYNC_TIMEOUT_S = 1200.0
+from areal_core.train_batches import MINIBATCH_KEY, POLICY_VERSION_KEY, as_list, assign_minibatches
+from areal_core.trainer_eval import Evaluation, eval_metrics  # noqa: F401 (eval_metrics: imported from here)
+from areal_core.trainer_weights import WeightHandOver, check_weight_sync
 
 
 def build(run: ValidatedRun, section: str, **extras: Any) -> Any:
@@ -92,7 +89,8 @@ class Trainer:
         self.store = CheckpointStore(self.run_dir / "checkpoints")
         self.step = 0
         self._filtered_in_a_row = 0  # groups dynamic filtering dropped since the last one it kept
-        self._pending_sync: Any = None  # a weight update the engines are still applying (eta > 0)
+        self.weights = WeightHandOver(self.cfg, self.actor, self.run_dir, rank, world_size)
+        self.evaluation: Evaluation | None = None  # rank 0's, built with the rollout side
 
     def _should_accept(self, group: Any) -> bool:
         """Dynamic filtering (``rollout.dynamic_filtering``) and the algorithm's own (e.g. dapo's dynamic
@@ -138,6 +136,7 @@ class Trainer:
             engine_factory=lambda address: engine_at(next(joined), address),
             on_topology_event=self._record_topology_event,
             launcher_discovery_file=os.environ.get(LAUNCHER_DISCOVERY_ENV) or None)
+        self.weights.controller = self.controller
         self._last_generated = (0, time.monotonic())
         self.dataset = build(self.run, "dataset")
         self.data = data_stream(self.dataset, self.cfg.trainer.epochs)
@@ -152,43 +151,7 @@ class Trainer:
     # -------------------------------------------------------------- evaluation (rank 0)
     def _eval_setup(self, reward: Any) -> None:
         """The validation items and a workflow that samples ``eval.samples`` per item at ``eval.temperature``."""
-        ev = self.cfg.eval
-        self.eval_items: list[Any] = []
-        self._pending_eval: tuple[Any, int, float] | None = None
-        if ev.size == 0:
-            return
-        validation = build(self.run, "dataset", split="validation")
-        self.eval_items = list(itertools.islice(iter(validation), ev.size))
-        if not self.eval_items:
-            raise ValueError(f"eval.size is {ev.size} but dataset {self.cfg.dataset.name!r} has no validation "
-                             f"items; give the dataset a validation split (docs/datasets.md) or set eval.size=0")
-        r = self.cfg.rollout
-        eval_cfg = replace(self.cfg, rollout=replace(
-            r, group_size=ev.samples, sampling=replace(r.sampling, temperature=ev.temperature)))
-        workflow_cls = self.run.components["workflow"]
-        self.eval_workflow = workflow_cls.create(Context(
-            config=eval_cfg, options=self.run.options.get("workflow"), extras={"reward": reward}))
-
-    def _start_eval(self) -> None:
-        if self.eval_items and self._pending_eval is None:
-            future = self.controller.evaluate(self.eval_workflow, self.eval_items)
-            self._pending_eval = (future, self.step, time.monotonic())
-
-    def _collect_eval(self, wait: bool) -> dict[str, float]:
-        """The finished evaluation's metrics ({} while it runs, unless ``wait``)."""
-        if self._pending_eval is None:
-            return {}
-        future, step, began = self._pending_eval
-        if not wait and not future.done():
-            return {}
-        timeout = self.cfg.rollout.request_timeout_s
-        try:
-            results = future.result(timeout)
-        except TimeoutError:
-            raise TimeoutError(f"waited {timeout:.0f} s (rollout.request_timeout_s) for the evaluation of "
-                               f"{len(self.eval_items)} validation items started after step {step}") from None
-        self._pending_eval = None
-        return eval_metrics(results, self.eval_items, self.cfg.eval.success, step, time.monotonic() - began)
+        self.evaluation = Evaluation(self.run, reward, lambda: build(self.run, "dataset", split="validation"))
 
     # -------------------------------------------------------------- checkpoints
     def _restore(self) -> None:
@@ -269,11 +232,11 @@ class Trainer:
             if self.controller is not None:
                 self.controller.start()
             if self.actor.version > 0:
-                self._hand_over_restored_weights()
-            if self.controller is not None:
-                if self.step == 0 and self.cfg.eval.before and self.eval_items:
-                    self._start_eval()  # the initial policy, before any rollout is admitted
-                    logger.log(0, self._collect_eval(wait=True))
+                self.weights.hand_over_restored()
+            evaluation = self.evaluation if self.evaluation is not None and self.evaluation.items else None
+            if evaluation is not None and self.step == 0 and self.cfg.eval.before:
+                evaluation.start(self.controller, 0)  # the initial policy, before any rollout is admitted
+                logger.log(0, evaluation.collect(wait=True))
             last_save, checkpoint_s = time.monotonic(), 0.0
             while self.step < total:
                 metrics = self.train_step()
@@ -282,19 +245,19 @@ class Trainer:
                 every, every_s = self.cfg.trainer.save_every, self.cfg.trainer.save_every_s
                 due = (every and self.step % every == 0) or (every_s and time.monotonic() - last_save >= every_s)
                 eval_due = bool(self.cfg.eval.every) and self.step % self.cfg.eval.every == 0
-                if due or self.step == total or (eval_due and self.controller is not None and self.eval_items):
+                if due or self.step == total or (eval_due and evaluation is not None):
                     # Evaluations and checkpoints see the engines at this step's weights.
                     metrics["time/generation_paused_s"] = metrics.get("time/generation_paused_s", 0.0) + \
-                        self._finish_weight_sync()
-                if self.controller is not None and self.eval_items:
-                    metrics.update(self._collect_eval(wait=False))  # an evaluation that ran beside training
+                        self.weights.finish()
+                if evaluation is not None:
+                    metrics.update(evaluation.collect(wait=False))  # an evaluation that ran beside training
                     if self.step == total:  # the final policy: nothing else needs the engines now
                         self.controller.stop_rollouts()
-                        metrics.update(self._collect_eval(wait=True))
-                        self._start_eval()
-                        metrics.update(self._collect_eval(wait=True))
+                        metrics.update(evaluation.collect(wait=True))
+                        evaluation.start(self.controller, self.step)
+                        metrics.update(evaluation.collect(wait=True))
                     elif eval_due:
-                        self._start_eval()
+                        evaluation.start(self.controller, self.step)
                 if logger is not None:  # before the save: a step in a checkpoint always has its metrics
                     logger.log(self.step, metrics)
                 checkpoint_s = 0.0
@@ -346,7 +309,8 @@ class Trainer:
             packed["ref_logprobs"] = self.reference.forward_logprobs(packed, temperature)["logprobs"]
         if needs.values:
             packed["values"] = self.critic.forward_values(packed)["values"]
-        packed = self.algorithm.compute_advantages(packed)
+        packed = PackedBatch.of(self.algorithm.compute_advantages(packed)).validate(
+            f"the batch after algorithm {self.cfg.algorithm.name!r} computed its advantages")
         train_began = time.monotonic()
         epochs = self.cfg.actor.ppo_epochs
         update = {"epochs": epochs} if epochs > 1 else {}  # engines that predate epochs keep working at 1
@@ -360,7 +324,7 @@ class Trainer:
         metrics: dict[str, float] = {f"train/{k}": float(v) for k, v in stats.items() if _is_number(v)}
         metrics.update({f"critic/{k}": float(v) for k, v in critic_stats.items() if _is_number(v)})
         sync_began = time.monotonic()
-        paused_s = self._sync_weights(new_version)
+        paused_s = self.weights.sync(new_version)
         if self.rank == 0:
             metrics["time/weight_sync_s"] = time.monotonic() - sync_began
             metrics["time/generation_paused_s"] = paused_s
@@ -368,7 +332,7 @@ class Trainer:
             self._record_samples(groups, version)
         return metrics
 
-    def _pack(self, groups: list, version: int) -> dict:
+    def _pack(self, groups: list, version: int) -> PackedBatch:
         """The padding-free batch, stamped with the version it is trained at (``policy_version``) and, with
         ``actor.ppo_minibatches`` > 1, each sequence's mini-batch (groups whole, balanced by tokens)."""
         packed = pack_groups(groups)
@@ -376,7 +340,7 @@ class Trainer:
         k = self.cfg.actor.ppo_minibatches
         if k > 1:
             packed[MINIBATCH_KEY] = assign_minibatches(packed["seq_lens"], packed["group_index"], k)
-        return packed
+        return packed.validate("the rollout controller's batch")
 
     def _check_minibatches(self) -> None:
         """Several optimizer steps per batch need a train engine that takes them (``areal check``'s own test)."""
@@ -395,104 +359,16 @@ class Trainer:
                 f"not take mini-batches (areal_core.train_batches.update_plan). Fix: actor.ppo_minibatches=1 "
                 f"actor.ppo_epochs=1, or a train engine that does")
 
-    def _sync_weights(self, version: int, wait: bool | None = None) -> float:
-        """Hand the new weights to the inference engines (collective); rank 0 returns the seconds paused.
-
-        ``rollout.weight_sync: disk`` writes a safetensors folder per version and
-        the engines load it; ``tensors`` gathers full tensors in buckets
-        (``export_tensors``) into rank 0's memory, then the engines take them in
-        memory. Generation pauses only for the hand-over, not for the gather.
-
-        At eta > 0 the trainer does not wait for the engines to load: it goes
-        on to its next batch while they do (admission follows the version the
-        engines hold, so staleness stays bounded), and waits for this update
-        only before the next one, an evaluation or a checkpoint. The seconds
-        returned are then those of the previous update's pause. At eta = 0 the
-        next batch needs the new weights anyway, so the call waits (as it
-        does with ``wait=True``: the hand-over of restored weights at resume).
-
-        With tensors at eta > 0 in a one-process trainer whose engine declares
-        ``export_beside_training``, the export itself also leaves this thread:
-        the engine holds the weights from the ``export_tensors`` call, a
-        background thread reads them and hands them over while this one
-        trains on, and the engine's next optimizer step waits for the read to
-        end. ``time/weight_sync_s`` is then only the hand-off.
-        """
-        paused_s = self._finish_weight_sync()
-        wait = self.cfg.rollout.max_head_offpolicyness == 0 if wait is None else wait
-        beside = not wait and self.world_size == 1 and "export_beside_training" in self.actor.capabilities
-        if self.cfg.rollout.weight_sync == "tensors":
-            buckets = self.actor.export_tensors(WEIGHT_BUCKET_BYTES)
-            if beside:
-                # The export itself goes on beside the next batch's training, on a thread of its own: on a CPU
-                # it is a full pass over the weights (~0.08 s of a 1.6 s step for SmolLM2-135M on one core) that
-                # another core can do. The engine holds its next optimizer step until the export has read them.
-                def export_and_send() -> float:
-                    serial_torch()  # see areal_core.threads: a helper thread's torch ops run on one thread
-                    named = [pair for bucket in buckets for pair in bucket]
-                    return self.controller.update_weights_from_tensors(named, version, wait=False).result()
-
-                self._pending_sync = PendingCall.on_thread(
-                    export_and_send, BACKGROUND_SYNC_TIMEOUT_S,
-                    f"a background call to hand the weights of version {version} to the inference engines")
-                return paused_s
-            named = [pair for bucket in buckets for pair in bucket]
-            if self.rank != 0:
-                return 0.0
-            # export_tensors hands out copies (its contract), so the next optimizer step cannot change what the
-            # engines are still reading at eta > 0
-            pending = self.controller.update_weights_from_tensors(named, version, wait=wait)
-        else:
-            weights = self.run_dir / "weights" / f"v{version:06d}"
-            self.actor.export_to_disk(str(weights))  # collective: every rank takes part in the gather
-            if self.rank != 0:
-                return 0.0
-            pending = self.controller.update_weights_from_disk(str(weights), version, wait=wait)
-            _prune_weights(self.run_dir / "weights", keep=2)  # the two newest: the one loading now is kept
-        if wait:
-            return pending
-        self._pending_sync = pending
-        return paused_s
-
-    def _hand_over_restored_weights(self) -> None:
-        """Resume: the engines started from the base model; send them the restored weights (collective) before
-        the first episode is admitted, and check they serve that version, so every stamped version is true."""
-        version = self.actor.version
-        began = time.monotonic()
-        self._sync_weights(version, wait=True)
-        if self.rank != 0:
-            return
-        serving = {getattr(e, "address", f"engine {i}"): e.version for i, e in enumerate(self.controller.engines)}
-        if self.controller.version != version or any(v != version for v in serving.values()):
-            raise RuntimeError(f"resume: handed the restored weights of version {version} to the inference engines, "
-                               f"but the controller is at version {self.controller.version} and the engines "
-                               f"report {serving}")
-        print(f"resume: the inference engines serve the restored weights (version {version}, handed over in "
-              f"{time.monotonic() - began:.1f} s)", flush=True)
-
-    def _finish_weight_sync(self) -> float:
-        """Wait for the weight update still running on the engines (rank 0, eta > 0); its seconds paused."""
-        pending, self._pending_sync = self._pending_sync, None
-        return 0.0 if pending is None else pending.result()
-
     def _check_weight_sync(self, engines: list[Any]) -> None:
-        """``rollout.weight_sync: tensors`` needs a train engine that exports them and engines that take them."""
-        if self.cfg.rollout.weight_sync != "tensors":
-            return
-        refusing = [f"actor.backend {self.cfg.actor.backend!r} does not declare 'export_tensors'"] \
-            if "export_tensors" not in self.actor.capabilities else []
-        if engines and "update_weights_from_tensors" not in engines[0].capabilities:  # one backend for all
-            refusing.append(f"rollout.backend {self.cfg.rollout.backend!r} does not declare "
-                            "'update_weights_from_tensors'")
-        if refusing:
-            raise ValueError(f"rollout.weight_sync: 'tensors' cannot be used: {'; '.join(refusing)}. "
-                             "Fix: rollout.weight_sync=disk (the default)")
+        """Refuse ``rollout.weight_sync: tensors`` that the engines cannot do (before anything starts)."""
+        check_weight_sync(self.cfg, self.actor, engines)
 
     def _rollout_metrics(self, groups, packed, version: int, waited: float, train_s: float) -> dict[str, float]:
-        produced = [v for v, m in zip(packed["versions"], packed["loss_mask"]) if m]
+        # the columns may be tensors by now (the engines and the algorithm keep what they convert)
+        produced = [v for v, m in zip(as_list(packed["versions"]), as_list(packed["loss_mask"])) if m]
         lags = [version - v for v in produced]
         m: dict[str, float] = {}
-        m.update(summarize(packed["rewards"], "reward"))
+        m.update(summarize(as_list(packed["rewards"]), "reward"))
         m.update(summarize([version - g.start_version for g in groups], "staleness/episode_lag"))
         m.update(summarize([g.finished_at - g.admitted_at for g in groups], "rollout/episode_latency_s"))
         if lags:
@@ -519,30 +395,6 @@ class Trainer:
                                 "items": [g.seq for g in groups]}) + "\n")
 
 
-def eval_metrics(results: list[Any], items: list[Any], success: float, step: int, seconds: float) -> dict[str, float]:
-    """``eval/accuracy`` (pass@k: an item counts when one of its samples reaches ``success``) and friends.
-
-    ``results`` holds one entry per item: its trajectories, None (rejected by
-    the workflow: counted wrong) or an exception (raised here with the item).
-    """
-    correct, rewards, lengths = 0, [], []
-    for item, result in zip(items, results):
-        if isinstance(result, BaseException):
-            raise RuntimeError(f"evaluation failed on validation item {str(item)[:80]}: "
-                               f"{type(result).__name__}: {result}") from result
-        trajectories = result or []
-        item_rewards = [t.reward for t in trajectories]
-        rewards += item_rewards
-        lengths += [sum(t.loss_mask) for t in trajectories]
-        correct += any(r >= success for r in item_rewards)
-    out = {"eval/accuracy": correct / len(items), "eval/items": float(len(items)),
-           "eval/after_step": float(step), "eval/seconds": seconds}
-    if rewards:
-        out["eval/reward_mean"] = sum(rewards) / len(rewards)
-        out["eval/completion_tokens_mean"] = sum(lengths) / len(lengths)
-    return out
-
-
 def seed_everything(seed: int) -> None:
     """Seed Python's, numpy's and torch's generators (the last two when installed)."""
     import random
@@ -560,12 +412,6 @@ def seed_everything(seed: int) -> None:
         torch.manual_seed(seed)
     except ImportError:
         pass
-
-
-def _prune_weights(folder: Path, keep: int) -> None:
-    versions = sorted(p for p in folder.glob("v*") if p.is_dir())
-    for old in versions[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _is_number(value: Any) -> bool:
@@ -609,8 +455,8 @@ def main(argv: list[str] | None = None) -> int:
         timeout = datetime.timedelta(seconds=run.config.trainer.collective_timeout_s)
         dist.init_process_group(backend, timeout=timeout)
     # The launcher stops a run with SIGTERM (then SIGKILL after its grace period). Python's default for SIGTERM
-    # ends the process at once, skipping every finally block and finalizer: the weights staged in /dev/shm
-    # (hundreds of MB) then outlived the run. As SystemExit they are cleaned up like at a normal exit.
+    # ends the process at once, skipping every finally block and finalizer, so the weights staged in /dev/shm
+    # (hundreds of MB) would outlive the run. As SystemExit they are cleaned up like at a normal exit.
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     trainer = Trainer(run, args.run_dir, rank, world)

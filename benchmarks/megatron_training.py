@@ -76,7 +76,7 @@ def main() -> None:
         for name, build in (("fsdp", lambda: packed_side(folder, "float32", args.mb_max_tokens, 1e-5)),
                             ("megatron", lambda: megatron_side(folder, args.mb_max_tokens, 1e-5))):
             engine = build()
-            params = sum(p.numel() for p in (engine.inner if name == "megatron" else engine.lm).parameters())
+            params = sum(p.numel() for p in (engine._parameters() if name == "megatron" else engine.lm.parameters()))
             median, warm_up = timed(lambda: engine.train_batch(batch, pg_loss), args.steps)
             first = warm_up["loss"]
             engine.close()

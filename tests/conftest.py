@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -51,16 +50,12 @@ def double_stack(tmp_path):
 
 @pytest.fixture
 def rl_doubles_env(tmp_path):
-    """The RL doubles (tests/doubles/rl_doubles.py) installed as a fake distribution, for `areal run` in a
-    subprocess: yields (the doubles' config file, the environment that finds them)."""
-    import rl_doubles
+    """The RL doubles (:mod:`areal_core.testing.rl_doubles`) installed as a fake distribution, for `areal run`
+    in a subprocess: yields (the doubles' config file, the environment that finds them)."""
+    from areal_core.testing import rl_doubles
 
-    files = {name: (DOUBLES / name).read_text() for name in ("rl_doubles.py", "latency_engine_double.py")}
-    with install_fake_distribution(tmp_path / "site", "areal-test-rl-doubles", "0.0.1", rl_doubles.ENTRY_POINTS,
-                                   files) as site:
-        config = tmp_path / "run.yaml"
-        config.write_text(rl_doubles.CONFIG)
-        yield config, {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    with rl_doubles.installed(tmp_path) as (config, env):
+        yield config, env
 
 
 @pytest.fixture(autouse=True)

@@ -52,3 +52,40 @@ def test_the_controllers_pending_call_keeps_the_calls_own_timeout_too():
     never: concurrent.futures.Future = concurrent.futures.Future()
     with pytest.raises(TimeoutError, match="^waited 0 s for the rollout controller to pause generation"):
         PendingCall(never, 0.05, "the rollout controller to pause generation").result()
+
+
+def test_a_timeout_given_to_result_overrides_the_calls_own():
+    release = threading.Event()
+    call = PendingCall.on_thread(release.wait, 600.0, "a background call that waits")
+    with pytest.raises(TimeoutError, match="^waited 0 s for a background call that waits"):
+        call.result(timeout=0.05)
+    release.set()
+    assert call.result(timeout=5) is True and call.done()
+
+
+def test_an_evaluation_is_a_pending_call_that_names_what_it_waited_for():
+    """The controller's evaluate() hands back the same pending-call type as its weight updates."""
+    import asyncio
+
+    from areal_core.api.workflow import Workflow
+    from areal_core.rollout import RolloutController
+    from areal_core.testing.scripted_engine import ScriptedInferenceEngine
+
+    gate = threading.Event()
+
+    class HeldWorkflowDouble(Workflow):
+        async def arun_episode(self, engine, item):
+            while not gate.is_set():
+                await asyncio.sleep(0.01)
+            return None
+
+    with RolloutController([ScriptedInferenceEngine([[1]])], HeldWorkflowDouble(), batch_size=1) as ctrl:
+        pending = ctrl.evaluate(HeldWorkflowDouble(), [1, 2, 3], timeout_s=0.1,
+                                waited_for="the evaluation of 3 validation items started after step 4")
+        assert isinstance(pending, PendingCall) and not pending.done()
+        with pytest.raises(TimeoutError, match="^waited 0 s for the evaluation of 3 validation items started "
+                                               "after step 4"):
+            pending.result()
+        again = ctrl.evaluate(HeldWorkflowDouble(), [1, 2])
+        gate.set()
+        assert again.result(timeout=10) == [None, None]

@@ -33,24 +33,13 @@ from pathlib import Path
 
 import pytest
 
-from areal_core.launch.supervisor import PROCESS_NAME_ENV
-from areal_core.testing.processes import processes_mentioning, read_jsonl
+from areal_core.testing.processes import launched_pids, process_name, processes_mentioning, read_jsonl
 
 pytestmark = pytest.mark.slow
 
 AREAL = str(Path(sys.executable).with_name("areal"))
 ETA = 1
 STEPS = 10
-
-
-def _process_name(pid: int) -> str:
-    """The name the launcher gave ``pid`` ("rollout-0"): pid order says nothing about start order."""
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:  # it ended while we looked
-        return ""
-    prefix = PROCESS_NAME_ENV.encode() + b"="
-    return next((v[len(prefix):].decode() for v in environ if v.startswith(prefix)), "")
 
 
 class Run:
@@ -97,18 +86,9 @@ class Run:
         return out, time.monotonic() - began
 
     def pids(self, role: str) -> list[int]:
-        """The real processes (not their trampolines) of ``role``: server, trainer."""
-        marker = {"server": "areal_local.server", "trainer": "areal_core.trainer"}[role]
-        found = []
-        for pid in processes_mentioning(marker):
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            mine = str(self.model).encode() in argv or str(self.run_dir).encode() in argv
-            if mine and not any(a.endswith(b"child.py") for a in argv) and marker.encode() in argv:
-                found.append(pid)
-        return sorted(found, key=_process_name)
+        """The real processes (not their trampolines) of ``role`` (server, trainer), in the order of their names."""
+        module = {"server": "areal_local.server", "trainer": "areal_core.trainer"}[role]
+        return launched_pids(module, str(self.model), str(self.run_dir))
 
     def assert_no_orphans(self, within_s: float = 20) -> None:
         deadline = time.monotonic() + within_s
@@ -160,7 +140,7 @@ def test_train_rank_killed(faulty_run, seed):
     run = faulty_run(f"rank-kill-{seed}", "allocation=local:d2@cpu+rl_train_double:d2@cpu")
     run.start_until(steps, delay)
     trainers = run.pids("trainer")
-    assert [_process_name(pid) for pid in trainers] == ["actor-rank0", "actor-rank1"]
+    assert [process_name(pid) for pid in trainers] == ["actor-rank0", "actor-rank1"]
     rank = rng.randrange(2)
     os.kill(trainers[rank], signal.SIGKILL)
     out, took = run.fails(within_s=60)
@@ -181,7 +161,7 @@ def test_train_rank_hung(faulty_run):
     run = faulty_run("rank-hang", "allocation=local:d2@cpu+rl_train_double:d2@cpu", "trainer.collective_timeout_s=15")
     run.start_until(steps, delay)
     trainers = run.pids("trainer")
-    assert [_process_name(pid) for pid in trainers] == ["actor-rank0", "actor-rank1"]
+    assert [process_name(pid) for pid in trainers] == ["actor-rank0", "actor-rank1"]
     os.kill(trainers[1], signal.SIGSTOP)
     out, took = run.fails(within_s=120)
     assert run.proc.returncode == 1 and "exited with code 1" in out, out
@@ -232,7 +212,7 @@ def test_server_killed_or_hung(faulty_run, seed, elastic, fault):
     run = faulty_run(f"server-{fault}-{'elastic' if elastic else 'plain'}-{seed}", *extra)
     run.start_until(steps, delay)
     servers = run.pids("server")
-    assert [_process_name(pid) for pid in servers] == ["rollout-0", "rollout-1"]
+    assert [process_name(pid) for pid in servers] == ["rollout-0", "rollout-1"]
     victim = rng.randrange(2)
     os.kill(servers[victim], signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
     try:

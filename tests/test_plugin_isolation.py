@@ -122,6 +122,27 @@ def plugin_cross_imports(plugins_root: Path) -> dict[str, list[CrossImport]]:
     return result
 
 
+def escapes(source: str, depth: int, filename: str = "<source>") -> list[int]:
+    """Lines of ``source`` (a file ``depth`` folders below its plugin's folder) that climb out of the plugin
+    with ``Path(__file__).parents[k]`` (k >= depth) or ``.parent`` chains as long: a test that reads the
+    repository's own files (its test doubles, say) cannot run from the plugin's distribution. A line that
+    looks outside on purpose, for something optional, says so with ``# isolation: ok (why)``."""
+    allowed = {i for i, text in enumerate(source.splitlines(), 1) if "# isolation: ok" in text}
+    lines = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) \
+                and node.value.attr == "parents" and isinstance(node.slice, ast.Constant) \
+                and isinstance(node.slice.value, int) and node.slice.value >= depth:
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Attribute) and node.attr == "parent":
+            chain, inner = 1, node.value
+            while isinstance(inner, ast.Attribute) and inner.attr == "parent":
+                chain, inner = chain + 1, inner.value
+            if chain > depth and not (isinstance(inner, ast.Attribute) and inner.attr == "parent"):
+                lines.append(node.lineno)
+    return sorted(set(lines) - allowed)
+
+
 # ---------------------------------------------------------------------- the tree as it is
 
 PLUGINS = find_plugins(ROOT / "plugins")
@@ -175,6 +196,41 @@ def test_the_core_never_imports_the_cli():
     would make every plugin's tests and every trainer process depend on the command line."""
     found = cross_imports(python_files(ROOT / "areal_core"), frozenset(), {"areal_cli": "areal (the CLI)"})
     assert not found, "the core must not import the CLI:\n" + "\n".join(f"  {c}" for c in found)
+
+
+@pytest.mark.parametrize("plugin", PLUGINS, ids=[p.distribution for p in PLUGINS])
+def test_a_plugin_reads_no_file_outside_its_folder(plugin):
+    found = [f"{path.relative_to(ROOT)}:{line}" for path in python_files(plugin.folder)
+             for line in escapes(path.read_text(), len(path.relative_to(plugin.folder).parts), str(path))]
+    assert not found, (f"{plugin.distribution} reaches outside its folder (its distribution would not hold "
+                       f"what it reads): {found}. Fix: helpers several plugins' tests share go into "
+                       f"areal_core.testing")
+
+
+@pytest.mark.parametrize("plugin", PLUGINS, ids=[p.distribution for p in PLUGINS])
+def test_a_plugin_follows_the_template(plugin):
+    """As plugins/_template: a `test` extra, `pytest` finding `tests/` from the plugin's folder, and the `slow`
+    marker declared where its tests use it (pytest refuses unknown markers under --strict-markers)."""
+    data = tomllib.loads((plugin.folder / "pyproject.toml").read_text())
+    assert "test" in data["project"].get("optional-dependencies", {}), f"{plugin.distribution}: no `test` extra"
+    ini = data.get("tool", {}).get("pytest", {}).get("ini_options", {})
+    assert ini.get("testpaths") == ["tests"] and (plugin.folder / "tests").is_dir(), plugin.distribution
+    uses_slow = any("mark.slow" in f.read_text() for f in python_files(plugin.folder / "tests"))
+    assert not uses_slow or any(m.startswith("slow:") for m in ini.get("markers", [])), (
+        f"{plugin.distribution}: its tests use the slow marker; declare it in [tool.pytest.ini_options] markers")
+
+
+def test_the_escape_check_finds_climbs_out_of_a_plugin():
+    source = "\n".join([
+        "from pathlib import Path",
+        "HERE = Path(__file__).parents[0]",            # the tests folder: inside
+        "ROOT = Path(__file__).parents[1]",            # the plugin folder: inside
+        "DOUBLES = Path(__file__).parents[4] / 'x'",  # out
+        "UP = Path(__file__).parent.parent.parent",    # out (three levels from a file two deep)
+        "OK = Path(__file__).parent.parent",           # the plugin folder
+        "VENV = Path(__file__).parents[4]  # isolation: ok (an optional checkout-level venv)",
+    ])
+    assert escapes(source, depth=2) == [4, 5]
 
 
 # ---------------------------------------------------------------------- the check itself

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from areal_core.rollout import RolloutController, RolloutError, StallError, has_reward_variance, pack_groups
 from areal_core.rollout.staleness import StalenessManager
-from latency_engine_double import GroupWorkflowDouble, LatencyEngineDouble, items, token_for
+from areal_core.testing.latency_engine import GroupWorkflowDouble, LatencyEngineDouble, items, token_for
 
 
 def controller(engines, *, batch_size, eta, max_concurrent=64, group_size=2, **kw):

@@ -13,7 +13,7 @@ import pytest
 
 from areal_core.rollout import RolloutController, RolloutError
 from areal_core.rollout.elastic import DOWN, ElasticConfig, NoEngineError
-from latency_engine_double import GroupWorkflowDouble, LatencyEngineDouble, items, token_for
+from areal_core.testing.latency_engine import GroupWorkflowDouble, LatencyEngineDouble, items, token_for
 
 FAST = dict(enabled=True, interval_s=0.02, failure_threshold=2, cooldown_s=0.0)
 
@@ -375,7 +375,7 @@ def test_a_plain_controller_keeps_no_copy_of_the_tensors():
         step(ctrl, data)
         ctrl.prepare_batch(data, timeout=30)
         ctrl.update_weights_from_tensors([("w", 0.5)], 2)
-        assert ctrl._weights_tensors is None
+        assert ctrl.fleet.weights_tensors is None
 
 
 def test_servers_leaving_and_joining_are_reported_and_the_launchers_file_is_read(tmp_path):

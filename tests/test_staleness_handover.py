@@ -4,7 +4,6 @@ do not block the trainer at eta > 0 and take a random time on each of several se
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,20 +11,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from areal_core.config.validate import validate_run
-from areal_core.testing.distributions import install_fake_distribution
+from areal_core.testing import rl_doubles
 from areal_core.trainer import Trainer
-
-DOUBLES = Path(__file__).parent / "doubles"
 
 
 @pytest.fixture(scope="module")
 def rl_doubles_installed(tmp_path_factory):
-    sys.path.insert(0, str(DOUBLES))
-    import rl_doubles
-
-    files = {name: (DOUBLES / name).read_text() for name in ("rl_doubles.py", "latency_engine_double.py")}
-    site = tmp_path_factory.mktemp("site")
-    with install_fake_distribution(site, "areal-test-rl-doubles", "0.0.1", rl_doubles.ENTRY_POINTS, files):
+    with rl_doubles.installed(tmp_path_factory.mktemp("doubles")):
         yield rl_doubles.CONFIG
 
 
@@ -102,8 +94,6 @@ def test_an_engine_that_claims_minibatches_but_takes_one_step_stops_the_run(rl_d
                                                                               monkeypatch):
     """The trainer's backstop: a train engine declaring 'minibatches' that does not report the optimizer steps
     asked for (here the counter double, which takes the whole batch at once) stops at its first step."""
-    import rl_doubles
-
     monkeypatch.setattr(rl_doubles.CounterTrainEngineDouble, "capabilities",
                         rl_doubles.CounterTrainEngineDouble.capabilities | {"minibatches"})
     with pytest.raises(RuntimeError, match=r"asks for 2 optimizer steps per batch, but the actor engine "

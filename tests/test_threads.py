@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from areal_core.rollout import RolloutController  # noqa: E402
 from areal_core.threads import serial_torch  # noqa: E402
-from latency_engine_double import GroupWorkflowDouble, LatencyEngineDouble  # noqa: E402
+from areal_core.testing.latency_engine import GroupWorkflowDouble, LatencyEngineDouble  # noqa: E402
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_core.testing.processes import processes_mentioning, read_jsonl
+from areal_core.testing.processes import launched_pids, process_name, processes_mentioning, read_jsonl
 
 AREAL = str(Path(sys.executable).with_name("areal"))
 
@@ -288,44 +288,33 @@ def test_a_run_with_the_real_embedded_engine(rl_run, tmp_path):
     assert "areal_local.server" in server_log and "weights v4" in server_log
 
 
-def test_fsdp_trains_against_the_embedded_engine(rl_run, tmp_path):
+@pytest.mark.parametrize(("placement", "steps"), [
+    ("fsdp:cpu", 3),
+    # two ranks: the launcher starts both, the trainer hands the engine its placement, the weights are split
+    # over them (the engine's own tests compare the numbers with one process)
+    pytest.param("fsdp:t2@cpu", 2, marks=pytest.mark.slow),
+], ids=["d1", "t2"])
+def test_fsdp_trains_against_the_embedded_engine(rl_run, tmp_path, placement, steps):
     pytest.importorskip("areal_fsdp")
     from areal_core.testing import tiny_model
 
     model = tiny_model(tmp_path / "tiny", seed=0)
     start, runs = rl_run
-    finish(start("trial=fsdp", "allocation=local:cpu+fsdp:cpu", "rollout.backend=local", "actor.backend=fsdp",
-                 "algorithm.name=rl_pg_double", f"model.path={model}", "model.dtype=float32",
-                 "actor.optimizer.lr=1e-3", "rollout.max_head_offpolicyness=1", "trainer.total_steps=3",
+    trial = "fsdp-" + placement.split(":")[1].split("@")[0]
+    finish(start(f"trial={trial}", f"allocation=local:cpu+{placement}", "rollout.backend=local",
+                 "actor.backend=fsdp", "algorithm.name=rl_pg_double", f"model.path={model}", "model.dtype=float32",
+                 "actor.optimizer.lr=1e-3", "rollout.max_head_offpolicyness=1", f"trainer.total_steps={steps}",
                  # every group carries reward signal, so no step has all-zero advantages (and gradient)
                  "rollout.dynamic_filtering=true", "trainer.save_every=1"), timeout=600)
-    run_dir = runs / "fsdp"
+    run_dir = runs / trial
     metrics = read_jsonl(run_dir / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     assert all(m["train/grad_norm"] > 0 for m in metrics)
     latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     assert (latest / "actor" / "model.safetensors").exists()
-    assert "weights v3" in (run_dir / "logs" / "rollout-0.log").read_text()
-
-
-@pytest.mark.slow
-def test_fsdp_tensor_parallel_trains_through_areal_run(rl_run, tmp_path):
-    """fsdp:t2@cpu: the launcher starts two ranks, the trainer hands the engine its placement, the weights
-    are split over the two ranks (the engine's own tests compare the numbers with one process)."""
-    pytest.importorskip("areal_fsdp")
-    from areal_core.testing import tiny_model
-
-    model = tiny_model(tmp_path / "tiny", seed=0)
-    start, runs = rl_run
-    finish(start("trial=fsdp-t2", "allocation=local:cpu+fsdp:t2@cpu", "rollout.backend=local", "actor.backend=fsdp",
-                 "algorithm.name=rl_pg_double", f"model.path={model}", "model.dtype=float32",
-                 "actor.optimizer.lr=1e-3", "rollout.max_head_offpolicyness=1", "trainer.total_steps=2",
-                 "rollout.dynamic_filtering=true", "trainer.save_every=1"), timeout=600)
-    run_dir = runs / "fsdp-t2"
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [1, 2] and all(m["train/grad_norm"] > 0 for m in metrics)
-    assert "tensor parallel t2" in (run_dir / "logs" / "actor-rank1.log").read_text()
-    assert "weights v2" in (run_dir / "logs" / "rollout-0.log").read_text()
+    assert f"weights v{steps}" in (run_dir / "logs" / "rollout-0.log").read_text()
+    if "t2" in placement:
+        assert "tensor parallel t2" in (run_dir / "logs" / "actor-rank1.log").read_text()
 
 
 def test_a_critic_is_built_trained_saved_and_resumed_when_the_algorithm_asks_for_values(rl_run):
@@ -452,16 +441,8 @@ def wait_for_lines(path: Path, n: int, proc: subprocess.Popen, timeout_s: float 
 
 def real_server_pids(marker: str) -> list[int]:
     """Pids of embedded servers (``python -m areal_local.server``, not their trampolines) whose command line
-    mentions ``marker``."""
-    pids = []
-    for pid in processes_mentioning(marker):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"areal_local.server" in argv and not any(a.endswith(b"child.py") for a in argv):
-            pids.append(pid)
-    return pids
+    mentions ``marker``, in the order of their names (rollout-0 first)."""
+    return launched_pids("areal_local.server", marker)
 
 
 @pytest.mark.parametrize("sync", ["tensors", "disk"])
@@ -486,7 +467,7 @@ def test_elastic_restarts_a_killed_server_and_it_rejoins_with_the_current_weight
     run_dir = runs / f"elastic-{sync}"
     wait_for_lines(lags, 3, proc)
     victims = real_server_pids(str(model))
-    assert len(victims) == 2
+    assert [process_name(pid) for pid in victims] == ["rollout-0", "rollout-1"]
     os.kill(victims[1], signal.SIGKILL)
     out = finish(proc, timeout=300)
     assert "restarting it (restart 1 of 1, rollout.elastic.restarts)" in out
@@ -523,7 +504,7 @@ def test_elastic_without_restarts_left_goes_on_with_the_servers_left(rl_run, tmp
     metrics_file = runs / "elastic-norestart" / "metrics.jsonl"
     wait_for_lines(metrics_file, 2, proc)
     victims = real_server_pids(str(model))
-    assert len(victims) == 2
+    assert [process_name(pid) for pid in victims] == ["rollout-0", "rollout-1"]
     os.kill(victims[0], signal.SIGKILL)
     out = finish(proc, timeout=300)
     assert "no restarts left (rollout.elastic.restarts=0)" in out and "left routing" in out

@@ -7,6 +7,7 @@ Nothing here imports torch: tensors appear only in type hints.
 """
 
 from areal_core.api.algorithm import Algorithm, Needs
+from areal_core.api.batch import FIELDS, PackedBatch
 from areal_core.api.component import Component, Context
 from areal_core.api.dataset import SPLITS, Dataset, pass_order, stable_seed
 from areal_core.api.inference import (
@@ -23,7 +24,7 @@ from areal_core.api.workflow import (Trajectory, Workflow, encode_prompt, group_
                                      sampling_params)
 
 __all__ = [
-    "Algorithm", "Component", "Context", "Dataset", "GenerationRequest", "GenerationResponse",
+    "Algorithm", "Component", "Context", "FIELDS", "PackedBatch", "Dataset", "GenerationRequest", "GenerationResponse",
     "InferenceEngine", "Launcher", "Needs", "Reward", "RewardResult", "SPLITS", "SamplingParams", "ServerProcess",
     "TrainEngine", "Trajectory", "Workflow", "call_reward", "encode_prompt",
     "group_size_of", "pass_order", "run_seed_of", "sampling_params", "stable_seed",

@@ -35,7 +35,8 @@ class Algorithm(Component):
 
     @abstractmethod
     def compute_advantages(self, batch: dict) -> dict:
-        """Return ``batch`` with per-token ``advantages`` (and ``returns`` for a critic) added."""
+        """Return ``batch`` (a :class:`~areal_core.api.batch.PackedBatch`) with per-token ``advantages`` (and
+        ``returns`` for a critic) added, lists or CPU tensors; the trainer checks each column's length."""
 
     @abstractmethod
     def loss(self, logprobs: Any, entropy: Any, batch: dict) -> tuple[Any, dict]:

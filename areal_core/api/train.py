@@ -7,11 +7,9 @@ from typing import Any, Callable, Iterator
 
 from areal_core.api.component import Component
 
-# A batch is a dict in the packed, padding-free layout (lists or tensors):
-#   input_ids [T], position_ids [T], cu_seqlens [B+1], loss_mask [T], plus
-#   whatever the algorithm adds (advantages [T], logprobs [T], versions [T]),
-#   and with actor.ppo_minibatches > 1 a per-sequence ``minibatch`` [B]
-#   (areal_core.train_batches: the optimizer step of a pass it belongs to).
+# A batch is an areal_core.api.batch.PackedBatch (a dict: packed, padding-free, columns as lists or CPU
+# tensors; its module lists every key, its kind and who adds it). Engines read it by key, or as tensors with
+# areal_core.train_batches.Packed, which converts each list column once and keeps the tensor in the batch.
 Batch = dict
 LossFn = Callable[..., Any]  # (logprobs, entropy, batch) -> (scalar loss, stats dict)
 
@@ -42,7 +40,8 @@ class TrainEngine(Component):
 
     @abstractmethod
     def forward_logprobs(self, batch: Batch, temperature: float = 1.0) -> dict:
-        """Per-token ``logprobs`` [T] (and ``entropy`` [T]) of ``batch`` under the current weights."""
+        """Per-token ``logprobs`` [T] (and ``entropy`` [T]) of ``batch`` under the current weights: CPU float
+        tensors (what the first-party engines return, kept in the batch as they are) or lists of floats."""
 
     @abstractmethod
     def train_batch(self, batch: Batch, loss_fn: LossFn, temperature: float = 1.0, epochs: int = 1) -> dict:
@@ -71,7 +70,7 @@ class TrainEngine(Component):
         """
 
     def forward_values(self, batch: Batch) -> dict:
-        """Critic only: per-token ``values`` [T] (list of floats).
+        """Critic only: per-token ``values`` [T] (a CPU float tensor or a list of floats).
 
         Aligned like logprobs: ``values[t]`` is the value of the state in which
         token ``t`` was chosen, read from the hidden state of token ``t - 1``;

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from areal_core.api.batch import PackedBatch
 from areal_core.api.workflow import Trajectory
 
 
@@ -33,14 +34,15 @@ class EpisodeGroup:
         return sum(sum(t.loss_mask) for t in self.trajectories)
 
 
-def pack_groups(groups: list[EpisodeGroup]) -> dict[str, list]:
-    """Concatenate every trajectory into one padding-free layout.
+def pack_groups(groups: list[EpisodeGroup]) -> PackedBatch:
+    """Concatenate every trajectory into one padding-free :class:`~areal_core.api.batch.PackedBatch`.
 
     Per token (length T = total tokens): ``input_ids``, ``position_ids``
     (restarting at 0 per sequence), ``loss_mask``, ``logprobs`` (behaviour),
     ``versions``. Per sequence (N): ``rewards``, ``group_index``, ``seq_lens``;
-    ``cu_seqlens`` has N + 1 entries. Plain lists: the trainer turns them into
-    tensors, so this module needs no torch.
+    ``cu_seqlens`` has N + 1 entries. The columns are plain lists (this module
+    needs no torch); whoever needs one as a tensor asks ``batch.tensor(key)``,
+    which converts it once for everyone after.
     """
     out: dict[str, list] = {k: [] for k in (
         "input_ids", "position_ids", "loss_mask", "logprobs", "versions",
@@ -59,4 +61,4 @@ def pack_groups(groups: list[EpisodeGroup]) -> dict[str, list]:
             out["seq_lens"].append(n)
             cu.append(cu[-1] + n)
     out["cu_seqlens"] = cu
-    return out
+    return PackedBatch(out)

@@ -19,6 +19,74 @@ def neg_logprob_loss(logprobs: Any, entropy: Any, batch: dict) -> tuple[Any, dic
     return (-logprobs).mean(), {}
 
 
+def masked_nll(logprobs: Any, entropy: Any, batch: dict) -> tuple[Any, dict]:
+    """Token mean of ``-logprob`` over ``batch["loss_mask"]``, with the masked mean entropy as a stat: the
+    loss an engine's own tests train with (it exercises the mask the trainer's batches carry)."""
+    mask = batch["loss_mask"]
+    return -(logprobs * mask).sum() / mask.sum(), {"entropy": (entropy * mask).sum() / mask.sum()}
+
+
+def engine_run_config(spec: dict) -> Any:
+    """A ``RunConfig`` for a train engine under test, from a spec of the keys tests vary: ``model`` (a folder),
+    ``dtype``, ``mb_max_tokens``, ``lr``, ``weight_decay``, ``eps``, ``grad_clip``, ``gradient_checkpointing``;
+    10 total steps. The spec is plain data, so a test can hand it to rank processes as JSON."""
+    from areal_core.config.schema import RunConfig
+
+    cfg = RunConfig()
+    cfg.model.path, cfg.model.dtype = spec["model"], spec.get("dtype", "float32")
+    cfg.actor.mb_max_tokens = spec.get("mb_max_tokens", 8192)
+    cfg.actor.gradient_checkpointing = spec.get("gradient_checkpointing", False)
+    o = cfg.actor.optimizer
+    o.lr, o.weight_decay = spec.get("lr", 1e-2), spec.get("weight_decay", 0.0)
+    o.eps, o.grad_clip = spec.get("eps", 1e-8), spec.get("grad_clip", 1.0)
+    cfg.trainer.total_steps = 10
+    return cfg
+
+
+def random_packed_batch(lengths: list[int], vocab: int, seed: int = 0, prompt: int = 2) -> dict:
+    """A packed batch shaped as ``pack_groups`` makes it, of sequences of ``lengths`` random token ids below
+    ``vocab`` (from 3: clear of the special ids), whose first ``prompt`` tokens are the prompt (loss mask 0);
+    random behaviour logprobs and advantages, rewards alternating 0 / 1, two sequences per group. Plain lists,
+    the same for the same arguments."""
+    import random
+
+    rng = random.Random(seed)
+    out: dict = {k: [] for k in ("input_ids", "position_ids", "loss_mask", "logprobs", "versions", "advantages",
+                                 "rewards", "group_index", "seq_lens")}
+    cu = [0]
+    for j, n in enumerate(lengths):
+        out["input_ids"] += [rng.randrange(3, vocab) for _ in range(n)]
+        out["position_ids"] += list(range(n))
+        out["loss_mask"] += [int(i >= prompt) for i in range(n)]
+        out["logprobs"] += [-rng.random() for _ in range(n)]
+        out["versions"] += [0] * n
+        out["advantages"] += [rng.uniform(-1, 1) for _ in range(n)]
+        out["rewards"].append(float(j % 2))
+        out["group_index"].append(j // 2)
+        out["seq_lens"].append(n)
+        cu.append(cu[-1] + n)
+    out["cu_seqlens"] = cu
+    return out
+
+
+def check_two_steps(engine: Any, batch: dict, lrs: tuple[float, float], min_grad_norm: float = 0.0) -> None:
+    """Two ``train_batch`` calls of :func:`masked_nll` on ``batch``, checked against what the first-party
+    engines report: the first step's ``loss`` is the masked mean NLL of the weights it started from (read with
+    ``forward_logprobs`` first), ``lr`` is ``lrs[0]`` then ``lrs[1]`` (the schedule), ``n_tokens`` and
+    ``n_loss_tokens`` count the batch, ``grad_norm`` is above ``min_grad_norm``, no update is skipped, the
+    entropy is reported, and the second step's loss is lower."""
+    logprobs = as_list(engine.forward_logprobs(batch)["logprobs"])
+    mask = as_list(batch["loss_mask"])
+    expected = -sum(v for v, m in zip(logprobs, mask) if m) / sum(mask)
+    first = engine.train_batch(batch, masked_nll)
+    second = engine.train_batch(batch, masked_nll)
+    assert first["loss"] == pytest.approx(expected, abs=1e-5), (first["loss"], expected)
+    assert (first["lr"], second["lr"]) == pytest.approx(lrs)
+    assert first["n_tokens"] == len(as_list(batch["input_ids"])) and first["n_loss_tokens"] == sum(mask)
+    assert first["grad_norm"] > min_grad_norm and first["update_skipped"] == 0 and "entropy" in first
+    assert second["loss"] < first["loss"], (first["loss"], second["loss"])
+
+
 class TrainEngineConformance(ComponentConformance):
     """Runs forward and optimizer steps on a real engine instance.
 

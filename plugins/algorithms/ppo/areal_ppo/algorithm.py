@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from areal_core.api import Algorithm, Needs
+from areal_core.api import Algorithm, Needs, PackedBatch
 from areal_core.rollout import has_reward_variance
 from areal_core.train_batches import MINIBATCH_KEY, POLICY_VERSION_KEY, UPDATE_STEP_KEY
 
@@ -86,12 +86,15 @@ class PPOFamily(Algorithm):
                            f"adds it when needs asks ({self.needs}); a caller outside the trainer must too")
 
     # ---------------------------------------------------------------- advantages
-    def compute_advantages(self, batch: dict) -> dict:
+    def compute_advantages(self, batch: dict) -> PackedBatch:
+        """Adds ``advantages``, ``loss_weights`` (and ``returns``, ``m2_mask``, ``kl_coef`` where they apply) as
+        CPU tensors; the columns it reads are taken with ``batch.tensor`` so the engines reuse them."""
         o = self.options
-        cu = [int(c) for c in batch["cu_seqlens"]]
+        batch = PackedBatch.of(batch)
+        cu = batch.cu_seqlens
         total = cu[-1]
         n = len(cu) - 1
-        mask = torch.as_tensor(batch["loss_mask"]).bool()
+        mask = batch.tensor("loss_mask").bool()
         grid = adv_fn.ResponseGrid.from_batch(cu, mask)
         group_index = _longs(batch["group_index"]) if "group_index" in batch else torch.arange(n)
 
@@ -114,8 +117,9 @@ class PPOFamily(Algorithm):
         token_rewards[grid.last()] = scores[grid.lengths > 0]
         if o.kl_coef > 0:
             self._require(batch, "ref_logprobs", "kl_coef > 0")
-            old = batch["prox_logprobs"] if "prox_logprobs" in batch else batch["logprobs"]
-            kl = losses.kl_estimate(_floats(old).double(), _floats(batch["ref_logprobs"]).double(), o.kl_estimator)
+            old = batch.tensor("prox_logprobs" if "prox_logprobs" in batch else "logprobs")
+            kl = losses.kl_estimate(_floats(old).double(), _floats(batch.tensor("ref_logprobs")).double(),
+                                    o.kl_estimator)
             beta = self.kl_coef
             if o.kl_in_reward:
                 token_rewards = token_rewards - beta * grid.gather(kl)
@@ -127,22 +131,22 @@ class PPOFamily(Algorithm):
             self._require(batch, "values", "ppo's GAE")
             values = grid.gather(torch.as_tensor(batch["values"], dtype=torch.float64))
             advantages, returns = adv_fn.gae(token_rewards, values, grid.valid, o.gamma, o.lam)
-            batch["returns"] = grid.scatter(returns, total).float().tolist()
+            batch["returns"] = grid.scatter(returns, total).float()
         else:
             advantages = adv_fn.discounted_returns(token_rewards, grid.valid, o.gamma)
 
         if o.adv_norm == "batch":
             advantages = adv_fn.normalise_batch(advantages, grid.valid, o.adv_norm_mean, o.adv_norm_std)
         advantages = torch.where(grid.valid, advantages, torch.zeros_like(advantages))
-        batch["advantages"] = grid.scatter(advantages, total).float().tolist()
+        batch["advantages"] = grid.scatter(advantages, total).float()
         parts = _longs(batch[MINIBATCH_KEY]) if MINIBATCH_KEY in batch else torch.zeros(n, dtype=torch.long)
-        batch["loss_weights"] = self._loss_weights(grid, total, parts).tolist()
+        batch["loss_weights"] = self._loss_weights(grid, total, parts).float()
         if self.objective == "m2po":
             self._require(batch, "prox_logprobs", "m2po's second-moment mask")
-            log_r = (_floats(batch["prox_logprobs"]) - _floats(batch["logprobs"]))[mask]
+            log_r = (_floats(batch.tensor("prox_logprobs")) - _floats(batch.tensor("logprobs")))[mask]
             kept = torch.zeros(total)
             kept[mask] = losses.m2_mask(log_r, self.options.m2_threshold).float()
-            batch["m2_mask"] = kept.tolist()
+            batch["m2_mask"] = kept
         return batch
 
     def _loss_weights(self, grid: adv_fn.ResponseGrid, total: int, parts: torch.Tensor) -> torch.Tensor:

@@ -240,7 +240,7 @@ def test_m2po_loss_uses_the_mask():
     b = batch([1.0], [2])
     b["prox_logprobs"] = [0.0, -1.0, -0.5]
     out = algo.compute_advantages(b)
-    assert out["m2_mask"] == [0.0, 1.0, 0.0]
+    assert out["m2_mask"].tolist() == [0.0, 1.0, 0.0]
     assert float(algo.loss(torch.tensor(out["logprobs"]), None, out)[0]) == approx(-0.5)
 
 

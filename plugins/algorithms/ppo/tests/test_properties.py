@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from areal_core.api import Context
+from areal_core.train_batches import Packed
 
 from areal_ppo import algorithm as algos
 from areal_ppo.config import NAMES
@@ -58,24 +59,9 @@ def loss_and_grad(algo, logp: torch.Tensor, mb: dict) -> tuple[float, torch.Tens
 
 
 def micro_batch(batch: dict, seqs: list[int]) -> dict:
-    """What the train engine hands loss_fn for sequences ``seqs`` (see areal_fsdp's _micro_batch)."""
-    cu = batch["cu_seqlens"]
-    n, total = len(cu) - 1, cu[-1]
-    tokens = [t for s in seqs for t in range(cu[s], cu[s + 1])]
-    mb = {}
-    for key, value in batch.items():
-        if isinstance(value, list) and len(value) == total:
-            mb[key] = torch.tensor([value[t] for t in tokens])
-        elif isinstance(value, list) and len(value) == n:
-            mb[key] = torch.tensor([value[s] for s in seqs])
-        else:
-            mb[key] = value
-    mb["loss_mask"] = mb["loss_mask"].bool()
-    lens = [cu[s + 1] - cu[s] for s in seqs]
-    mb["seq_lens"] = torch.tensor(lens)
-    mb["cu_seqlens"] = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()))
-    mb["token_index"] = torch.tensor(tokens)
-    return mb
+    """What a train engine hands loss_fn for sequences ``seqs``: the core's own slicing
+    (:class:`areal_core.train_batches.Packed`, which the fsdp and megatron engines use)."""
+    return Packed(batch, "the test").micro_batch(list(seqs))
 
 
 # ---------------------------------------------------------------- ratio 1

@@ -192,3 +192,32 @@ def attention_plan(row: SharedRow, device: torch.device | str = "cpu") -> list[t
         plan.append((len(bucket), q_len, k_len, *(torch.cat(x).to(device) for x in (q_src, q_dst, k_src, k_dst)),
                      mask.to(device)))
     return plan
+
+
+def group_units(ids: torch.Tensor, lengths: list[int], group_index: list, budget: int) -> tuple[list[list[int]],
+                                                                                               list[int]]:
+    """The samples of each group (``group_index``) as units a micro-batch planner places whole, so their prompt
+    is shared, and each unit's cost: the tokens the model runs (the group's common prefix once). A group whose
+    cost would pass ``budget`` (tokens) is cut into several units. ``ids``: the batch's packed input ids."""
+    starts = list(cumsum([0] + lengths))
+    groups: dict[int, list[int]] = {}
+    for i, g in enumerate(group_index):
+        groups.setdefault(int(g), []).append(i)
+    units: list[list[int]] = []
+    costs: list[int] = []
+    for members in groups.values():
+        first = ids[starts[members[0]]:starts[members[0] + 1]]
+        unit: list[int] = []
+        cost = 0
+        for m in members:
+            common = 0 if not unit else common_prefix(first[None], ids[starts[m]:starts[m + 1]][None])
+            extra = lengths[m] - common
+            if unit and cost + extra > budget:
+                units.append(unit)
+                costs.append(cost)
+                unit, cost, extra = [], 0, lengths[m]
+            unit.append(m)
+            cost += extra
+        units.append(unit)
+        costs.append(cost)
+    return units, costs

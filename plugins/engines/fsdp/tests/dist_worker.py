@@ -1,4 +1,4 @@
-"""One rank of a multi-process FSDPEngine scenario, started by test_fsdp_engine.py.
+"""One rank of a multi-process FSDPEngine scenario, started by ``run_ranks`` of test_fsdp_engine.py.
 
     python dist_worker.py SPEC.json       (RANK / WORLD_SIZE / MASTER_* in the environment)
 
@@ -9,8 +9,6 @@ it saw to ``<out>/result.pt``.
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import sys
 
@@ -18,26 +16,13 @@ import torch
 import torch.distributed as dist
 
 from areal_core.api import Context
-from areal_core.config.schema import RunConfig
+from areal_core.testing.ranks import rank_main
+from areal_core.testing.train import engine_run_config, masked_nll
 from areal_fsdp.engine import FSDPEngine, FSDPEngineConfig
 
 
-def nll(logprobs, entropy, mb):
-    """Token mean of -logprob over the loss mask."""
-    mask = mb["loss_mask"]
-    return -(logprobs * mask).sum() / mask.sum(), {"entropy": (entropy * mask).sum() / mask.sum()}
-
-
 def make_engine(spec: dict) -> FSDPEngine:
-    cfg = RunConfig()
-    cfg.model.path, cfg.model.dtype = spec["model"], spec.get("dtype", "float32")
-    cfg.actor.mb_max_tokens = spec.get("mb_max_tokens", 8192)
-    cfg.actor.gradient_checkpointing = spec.get("gradient_checkpointing", False)
-    cfg.actor.optimizer.lr = spec.get("lr", 1e-2)
-    cfg.actor.optimizer.weight_decay = spec.get("weight_decay", 0.0)
-    cfg.actor.optimizer.eps = spec.get("eps", 1e-8)
-    cfg.actor.optimizer.grad_clip = spec.get("grad_clip", 1.0)
-    cfg.trainer.total_steps = 10
+    cfg = engine_run_config(spec)
     placement = None
     if spec.get("allocation"):
         from areal_core.config.allocation import parse_allocation
@@ -55,20 +40,20 @@ def scenario(engine: FSDPEngine, batch: dict, out: str, resume_from: str | None 
     if resume_from:
         engine.load(resume_from)
         seen["resumed_version"] = engine.version
-        engine.train_batch(batch, nll)
+        engine.train_batch(batch, masked_nll)
         seen["after_resume"] = engine.forward_logprobs(batch)["logprobs"]
         return seen
     seen["lp0"] = engine.forward_logprobs(batch)
-    seen["stats1"] = engine.train_batch(batch, nll)
+    seen["stats1"] = engine.train_batch(batch, masked_nll)
     seen["lp1"] = engine.forward_logprobs(batch)["logprobs"]
     engine.export_to_disk(os.path.join(out, "export"))
     engine.save(os.path.join(out, "ckpt"))
-    engine.train_batch(batch, nll)
+    engine.train_batch(batch, masked_nll)
     seen["lp2"] = engine.forward_logprobs(batch)["logprobs"]
     engine.load(os.path.join(out, "ckpt"))
     seen["loaded_version"] = engine.version
     seen["lp_loaded"] = engine.forward_logprobs(batch)["logprobs"]
-    engine.train_batch(batch, nll)
+    engine.train_batch(batch, masked_nll)
     seen["lp2_after_load"] = engine.forward_logprobs(batch)["logprobs"]
     engine.export_to_disk(os.path.join(out, "export2"))  # after two steps (one before the save, one after the load)
     return seen
@@ -76,7 +61,7 @@ def scenario(engine: FSDPEngine, batch: dict, out: str, resume_from: str | None 
 
 def short_scenario(engine: FSDPEngine, batch: dict) -> dict:
     """forward, train, forward on a batch that may leave ranks without a sequence of their own."""
-    seen = {"lp0": engine.forward_logprobs(batch)["logprobs"], "stats": engine.train_batch(batch, nll)}
+    seen = {"lp0": engine.forward_logprobs(batch)["logprobs"], "stats": engine.train_batch(batch, masked_nll)}
     seen["lp1"] = engine.forward_logprobs(batch)["logprobs"]
     return seen
 
@@ -87,7 +72,7 @@ def tensors_scenario(engine: FSDPEngine, batch: dict, out: str, bucket_bytes: in
     ``repeats`` > 1 exports that many times more (each bucket checked equal to the first export's): async
     all-gathers over gloo corrupted the heap within ~30 exports, one at a time never.
     """
-    engine.train_batch(batch, nll)
+    engine.train_batch(batch, masked_nll)
     buckets = [[(name, t.clone()) for name, t in bucket] for bucket in engine.export_tensors(bucket_bytes)]
     for _ in range(repeats - 1):
         again = [[(name, t.clone()) for name, t in bucket] for bucket in engine.export_tensors(bucket_bytes)]
@@ -114,36 +99,30 @@ def spy_on_context_attention(seen: dict) -> None:
     register_attention(context.CP_SDPA, spy)
 
 
-def main(spec_path: str) -> int:
-    spec = json.loads(open(spec_path).read())
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    try:
-        engine = make_engine(spec)
-        spied: dict = {}
-        if engine.cp > 1:
-            spy_on_context_attention(spied)
-        if spec.get("scenario") == "short":
-            seen = short_scenario(engine, spec["batch"])
-        elif spec.get("scenario") == "tensors":
-            seen = tensors_scenario(engine, spec["batch"], spec["out"], spec["bucket_bytes"], spec.get("repeats", 1))
-            seen["n_buckets_per_rank"] = [None] * dist.get_world_size()
-            dist.all_gather_object(seen["n_buckets_per_rank"], seen["n_buckets"])
-        else:
-            seen = scenario(engine, spec["batch"], spec["out"], spec.get("resume_from"))
-        seen.update(spied)
-        seen["plan"] = engine._plan(spec["batch"])  # rank 0's micro-batches (sequence indices), and their tokens
-        seen["mb_tokens"] = [sum(spec["batch"]["seq_lens"][i] for i in seqs) for seqs in seen["plan"]]
-        layer = engine.lm.get_decoder().layers[0]
-        seen["layout"] = {name: str(getattr(module.weight, "placements", None)) for name, module in (
-            ("q_proj", layer.self_attn.q_proj), ("o_proj", layer.self_attn.o_proj),
-            ("embed", engine.lm.get_input_embeddings()))}
-        if dist.get_rank() == 0:
-            torch.save(seen, os.path.join(spec["out"], "result.pt"))
-        engine.close()
-    finally:
-        dist.destroy_process_group()
-    return 0
+def run(spec: dict) -> None:
+    engine = make_engine(spec)
+    spied: dict = {}
+    if engine.cp > 1:
+        spy_on_context_attention(spied)
+    if spec.get("scenario") == "short":
+        seen = short_scenario(engine, spec["batch"])
+    elif spec.get("scenario") == "tensors":
+        seen = tensors_scenario(engine, spec["batch"], spec["out"], spec["bucket_bytes"], spec.get("repeats", 1))
+        seen["n_buckets_per_rank"] = [None] * dist.get_world_size()
+        dist.all_gather_object(seen["n_buckets_per_rank"], seen["n_buckets"])
+    else:
+        seen = scenario(engine, spec["batch"], spec["out"], spec.get("resume_from"))
+    seen.update(spied)
+    seen["plan"] = engine._plan(spec["batch"])  # rank 0's micro-batches (sequence indices), and their tokens
+    seen["mb_tokens"] = [sum(spec["batch"]["seq_lens"][i] for i in seqs) for seqs in seen["plan"]]
+    layer = engine.lm.get_decoder().layers[0]
+    seen["layout"] = {name: str(getattr(module.weight, "placements", None)) for name, module in (
+        ("q_proj", layer.self_attn.q_proj), ("o_proj", layer.self_attn.o_proj),
+        ("embed", engine.lm.get_input_embeddings()))}
+    if dist.get_rank() == 0:
+        torch.save(seen, os.path.join(spec["out"], "result.pt"))
+    engine.close()
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(rank_main(run, sys.argv[1]))

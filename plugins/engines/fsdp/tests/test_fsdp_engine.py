@@ -1,4 +1,8 @@
-"""The fsdp train engine on tiny random Llama / Qwen2 models, on CPU: one process, and two over gloo."""
+"""The fsdp train engine on tiny random Llama / Qwen2 models, on CPU, in one process.
+
+Also the helpers the plugin's other test files load from here (``models``, ``make_batch``, ``config``,
+``engine``, ``nll``, ``run_ranks``, ...); the multi-rank scenarios are in test_fsdp_ranks.py.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +12,6 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import importlib.util
 import json
-import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,13 +24,13 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM, Qwen2ForCausalL
 
 from areal_core.api import Context  # noqa: E402
 from areal_core.config.schema import RunConfig  # noqa: E402
-from areal_core.launch import free_port, rendezvous_env  # noqa: E402
 from areal_core.testing import TrainEngineConformance, tiny_model  # noqa: E402
+from areal_core.testing.models import hf_logprobs, max_abs_diff as worst  # noqa: E402
+from areal_core.testing.ranks import run_worker_ranks  # noqa: E402
+from areal_core.testing.train import (check_two_steps, engine_run_config, masked_nll as nll,  # noqa: E402
+                                      random_packed_batch)
 from areal_fsdp.engine import FSDPEngine, FSDPEngineConfig  # noqa: E402
 from areal_fsdp.logprobs import packed_attention_mask  # noqa: E402
-from areal_fsdp.packing import first_fit_decreasing, karmarkar_karp, micro_batches  # noqa: E402
-from areal_core.lr_schedule import lr_factor  # noqa: E402
-from areal_core.testing.models import hf_logprobs, max_abs_diff as worst  # noqa: E402
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 _spec = importlib.util.spec_from_file_location("areal_fsdp_dist_worker", WORKER)
@@ -52,34 +53,12 @@ def models(tmp_path_factory):
 
 def make_batch(lengths=LENGTHS, seed: int = 0, prompt: int = 2) -> dict:
     """A packed batch as ``pack_groups`` makes it, plus per-token advantages."""
-    rng = random.Random(seed)
-    out: dict = {k: [] for k in ("input_ids", "position_ids", "loss_mask", "logprobs", "versions", "advantages",
-                                 "rewards", "group_index", "seq_lens")}
-    cu = [0]
-    for j, n in enumerate(lengths):
-        out["input_ids"] += [rng.randrange(3, VOCAB) for _ in range(n)]
-        out["position_ids"] += list(range(n))
-        out["loss_mask"] += [int(i >= prompt) for i in range(n)]
-        out["logprobs"] += [-rng.random() for _ in range(n)]
-        out["versions"] += [0] * n
-        out["advantages"] += [rng.uniform(-1, 1) for _ in range(n)]
-        out["rewards"].append(float(j % 2))
-        out["group_index"].append(j // 2)
-        out["seq_lens"].append(n)
-        cu.append(cu[-1] + n)
-    out["cu_seqlens"] = cu
-    return out
+    return random_packed_batch(lengths, VOCAB, seed, prompt)
 
 
-def config(path, *, dtype="float32", mb_max_tokens=8192, lr=1e-2, eps=1e-8, grad_clip=1.0,
-           gradient_checkpointing=False) -> RunConfig:
-    cfg = RunConfig()
-    cfg.model.path, cfg.model.dtype = str(path), dtype
-    cfg.actor.mb_max_tokens = mb_max_tokens
-    cfg.actor.gradient_checkpointing = gradient_checkpointing
-    cfg.actor.optimizer.lr, cfg.actor.optimizer.eps, cfg.actor.optimizer.grad_clip = lr, eps, grad_clip
-    cfg.trainer.total_steps = 10
-    return cfg
+def config(path, **spec) -> RunConfig:
+    """:func:`areal_core.testing.train.engine_run_config` of the model folder ``path``."""
+    return engine_run_config({"model": str(path), **spec})
 
 
 def engine(cfg: RunConfig, role: str = "actor", **options) -> FSDPEngine:
@@ -90,48 +69,6 @@ def engine(cfg: RunConfig, role: str = "actor", **options) -> FSDPEngine:
 
 def weights(e: FSDPEngine) -> dict:
     return {k: v.detach().clone() for k, v in e.lm.state_dict().items()}
-
-
-def nll(logprobs, entropy, mb):
-    return worker.nll(logprobs, entropy, mb)
-
-
-# ---------------------------------------------------------------------- pure parts
-def test_first_fit_decreasing_respects_the_budget_and_isolates_long_sequences():
-    lengths = [7, 3, 9, 2, 8, 20, 1]
-    bins = first_fit_decreasing(lengths, 10)
-    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
-    assert all(sum(lengths[i] for i in b) <= 10 or len(b) == 1 for b in bins)
-    assert [5] in bins  # 20 > 10 alone
-    assert sorted(bins) == [[0, 1], [2, 6], [3, 4], [5]]  # 7+3 | 9+1 | 2+8 | 20: the optimum, 4 bins
-
-
-def test_karmarkar_karp_balances_better_than_a_round_robin():
-    rng = random.Random(3)
-    lengths = [rng.randrange(1, 400) for _ in range(40)]
-    parts = karmarkar_karp(lengths, 4)
-    assert sorted(i for p in parts for i in p) == list(range(40))
-    sums = [sum(lengths[i] for i in p) for p in parts]
-    assert max(sums) - min(sums) <= max(lengths) // 4, sums
-    assert karmarkar_karp([5], 3) == [[0], [], []]
-
-
-@pytest.mark.parametrize("k", [3, 4, 6, 9])
-def test_micro_batches_gives_exactly_k_under_the_budget(k):
-    lengths = [10, 10, 10, 4, 4, 3, 2, 1]
-    bins = micro_batches(lengths, 16, k)
-    assert len(bins) == k
-    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
-    assert all(sum(lengths[i] for i in b) <= 16 for b in bins)
-    assert sum(1 for b in bins if not b) == max(0, k - len(lengths))
-
-
-def test_lr_schedule_warms_up_then_decays():
-    f = [lr_factor(s, warmup_steps=2, total_steps=6, schedule="linear") for s in range(6)]
-    assert f == pytest.approx([0.5, 1.0, 1.0, 0.75, 0.5, 0.25])
-    c = [lr_factor(s, warmup_steps=0, total_steps=4, schedule="cosine") for s in range(4)]
-    assert c == pytest.approx([1.0, 0.8535534, 0.5, 0.1464466])
-    assert lr_factor(99, warmup_steps=0, total_steps=4, schedule="constant") == 1.0
 
 
 # ---------------------------------------------------------------------- packing numerics
@@ -247,17 +184,8 @@ def test_training_statistics_and_schedule(models):
     cfg = config(models["llama"], lr=1e-2)
     cfg.actor.optimizer.warmup_steps = 2
     e = engine(cfg)
-    batch = make_batch()
-    lp = e.forward_logprobs(batch)["logprobs"]
-    mask = batch["loss_mask"]
-    expected_loss = -sum(v for v, m in zip(lp, mask) if m) / sum(mask)
-    first = e.train_batch(batch, nll)
-    second = e.train_batch(batch, nll)
-    assert first["loss"] == pytest.approx(expected_loss, abs=1e-5)
-    assert (first["lr"], second["lr"]) == pytest.approx((0.5e-2, 1e-2))
-    assert first["n_tokens"] == len(batch["input_ids"]) and first["n_loss_tokens"] == sum(mask)
-    assert first["grad_norm"] > 0 and first["update_skipped"] == 0 and "entropy" in first
-    assert second["loss"] < first["loss"] and e.version == 2
+    check_two_steps(e, make_batch(), lrs=(0.5e-2, 1e-2))
+    assert e.version == 2
     e.close()
 
 
@@ -297,7 +225,7 @@ def test_export_loads_in_transformers_and_by_name_into_a_live_model(models, tmp_
 
 
 def test_a_large_model_is_written_in_shards_with_an_index(models, tmp_path):
-    from areal_fsdp.hf_folder import write_hf_folder
+    from areal_core.engine_kit.hf_folder import write_hf_folder
 
     lm = AutoModelForCausalLM.from_pretrained(models["untied"], dtype=torch.float32)
     state = {k: v for k, v in lm.state_dict().items()}
@@ -355,93 +283,11 @@ def test_context_parallel_needs_the_sdpa_attention_option(models):
         e.initialize()
 
 
-# ---------------------------------------------------------------------- two ranks over gloo
+# ---------------------------------------------------------------------- several ranks over gloo (test_fsdp_ranks.py)
 def run_ranks(spec: dict, folder: Path, world: int = 2, timeout: float = 240) -> dict:
-    folder.mkdir(parents=True, exist_ok=True)
-    spec = {**spec, "out": str(folder)}
-    (folder / "spec.json").write_text(json.dumps(spec))
-    port = free_port()
-    procs, logs = [], []
-    for rank in range(world):
-        log = open(folder / f"rank{rank}.log", "w")
-        logs.append(log)
-        # The ranks meet over gloo (dist_worker.py): keep them on the CPU on a machine with a GPU too.
-        env = {**os.environ, **rendezvous_env(rank, world, port), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(folder / "spec.json")], env=env,
-                                      stdout=log, stderr=subprocess.STDOUT))
-    try:
-        codes = [p.wait(timeout=timeout) for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        codes = [p.wait() for p in procs]
-    for log in logs:
-        log.close()
-    if any(codes):
-        tails = "\n".join(f"--- rank {r} (exit {c}):\n" + "\n".join(
-            (folder / f"rank{r}.log").read_text().splitlines()[-25:]) for r, c in enumerate(codes))
-        pytest.fail(f"{world} ranks exited with {codes}:\n{tails}")
+    """Run dist_worker.py on ``world`` gloo ranks with ``spec``; rank 0's result."""
+    run_worker_ranks(WORKER, spec, folder, world, timeout)
     return torch.load(folder / "result.pt")
-
-
-def test_two_ranks_train_save_and_export_like_one(models, tmp_path):
-    # 7 sequences over 2 ranks, 16-token micro-batches: uneven shares and micro-batch counts.
-    batch = make_batch(LENGTHS + [4])
-    spec = {"model": str(models["llama"]), "batch": batch, "mb_max_tokens": 16, "lr": 1.0, "eps": 1.0,
-            "grad_clip": 0.0}
-    two = run_ranks(spec, tmp_path / "world2")
-    one = worker.scenario(worker.make_engine(spec), batch, str(tmp_path / "world1"))
-    assert worst(two["lp0"]["logprobs"], one["lp0"]["logprobs"]) < 1e-5
-    assert worst(two["lp0"]["entropy"], one["lp0"]["entropy"]) < 1e-5
-    assert two["stats1"]["loss"] == pytest.approx(one["stats1"]["loss"], rel=1e-6)
-    assert two["stats1"]["grad_norm"] == pytest.approx(one["stats1"]["grad_norm"], rel=1e-5)
-    for key in ("lp1", "lp2"):
-        assert worst(two[key], one[key]) < 1e-5, key
-    exported = [load_file(tmp_path / w / "export" / "model.safetensors") for w in ("world2", "world1")]
-    assert sorted(exported[0]) == sorted(exported[1])
-    initial = load_file(Path(models["llama"]) / "model.safetensors")
-    assert max(worst(exported[1][k], initial[k]) for k in initial) > 1e-3
-    assert max(worst(exported[0][k], exported[1][k]) for k in exported[1]) < 1e-5
-    # Save / load at world size 2: exact weights, version, and optimizer state.
-    assert two["loaded_version"] == 1
-    assert worst(two["lp_loaded"], two["lp1"]) == 0.0
-    assert worst(two["lp2_after_load"], two["lp2"]) < 1e-6
-    # A world-size-2 checkpoint resumes at world size 1 (the optimizer state is resharded).
-    resumed = worker.scenario(worker.make_engine(spec), batch, str(tmp_path / "resume"),
-                              resume_from=str(tmp_path / "world2" / "ckpt"))
-    assert resumed["resumed_version"] == 1
-    assert worst(resumed["after_resume"], two["lp2"]) < 1e-4
-
-
-def test_two_ranks_with_fewer_sequences_than_ranks(models, tmp_path):
-    batch = make_batch([9])
-    spec = {"model": str(models["qwen2"]), "batch": batch, "mb_max_tokens": 16, "lr": 1.0, "eps": 1.0,
-            "grad_clip": 0.0, "scenario": "short"}
-    two = run_ranks(spec, tmp_path / "world2")
-    one = worker.short_scenario(worker.make_engine(spec), batch)
-    assert worst(two["lp0"], one["lp0"]) < 1e-5
-    assert worst(two["lp1"], one["lp1"]) < 1e-4
-    assert two["stats"]["loss"] == pytest.approx(one["stats"]["loss"], rel=1e-6)
-
-
-@pytest.mark.parametrize(("allocation", "world"), [
-    pytest.param(None, 2, id="d2"), pytest.param("fsdp:d2t2@cpu", 4, id="d2t2"),
-    # Checkpointed layers recompute their key / value all-gathers in backward.
-    pytest.param("fsdp:c2@cpu", 2, id="c2", marks=pytest.mark.slow),
-    # bf16 compute under FSDP over the cp ranks beside tp, the local heads' gathers recomputed in backward.
-    pytest.param("fsdp:c2t2@cpu", 4, id="c2t2", marks=pytest.mark.slow)])
-def test_sharded_ranks_in_bfloat16_with_activation_checkpointing(models, tmp_path, allocation, world):
-    """FSDP2 mixed precision (bf16 compute, fp32 reduce; over tensor-parallel layers too) against autocast at
-    world size 1: bf16-close."""
-    batch = make_batch(LENGTHS + [4])
-    spec = {"model": str(models["llama"]), "batch": batch, "mb_max_tokens": 16, "dtype": "bfloat16",
-            "gradient_checkpointing": True, "scenario": "short", "allocation": allocation}
-    two = run_ranks(spec, tmp_path / "world2", world=world)
-    one = worker.short_scenario(worker.make_engine({**spec, "allocation": None}), batch)
-    assert worst(two["lp0"], one["lp0"]) < 0.05
-    assert two["stats"]["loss"] == pytest.approx(one["stats"]["loss"], abs=0.01)
-    assert worst(two["lp1"], one["lp1"]) < 0.05
-    assert worst(two["lp1"], two["lp0"]) > 1e-2  # it trained
 
 
 # ---------------------------------------------------------------------- weight export as tensors
@@ -551,84 +397,6 @@ def test_an_export_read_on_another_thread_holds_the_optimizer_step_until_it_is_r
     e.close()
 
 
-def test_two_ranks_export_tensors_like_one(models, tmp_path):
-    batch = make_batch(LENGTHS + [4])
-    limit = 50_000
-    spec = {"model": str(models["llama"]), "batch": batch, "mb_max_tokens": 16, "lr": 1.0, "eps": 1.0,
-            "grad_clip": 0.0, "scenario": "tensors", "bucket_bytes": limit, "repeats": 40}
-    two = run_ranks(spec, tmp_path / "world2")  # 40 exports: async gathers over gloo crashed within ~30
-    one = worker.tensors_scenario(worker.make_engine(spec), batch, str(tmp_path / "world1"), limit)
-    assert two["n_buckets_per_rank"] == [two["n_buckets"]] * 2 and two["n_buckets"] == one["n_buckets"] > 2
-    assert all(bucket_bytes_of(b) <= limit or len(b) == 1 for b in two["buckets"])
-    state2 = {n: t for b in two["buckets"] for n, t in b}
-    state1 = {n: t for b in one["buckets"] for n, t in b}
-    assert sorted(state2) == sorted(state1)
-    assert max(worst(state2[k], state1[k]) for k in state1) < 1e-5
-    # Rank 0's gathered tensors are exactly what it wrote to disk, and a fresh model gets its logits.
-    on_disk = load_file(tmp_path / "world2" / "export" / "model.safetensors")
-    assert max(worst(state2[k], on_disk[k]) for k in on_disk) == 0.0
-    lm = fresh_from_tensors(tmp_path / "world2" / "export", two["buckets"])
-    assert worst(hf_logprobs(lm, batch), two["lp1"]) < 1e-5
-
-
-def train_on_ranks_and_in_one_process(models, tmp_path, allocation: str, world: int,
-                                      arch: str = "llama") -> tuple[dict, dict, dict]:
-    """The full scenario on ``world`` ranks placed as ``allocation`` (in ``tmp_path / "many"``) and in one
-    process (``tmp_path / "world1"``): what each saw, and the spec."""
-    batch = make_batch(LENGTHS + [4])
-    spec = {"model": str(models[arch]), "batch": batch, "mb_max_tokens": 16, "lr": 1.0, "eps": 1.0,
-            "grad_clip": 1.0, "allocation": allocation}
-    many = run_ranks(spec, tmp_path / "many", world=world)
-    one = worker.scenario(worker.make_engine({**spec, "allocation": None}), batch, str(tmp_path / "world1"))
-    return many, one, spec
-
-
-def assert_trained_like_one(many: dict, one: dict, tmp_path) -> None:
-    """Losses, clipped grad norm, logprobs, exported weights (after one and two steps) and a save / load as in
-    one process."""
-    assert many["stats1"]["grad_norm"] > 1.0  # grad_clip 1.0 acted
-    assert worst(many["lp0"]["logprobs"], one["lp0"]["logprobs"]) < 1e-5
-    assert worst(many["lp0"]["entropy"], one["lp0"]["entropy"]) < 1e-5
-    assert many["stats1"]["loss"] == pytest.approx(one["stats1"]["loss"], rel=1e-6)
-    assert many["stats1"]["entropy"] == pytest.approx(one["stats1"]["entropy"], rel=1e-6)
-    assert many["stats1"]["grad_norm"] == pytest.approx(one["stats1"]["grad_norm"], rel=1e-5)
-    for key in ("lp1", "lp2"):
-        assert worst(many[key], one[key]) < 1e-4, key
-    for folder in ("export", "export2"):
-        exported = [load_file(tmp_path / w / folder / "model.safetensors") for w in ("many", "world1")]
-        assert sorted(exported[0]) == sorted(exported[1])
-        assert max(worst(exported[0][k], exported[1][k]) for k in exported[1]) < 1e-5, folder
-    assert many["loaded_version"] == 1 and worst(many["lp_loaded"], many["lp1"]) == 0.0
-    assert worst(many["lp2_after_load"], many["lp2"]) < 1e-6
-
-
-@pytest.mark.slow
-def test_two_ranks_of_tensor_parallel_train_save_and_export_like_one(models, tmp_path):
-    """t2 over gloo: heads and MLP columns split (DTensor), the same losses, weights and checkpoints as one process."""
-    two, one, _ = train_on_ranks_and_in_one_process(models, tmp_path, "fsdp:t2@cpu", world=2)
-    # Column-parallel q, row-parallel o, the embedding whole (not FSDP-sharded).
-    assert two["layout"] == {"q_proj": "(Shard(dim=0),)", "o_proj": "(Shard(dim=1),)", "embed": "None"}
-    assert_trained_like_one(two, one, tmp_path)
-
-
-def test_four_ranks_of_tensor_x_data_parallel_train_save_and_export_like_one(models, tmp_path):
-    """d2t2 over gloo: heads split over tp, then FSDP over dp (tp groups share micro-batches); the same losses,
-    weights and checkpoints as one process, and the checkpoint resumes in one process."""
-    four, one, spec = train_on_ranks_and_in_one_process(models, tmp_path, "fsdp:d2t2@cpu", world=4)
-    # (dp, tp) placements: q split over tp (dim 0), then FSDP-sharded over dp; the embedding FSDP-sharded only.
-    layout = four["layout"]
-    assert layout["q_proj"].startswith("(_StridedShard(dim=0") and layout["q_proj"].endswith(", Shard(dim=0))")
-    assert (layout["o_proj"], layout["embed"]) == ("(Shard(dim=0), Shard(dim=1))", "(Shard(dim=0),)")
-    assert_trained_like_one(four, one, tmp_path)
-    saved = load_file(tmp_path / "many" / "ckpt" / "model.safetensors")
-    exported = load_file(tmp_path / "many" / "export" / "model.safetensors")
-    assert max(worst(saved[k], exported[k]) for k in exported) == 0.0  # float32 both: the same full tensors
-    resumed = worker.scenario(worker.make_engine({**spec, "allocation": None}), spec["batch"],
-                              str(tmp_path / "resume"), resume_from=str(tmp_path / "many" / "ckpt"))
-    assert resumed["resumed_version"] == 1
-    assert worst(resumed["after_resume"], four["lp2"]) < 1e-4
-
-
 def test_model_parallel_needs_d_x_t_x_c_ranks(models):
     from areal_core.config.allocation import parse_allocation
 
@@ -638,43 +406,6 @@ def test_model_parallel_needs_d_x_t_x_c_ranks(models):
         with pytest.raises(RuntimeError, match=f"asks for d\\d+(t2)?(c2)? but 1 rank.*exactly d x t x c = "
                                                f"{placement.world_size}"):
             e.initialize()
-
-
-@pytest.mark.parametrize(("allocation", "world", "arch"), [("fsdp:c2@cpu", 2, "llama"), ("fsdp:d2c2@cpu", 4, "qwen2")],
-                         ids=["c2-llama", "d2c2-qwen2"])
-def test_context_parallel_ranks_train_save_and_export_like_one(models, tmp_path, allocation, world, arch):
-    """c2 and d2c2 over gloo: each cp rank holds half of every packed row and attends to all-gathered keys and
-    values; the same logprobs, entropy, losses, clipped grad norm, weights and checkpoints as one process.
-    Qwen2 brings q/k/v biases; both models have grouped-query attention (4 heads, 2 key-value heads)."""
-    many, one, spec = train_on_ranks_and_in_one_process(models, tmp_path, allocation, world, arch)
-    # Micro-batches of several sequences, some not a multiple of 2c = 4 tokens (padded, the padding unscored).
-    assert any(len(seqs) > 1 for seqs in many["plan"]) and any(n % 4 for n in many["mb_tokens"]), many["mb_tokens"]
-    # FSDP shards every weight over all d x c ranks (one flattened mesh dimension).
-    assert set(many["layout"].values()) == {"(Shard(dim=0),)"}
-    assert_trained_like_one(many, one, tmp_path)
-
-
-@pytest.mark.parametrize(("allocation", "world"), [
-    pytest.param("fsdp:c2t2@cpu", 4, id="c2t2"),
-    # Eight ranks: FSDP over the flattened d x c dimension beside tp; about a minute on 2 CPU cores.
-    pytest.param("fsdp:d2c2t2@cpu", 8, id="d2c2t2", marks=pytest.mark.slow)])
-def test_context_x_tensor_parallel_ranks_train_save_and_export_like_one(models, tmp_path, allocation, world):
-    """c2t2 over gloo: each (cp, tp) rank holds half of every packed row and half of the heads; keys and values of
-    its local heads are all-gathered over its cp group, FSDP shards over the (d x) c ranks; the same logprobs,
-    entropy, losses, clipped grad norm, weights and checkpoints as one process. Qwen2: q/k/v biases split with the
-    heads, and each tp rank keeps grouped-query attention (2 heads, 1 key-value head)."""
-    many, one, _ = train_on_ranks_and_in_one_process(models, tmp_path, allocation, world=world, arch="qwen2")
-    assert any(len(seqs) > 1 for seqs in many["plan"]) and any(n % 4 for n in many["mb_tokens"]), many["mb_tokens"]
-    # Rank 0's attention got plain tensors of its 2 of 4 heads (1 of 2 key-value heads) for half of the padded row,
-    # and gathered keys and values from its cp peer (rank 2: same tp rank) only, not from the world.
-    seen = many["attention"]
-    assert (seen["types"], seen["heads"], seen["kv_heads"]) == (("Tensor", "Tensor"), 2, 1)
-    assert seen["tokens"] * 2 == seen["row"] and seen["cp_group"] == [0, 2]
-    # (d x c, tp) placements: q split over tp (dim 0), then FSDP-sharded over d x c; the embedding FSDP-sharded only.
-    layout = many["layout"]
-    assert layout["q_proj"].startswith("(_StridedShard(dim=0") and layout["q_proj"].endswith(", Shard(dim=0))")
-    assert (layout["o_proj"], layout["embed"]) == ("(Shard(dim=0), Shard(dim=1))", "(Shard(dim=0),)")
-    assert_trained_like_one(many, one, tmp_path)
 
 
 # ---------------------------------------------------------------------- the conformance kit

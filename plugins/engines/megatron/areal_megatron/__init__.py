@@ -2,9 +2,11 @@
 
 ``hooks`` declares the backend's placement and plan rules (imports only
 areal_core); ``engine`` is the train engine (``areal.engines.train`` entry
-point ``megatron``), ``convert`` maps HF Llama / Qwen2 to Megatron's GPTModel
-and back, ``logprobs`` computes vocab-parallel logprobs, and ``cpu`` holds the
-whole CPU accommodation.
+point ``megatron``), with ``parallel`` (parallel state), ``steps`` (schedule
+and optimizer) and ``checkpoint`` (weights in and out) as its parts;
+``convert`` maps HF Llama / Qwen2 to Megatron's GPTModel and back,
+``logprobs`` computes vocab-parallel logprobs, and ``cpu`` holds the whole CPU
+accommodation.
 """
 
 import warnings

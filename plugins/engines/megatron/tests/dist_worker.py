@@ -11,8 +11,6 @@ too; every rank runs :func:`scenario` and writes what it saw to
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import sys
 import warnings
@@ -24,28 +22,16 @@ import torch.distributed as dist  # noqa: E402
 
 from areal_core.api import Context  # noqa: E402
 from areal_core.config.allocation import parse_allocation  # noqa: E402
-from areal_core.config.schema import RunConfig  # noqa: E402
+from areal_core.testing.ranks import rank_main  # noqa: E402
+from areal_core.testing.train import engine_run_config, masked_nll as nll  # noqa: E402
 from areal_megatron.engine import MegatronEngine, MegatronEngineConfig  # noqa: E402
 
 
 BUCKET_BYTES = 64 * 1024
 
 
-def nll(logprobs, entropy, mb):
-    """Token mean of -logprob over the loss mask."""
-    mask = mb["loss_mask"]
-    return -(logprobs * mask).sum() / mask.sum(), {"entropy": (entropy * mask).sum() / mask.sum()}
-
-
 def make_engine(spec: dict) -> MegatronEngine:
-    cfg = RunConfig()
-    cfg.model.path, cfg.model.dtype = spec["model"], spec.get("dtype", "float32")
-    cfg.actor.mb_max_tokens = spec.get("mb_max_tokens", 8192)
-    cfg.actor.optimizer.lr = spec.get("lr", 1e-2)
-    cfg.actor.optimizer.weight_decay = spec.get("weight_decay", 0.0)
-    cfg.actor.optimizer.eps = spec.get("eps", 1e-8)
-    cfg.actor.optimizer.grad_clip = spec.get("grad_clip", 1.0)
-    cfg.trainer.total_steps = 10
+    cfg = engine_run_config(spec)
     (placement,) = parse_allocation(spec.get("allocation", "megatron:cpu")).components
     engine = MegatronEngine(Context(config=cfg, options=MegatronEngineConfig(virtual_pipeline_size=spec.get("vpp", 1)),
                                     placement=placement,
@@ -72,23 +58,17 @@ def scenario(engine: MegatronEngine, batch: dict, out: str) -> dict:
     return seen
 
 
-def main(spec_path: str) -> int:
-    spec = json.loads(open(spec_path).read())
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    try:
-        engine = make_engine(spec)
-        seen = scenario(engine, spec["batch"], spec["out"])
-        if spec.get("reference"):
-            # A frozen copy beside the actor, as the trainer builds it for KL: same ranks, same parallel state.
-            reference = make_engine({**spec, "role": "reference"})
-            seen["reference_lp"] = reference.forward_logprobs(spec["batch"])["logprobs"]
-            reference.close()
-        torch.save(seen, os.path.join(spec["out"], f"result{dist.get_rank()}.pt"))
-        engine.close()
-    finally:
-        dist.destroy_process_group()
-    return 0
+def run(spec: dict) -> None:
+    engine = make_engine(spec)
+    seen = scenario(engine, spec["batch"], spec["out"])
+    if spec.get("reference"):
+        # A frozen copy beside the actor, as the trainer builds it for KL: same ranks, same parallel state.
+        reference = make_engine({**spec, "role": "reference"})
+        seen["reference_lp"] = reference.forward_logprobs(spec["batch"])["logprobs"]
+        reference.close()
+    torch.save(seen, os.path.join(spec["out"], f"result{dist.get_rank()}.pt"))
+    engine.close()
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(rank_main(run, sys.argv[1]))

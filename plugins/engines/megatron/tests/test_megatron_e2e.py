@@ -3,32 +3,25 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("megatron.core")
 
 from areal_core.testing import requires_plugin  # noqa: E402
-from areal_core.testing.distributions import install_fake_distribution  # noqa: E402
+from areal_core.testing import rl_doubles  # noqa: E402
 
 # The rollout side is the embedded inference engine, another plugin: found by its entry point.
 pytestmark = requires_plugin("areal.engines.inference", "local")
 
-# The core's RL doubles (dataset, workflow, reward, algorithm), installed as a fake distribution as
-# tests/test_trainer_e2e.py does; the train engine is the real megatron one.
-DOUBLES = Path(__file__).resolve().parents[4] / "tests" / "doubles"
-AREAL = str(Path(sys.executable).with_name("areal"))
+# The core's RL doubles (areal_core.testing.rl_doubles: dataset, workflow, reward, algorithm), installed as a
+# fake distribution; the train engine is the real megatron one.
 
 GRPO_WITH_KL = ("algorithm.name=grpo", "algorithm.decoupled=true", "algorithm.prox_approx=recompute",
                 "algorithm.kl_coef=0.01")
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (DOUBLES / "rl_doubles.py").exists(), reason="needs the repository's tests/doubles")
 @pytest.mark.parametrize(("placement", "weight_sync", "algorithm"), [
     ("megatron:cpu", "disk", ("algorithm.name=rl_pg_double",)),
     ("megatron:t2@cpu", "tensors", ("algorithm.name=rl_pg_double",)),
@@ -40,27 +33,13 @@ GRPO_WITH_KL = ("algorithm.name=grpo", "algorithm.decoupled=true", "algorithm.pr
 def test_megatron_trains_against_the_embedded_engine(tmp_path, placement, weight_sync, algorithm):
     from areal_core.testing import tiny_model
 
-    sys.path.insert(0, str(DOUBLES))
-    try:
-        import rl_doubles
-    finally:
-        sys.path.remove(str(DOUBLES))
     model = tiny_model(tmp_path / "tiny", seed=0)
-    files = {name: (DOUBLES / name).read_text() for name in ("rl_doubles.py", "latency_engine_double.py")}
-    with install_fake_distribution(tmp_path / "site", "areal-test-rl-doubles", "0.0.1", rl_doubles.ENTRY_POINTS,
-                                   files) as site:
-        config = tmp_path / "run.yaml"
-        config.write_text(rl_doubles.CONFIG)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
-        proc = subprocess.run(
-            [AREAL, "run", str(config), f"output_dir={tmp_path / 'runs'}", "trial=megatron",
-             f"allocation=local:cpu+{placement}", f"rollout.weight_sync={weight_sync}", "rollout.backend=local", "actor.backend=megatron",
-             *algorithm, f"model.path={model}", "model.dtype=float32", "actor.optimizer.lr=1e-3",
-             "rollout.max_head_offpolicyness=1", "trainer.total_steps=3", "rollout.dynamic_filtering=true",
-             "trainer.save_every=1"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    proc, run_dir = rl_doubles.areal_run(tmp_path, "megatron", [
+        f"allocation=local:cpu+{placement}", f"rollout.weight_sync={weight_sync}", "rollout.backend=local",
+        "actor.backend=megatron", *algorithm, f"model.path={model}", "model.dtype=float32", "actor.optimizer.lr=1e-3",
+        "rollout.max_head_offpolicyness=1", "trainer.total_steps=3", "rollout.dynamic_filtering=true",
+        "trainer.save_every=1"], timeout_s=600)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    run_dir = tmp_path / "runs" / "areal" / "megatron"
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert all(m["train/grad_norm"] > 0 for m in metrics)

@@ -8,9 +8,6 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import importlib.util
 import json
-import random
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -25,13 +22,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM, Qwe
 from areal_core.api import Context  # noqa: E402
 from areal_core.config.allocation import parse_allocation  # noqa: E402
 from areal_core.config.schema import RunConfig  # noqa: E402
-from areal_core.launch.supervisor import free_port, rendezvous_env  # noqa: E402
 from areal_core.testing import TrainEngineConformance, tiny_model  # noqa: E402
 from areal_core.testing.models import hf_logprobs, max_abs_diff as worst  # noqa: E402
+from areal_core.testing.ranks import run_worker_ranks  # noqa: E402
+from areal_core.testing.train import (check_two_steps, engine_run_config, masked_nll as nll,  # noqa: E402
+                                      random_packed_batch)
 from areal_megatron import convert  # noqa: E402
-from areal_megatron.cpu import CPURNGStatesTracker, cuda_device_reads_cpu  # noqa: E402
-from areal_megatron.engine import MegatronEngine, MegatronEngineConfig, Schedule, balanced_split, pack_under  # noqa: E402
-from areal_megatron.logprobs import vocab_parallel_logprobs  # noqa: E402
+from areal_megatron.engine import MegatronEngine, MegatronEngineConfig  # noqa: E402
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 _spec = importlib.util.spec_from_file_location("areal_megatron_dist_worker", WORKER)
@@ -56,28 +53,11 @@ def models(tmp_path_factory):
 
 def make_batch(lengths=LENGTHS, seed: int = 0, prompt: int = 2) -> dict:
     """A packed batch as ``pack_groups`` makes it, plus per-token advantages."""
-    rng = random.Random(seed)
-    out: dict = {k: [] for k in ("input_ids", "position_ids", "loss_mask", "advantages", "rewards", "seq_lens")}
-    cu = [0]
-    for j, n in enumerate(lengths):
-        out["input_ids"] += [rng.randrange(3, VOCAB) for _ in range(n)]
-        out["position_ids"] += list(range(n))
-        out["loss_mask"] += [int(i >= prompt) for i in range(n)]
-        out["advantages"] += [rng.uniform(-1, 1) for _ in range(n)]
-        out["rewards"].append(float(j % 2))
-        out["seq_lens"].append(n)
-        cu.append(cu[-1] + n)
-    out["cu_seqlens"] = cu
-    return out
+    return random_packed_batch(lengths, VOCAB, seed, prompt)
 
 
-def config(path, *, dtype="float32", mb_max_tokens=8192, lr=1e-2, eps=1e-8, grad_clip=1.0) -> RunConfig:
-    cfg = RunConfig()
-    cfg.model.path, cfg.model.dtype = str(path), dtype
-    cfg.actor.mb_max_tokens = mb_max_tokens
-    cfg.actor.optimizer.lr, cfg.actor.optimizer.eps, cfg.actor.optimizer.grad_clip = lr, eps, grad_clip
-    cfg.trainer.total_steps = 10
-    return cfg
+def config(path, **spec) -> RunConfig:
+    return engine_run_config({"model": str(path), **spec})
 
 
 def engine(cfg: RunConfig, role: str = "actor", allocation: str = "megatron:cpu") -> MegatronEngine:
@@ -86,10 +66,6 @@ def engine(cfg: RunConfig, role: str = "actor", allocation: str = "megatron:cpu"
                                       extras={"role": role}))
     e.initialize()
     return e
-
-
-def nll(logprobs, entropy, mb):
-    return worker.nll(logprobs, entropy, mb)
 
 
 def hf_state(path) -> dict:
@@ -165,85 +141,6 @@ def test_transformer_config_follows_the_hf_config(models):
     assert convert.rope_base(cfg) == 10000.0
 
 
-# ---------------------------------------------------------------------- pure parts
-def test_balanced_split_and_packing():
-    lengths = [7, 3, 9, 2, 8, 20, 1]
-    parts = balanced_split(lengths, 2)
-    assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
-    sums = [sum(lengths[i] for i in p) for p in parts]
-    assert abs(sums[0] - sums[1]) <= 2, sums
-    rows = pack_under(list(range(len(lengths))), lengths, 10)
-    assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
-    assert all(sum(lengths[i] for i in r) <= 10 or len(r) == 1 for r in rows)
-    assert [5] in rows and len(rows) == 4
-    assert balanced_split([5], 3) == [[0], [], []]
-
-
-def test_schedule_warms_up_then_decays():
-    s = Schedule(lr=1.0, warmup_steps=2, total_steps=6, kind="linear")
-    assert [s.lr_at(i) for i in range(6)] == pytest.approx([0.5, 1.0, 1.0, 0.75, 0.5, 0.25])
-    c = Schedule(lr=2.0, warmup_steps=0, total_steps=4, kind="cosine")
-    assert [c.lr_at(i) for i in range(4)] == pytest.approx([2.0, 1.7071068, 1.0, 0.2928932])
-    with pytest.raises(ValueError, match="'step'.*constant, linear or cosine"):
-        Schedule(lr=1.0, warmup_steps=0, total_steps=1, kind="step").lr_at(0)
-
-
-def test_vocab_parallel_logprobs_of_one_rank_equal_a_log_softmax_and_ignore_padding():
-    torch.manual_seed(0)
-    T, V, pad = 7, 11, 3
-    logits = torch.randn(T, V + pad)
-    logits[:, V:] = 50.0  # padding columns would dominate the softmax if they were counted
-    ids = torch.randint(0, V, (T,))
-    starts = torch.tensor([1, 0, 0, 1, 0, 0, 0], dtype=torch.bool)
-    lp, ent = vocab_parallel_logprobs(logits, ids, starts, vocab_start=0, vocab_size=V, temperature=0.7, chunk=2)
-    ref = (logits[:-1, :V] / 0.7).log_softmax(-1)
-    want_lp = torch.cat([torch.zeros(1), ref.gather(-1, ids[1:, None]).squeeze(-1)])
-    want_ent = torch.cat([torch.zeros(1), -(ref.exp() * ref).sum(-1)])
-    keep = ~starts
-    assert worst(lp, torch.where(keep, want_lp, 0.0)) < 1e-5
-    assert worst(ent, torch.where(keep, want_ent, 0.0)) < 1e-5
-    assert lp[3] == 0.0 and ent[0] == 0.0
-
-
-# ---------------------------------------------------------------------- the CPU accommodation
-def test_cpu_rng_tracker_forks_a_stream_of_its_own():
-    tracker = CPURNGStatesTracker()
-    tracker.add("model-parallel-rng", 1234)
-    torch.manual_seed(0)
-    outer = torch.get_rng_state()
-    with tracker.fork():
-        first = torch.rand(3)
-    assert torch.equal(torch.get_rng_state(), outer)  # the default stream is untouched
-    with tracker.fork():
-        second = torch.rand(3)
-    assert not torch.equal(first, second)  # the forked stream advanced
-    assert torch.equal(first, torch.Generator().manual_seed(1234).manual_seed(1234) and
-                       torch.rand(3, generator=torch.Generator().manual_seed(1234)))
-    with pytest.raises(KeyError, match="no RNG state 'other'"):
-        with tracker.fork("other"):
-            pass
-
-
-def test_cuda_device_reads_cpu_only_inside():
-    ones = torch.ones(3)
-    with cuda_device_reads_cpu():
-        assert torch.cuda.current_device() == "cpu"
-        assert torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
-        # What Megatron's pipeline schedules and tied-embedding setup ask for by name.
-        assert torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
-        assert torch.tensor([1, 2], device=torch.device("cuda", 0)).device.type == "cpu"
-        assert torch.zeros(1, device=0).device.type == "cpu"  # a CUDA ordinal
-        assert torch.ones(1, device="meta").device.type == "meta"  # other devices stay as asked
-        assert ones.cuda() is ones
-        torch.cuda.synchronize()
-        assert torch.add(ones, 1).sum().item() == 6.0  # everything else runs as usual
-    if not torch.cuda.is_available():
-        for call in (torch.cuda.current_device, torch.cuda.synchronize, ones.cuda,
-                     lambda: torch.zeros(1, device="cuda")):
-            with pytest.raises((AssertionError, RuntimeError)):
-                call()
-
-
 # ---------------------------------------------------------------------- the engine, one process
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -311,17 +208,8 @@ def test_training_statistics_schedule_and_clipping(models):
     cfg = config(models["llama"], lr=1e-2, grad_clip=0.5)
     cfg.actor.optimizer.warmup_steps = 2
     e = engine(cfg)
-    batch = make_batch()
-    lp = e.forward_logprobs(batch)["logprobs"]
-    mask = batch["loss_mask"]
-    expected_loss = -sum(v for v, m in zip(lp, mask) if m) / sum(mask)
-    first = e.train_batch(batch, nll)
-    second = e.train_batch(batch, nll)
-    assert first["loss"] == pytest.approx(expected_loss, abs=1e-5)
-    assert (first["lr"], second["lr"]) == pytest.approx((0.5e-2, 1e-2))
-    assert first["n_tokens"] == len(batch["input_ids"]) and first["n_loss_tokens"] == sum(mask)
-    assert first["grad_norm"] > 0.5 and first["update_skipped"] == 0 and "entropy" in first
-    assert second["loss"] < first["loss"] and e.version == 2
+    check_two_steps(e, make_batch(), lrs=(0.5e-2, 1e-2), min_grad_norm=0.5)
+    assert e.version == 2
     e.close()
 
 
@@ -368,7 +256,8 @@ def test_save_train_load_restores_weights_version_and_optimizer(models, tmp_path
     # The export after one step holds the same weights in HF names, tied lm_head left out.
     exported = load_file(tmp_path / "export" / "model.safetensors")
     assert sorted(exported) == sorted(hf_state(models["qwen2"]))
-    assert (tmp_path / "export" / "tokenizer.json").exists()
+    assert all((tmp_path / folder / name).exists() for folder in ("export", "ckpt")
+               for name in ("config.json", "tokenizer.json", "generation_config.json"))
     # The buckets: the same tensors as the last state (after lp2_after_load's step), each bucket within its
     # bytes unless a single tensor is larger.
     buckets = seen["buckets"]
@@ -455,29 +344,7 @@ def test_unbuilt_parallelism_and_missing_folders_are_refused(models, tmp_path):
 # ---------------------------------------------------------------------- two ranks over gloo
 def run_ranks(spec: dict, folder: Path, world: int = 2, timeout: float = 300) -> list[dict]:
     """Every rank's :func:`dist_worker.scenario` results, in rank order."""
-    folder.mkdir(parents=True, exist_ok=True)
-    spec = {**spec, "out": str(folder)}
-    (folder / "spec.json").write_text(json.dumps(spec))
-    port = free_port()
-    procs, logs = [], []
-    for rank in range(world):
-        log = open(folder / f"rank{rank}.log", "w")
-        logs.append(log)
-        env = {**os.environ, **rendezvous_env(rank, world, port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(folder / "spec.json")], env=env,
-                                      stdout=log, stderr=subprocess.STDOUT))
-    try:
-        codes = [p.wait(timeout=timeout) for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        codes = [p.wait() for p in procs]
-    for log in logs:
-        log.close()
-    if any(codes):
-        tails = "\n".join(f"--- rank {r} (exit {c}):\n" + "\n".join(
-            (folder / f"rank{r}.log").read_text().splitlines()[-25:]) for r, c in enumerate(codes))
-        pytest.fail(f"{world} ranks exited with {codes} (waited up to {timeout} s):\n{tails}")
+    run_worker_ranks(WORKER, spec, folder, world, timeout)
     return [torch.load(folder / f"result{rank}.pt", weights_only=False) for rank in range(world)]
 
 

@@ -48,7 +48,7 @@ def default_python() -> str:
     else this Python."""
     if os.environ.get(VENV_ENV):
         return os.environ[VENV_ENV]
-    for root in (Path.cwd(), Path(__file__).resolve().parents[4]):
+    for root in (Path.cwd(), Path(__file__).resolve().parents[4]):  # isolation: ok (the checkout's optional venv)
         candidate = root / ".venv-vllm" / "bin" / "python"
         if candidate.is_file():
             return str(candidate)

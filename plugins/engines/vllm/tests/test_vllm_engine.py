@@ -51,8 +51,8 @@ def test_interpreter_comes_from_config_then_environment(monkeypatch, tmp_path):
     assert vllm_engine.default_python() == "/env/python"
     monkeypatch.delenv("AREAL_VLLM_PYTHON")
     monkeypatch.chdir(tmp_path)  # no .venv-vllm here; the checkout's own may exist
-    assert vllm_engine.default_python() in (sys.executable, str(vllm_engine.Path(vllm_engine.__file__).resolve()
-                                                                  .parents[4] / ".venv-vllm/bin/python"))
+    checkout = vllm_engine.Path(vllm_engine.__file__).resolve().parents[4]  # isolation: ok (the checkout's venv)
+    assert vllm_engine.default_python() in (sys.executable, str(checkout / ".venv-vllm/bin/python"))
 
 
 def test_create_needs_the_address():

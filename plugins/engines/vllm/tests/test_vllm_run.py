@@ -5,15 +5,12 @@ version reaches the servers from disk. Slow; skipped without the vLLM environmen
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from areal_core.testing import requires_plugin
-from areal_core.testing.distributions import install_fake_distribution
+from areal_core.testing import requires_plugin, rl_doubles
 from areal_vllm.engine import default_python
 
 # The train side of these runs is the fsdp engine, another plugin: found by its entry point.
@@ -24,8 +21,6 @@ if PYTHON == sys.executable or not Path(PYTHON).is_file():
     pytest.skip("no vLLM environment: .venv-vllm/bin/python is missing (and $AREAL_VLLM_PYTHON is unset); "
                 "make it with: bash scripts/install_vllm.sh", allow_module_level=True)
 
-DOUBLES = Path(__file__).resolve().parents[4] / "tests" / "doubles"
-AREAL = str(Path(sys.executable).with_name("areal"))
 
 
 def tiny_vllm_model(tmp_path):
@@ -38,21 +33,9 @@ def tiny_vllm_model(tmp_path):
 def areal_run(tmp_path, trial: str, model, overrides: list[str]):
     """``areal run`` of the RL doubles' config (fsdp actor, vLLM rollout) with ``overrides``; returns the
     finished process and the run's folder."""
-    sys.path.insert(0, str(DOUBLES))
-    import rl_doubles
-
-    files = {name: (DOUBLES / name).read_text() for name in ("rl_doubles.py", "latency_engine_double.py")}
-    with install_fake_distribution(tmp_path / "site", "areal-test-rl-doubles", "0.0.1", rl_doubles.ENTRY_POINTS,
-                                   files) as site:
-        config = tmp_path / "run.yaml"
-        config.write_text(rl_doubles.CONFIG)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
-        proc = subprocess.run(
-            [AREAL, "run", str(config), f"output_dir={tmp_path / 'runs'}", f"trial={trial}", "rollout.backend=vllm",
-             "actor.backend=fsdp", "algorithm.name=rl_pg_double", f"model.path={model}", "model.dtype=bfloat16",
-             *overrides],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
-    return proc, tmp_path / "runs" / "areal" / trial
+    return rl_doubles.areal_run(tmp_path, trial, [
+        "rollout.backend=vllm", "actor.backend=fsdp", "algorithm.name=rl_pg_double", f"model.path={model}",
+        "model.dtype=bfloat16", *overrides], timeout_s=900)
 
 
 def test_areal_run_trains_fsdp_against_real_vllm_servers(tmp_path):

@@ -1,10 +1,14 @@
-"""Test doubles for a whole RL run through the real launcher and trainer.
+"""Test doubles for a whole RL run through the real launcher and trainer, shared by the core's tests and
+the engine plugins' end-to-end tests.
 
-Installed as a fake distribution (entry points included) by
-``tests/test_trainer_e2e.py``; the trainer subprocess resolves them by name as
-it would real plugins. The train engine double "learns" a counter, writes
-real files on save / export and sleeps ``step_s`` per step so a test can
-kill it mid-run.
+:func:`installed` registers them as a fake distribution (entry points
+included, :func:`areal_core.testing.distributions.install_fake_distribution`)
+and writes :data:`CONFIG`; the trainer subprocess resolves them by name as it
+would real plugins. The train engine double "learns" a counter, writes real
+files on save / export and sleeps ``step_s`` per step so a test can kill it
+mid-run; the inference double is
+:class:`areal_core.testing.latency_engine.LatencyEngineDouble` with weights
+from disk.
 """
 
 from __future__ import annotations
@@ -15,13 +19,15 @@ import os
 import random
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterator
 
 from areal_core import hookimpl
 from areal_core.api import Algorithm, Dataset, Needs, TrainEngine, call_reward
 from areal_core.parallelism import BackendSupport
-from latency_engine_double import GroupWorkflowDouble, LatencyEngineDouble, items
+from areal_core.testing.latency_engine import GroupWorkflowDouble, LatencyEngineDouble, items
 
 
 @dataclass
@@ -255,17 +261,18 @@ def areal_declare_backends():
     ]
 
 
+_HERE = __name__  # areal_core.testing.rl_doubles
 ENTRY_POINTS = {
-    "areal": {"rl-doubles": "rl_doubles"},
-    "areal.engines.train": {"rl_train_double": "rl_doubles:CounterTrainEngineDouble"},
-    "areal.engines.inference": {"rl_infer_double": "rl_doubles:DiskLatencyEngineDouble"},
-    "areal.algorithms": {"rl_algo_double": "rl_doubles:MeanRewardAlgorithmDouble",
-                         "rl_pg_double": "rl_doubles:PolicyGradientAlgorithmDouble",
-                         "rl_recording_pg_double": "rl_doubles:RecordingPolicyGradientAlgorithmDouble",
-                         "rl_value_double": "rl_doubles:ValueAlgorithmDouble"},
-    "areal.workflows": {"rl_workflow_double": "rl_doubles:RewardingWorkflowDouble"},
-    "areal.rewards": {"mod3_double": "rl_doubles:mod3_reward_double"},
-    "areal.datasets": {"items_double": "rl_doubles:ItemsDatasetDouble"},
+    "areal": {"rl-doubles": _HERE},
+    "areal.engines.train": {"rl_train_double": f"{_HERE}:CounterTrainEngineDouble"},
+    "areal.engines.inference": {"rl_infer_double": f"{_HERE}:DiskLatencyEngineDouble"},
+    "areal.algorithms": {"rl_algo_double": f"{_HERE}:MeanRewardAlgorithmDouble",
+                         "rl_pg_double": f"{_HERE}:PolicyGradientAlgorithmDouble",
+                         "rl_recording_pg_double": f"{_HERE}:RecordingPolicyGradientAlgorithmDouble",
+                         "rl_value_double": f"{_HERE}:ValueAlgorithmDouble"},
+    "areal.workflows": {"rl_workflow_double": f"{_HERE}:RewardingWorkflowDouble"},
+    "areal.rewards": {"mod3_double": f"{_HERE}:mod3_reward_double"},
+    "areal.datasets": {"items_double": f"{_HERE}:ItemsDatasetDouble"},
 }
 
 CONFIG = """\
@@ -279,3 +286,32 @@ dataset: {name: items_double}
 trainer: {total_steps: 6}
 eval: {size: 0}
 """
+
+
+@contextmanager
+def installed(folder: Path) -> Iterator[tuple[Path, dict[str, str]]]:
+    """The doubles installed as the distribution ``areal-test-rl-doubles`` under ``folder`` for the length of
+    the block: yields (:data:`CONFIG` written to ``folder/run.yaml``, the environment in which an ``areal run``
+    subprocess finds them)."""
+    from areal_core.testing.distributions import install_fake_distribution
+
+    with install_fake_distribution(folder / "site", "areal-test-rl-doubles", "0.0.1", ENTRY_POINTS, {}) as site:
+        config = folder / "run.yaml"
+        config.write_text(CONFIG)
+        yield config, {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+
+
+def areal_run(folder: Path, trial: str, overrides: list[str], timeout_s: float = 600) -> tuple[Any, Path]:
+    """``areal run`` of :data:`CONFIG` with the doubles installed (:func:`installed`), output under
+    ``folder/runs``, then ``overrides`` (``key=value``: the real engines or algorithm a test puts in place of
+    the doubles). Returns the finished process (stdout and stderr together in ``stdout``) and the run's folder.
+    Waits at most ``timeout_s``."""
+    import subprocess
+    import sys
+
+    areal = str(Path(sys.executable).with_name("areal"))
+    with installed(folder) as (config, env):
+        proc = subprocess.run([areal, "run", str(config), f"output_dir={folder / 'runs'}", f"trial={trial}",
+                               *overrides], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=timeout_s)
+    return proc, folder / "runs" / "areal" / trial

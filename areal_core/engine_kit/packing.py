@@ -3,6 +3,10 @@
 Pure Python (no torch): lengths in, lists of sequence indices out, the same on
 every rank for the same batch.
 
+- :func:`rank_micro_batches`: the whole plan of one data-parallel rank (its
+  share of the batch, cut into as many micro-batches as the busiest rank
+  needs); what a train engine calls.
+
 - :func:`karmarkar_karp`: a k-way partition with balanced token sums (the
   largest differencing method); used to share sequences among ranks and to
   spread a rank's sequences over its micro-batches.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from typing import Callable
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -100,3 +105,40 @@ def micro_batches(lengths: list[int], capacity: int, k: int) -> list[list[int]]:
 def _ordered(bins: list[list[int]]) -> list[list[int]]:
     """Non-empty bins first, each by first index; the order is deterministic."""
     return sorted((sorted(b) for b in bins), key=lambda b: (not b, b[0] if b else 0))
+
+
+def rank_micro_batches(costs: list[int], capacity: int, *, dp: int = 1, dp_rank: int = 0,
+                       agree: Callable[[int], int] = lambda count: count, multiple_of: int = 1) -> list[list[int]]:
+    """The micro-batches (lists of indices into ``costs``) of data-parallel rank ``dp_rank`` of ``dp``.
+
+    The ranks share the items by :func:`karmarkar_karp` over ``costs`` (token counts); each rank needs
+    :func:`first_fit_decreasing` many micro-batches under ``capacity`` and every rank runs the same count:
+    ``agree(count)`` returns the largest over the ranks (an all-reduce MAX; the identity on one rank),
+    rounded up to a multiple of ``multiple_of`` (an interleaved pipeline runs micro-batches in groups of
+    its stage count). A rank short of items gets empty micro-batches (weight-0 fillers that still take part
+    in the collectives). At least one micro-batch, even for an empty rank.
+    """
+    if not costs:
+        raise ValueError("rank_micro_batches: the batch holds no sequences")
+    mine = karmarkar_karp(costs, dp)[dp_rank] if dp > 1 else list(range(len(costs)))
+    own = [costs[i] for i in mine]
+    count = max(1, agree(len(first_fit_decreasing(own, capacity))))
+    count = -(-count // multiple_of) * multiple_of
+    bins = micro_batches(own, capacity, count) if own else [[] for _ in range(count)]
+    return [[mine[j] for j in b] for b in bins]
+
+
+def buckets(sizes: list[int], capacity: int) -> list[list[int]]:
+    """Indices of ``sizes`` in order, in consecutive groups of at most ``capacity`` (bytes); an item larger
+    than that is a group alone. How weights are cut into transfer buckets."""
+    if capacity < 1:
+        raise ValueError(f"buckets: the bucket size must be >= 1 byte, got {capacity}")
+    out: list[list[int]] = []
+    load = 0
+    for i, size in enumerate(sizes):
+        if not out or load + size > capacity:
+            out.append([])
+            load = 0
+        out[-1].append(i)
+        load += size
+    return out

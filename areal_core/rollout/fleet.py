@@ -1,0 +1,228 @@
+"""The fleet: the inference engines the controller routes to, and the weights they serve.
+
+This part owns the engines (the :class:`EnginePool` and, elastic, its
+:class:`HealthMonitor`), the :class:`InterruptibleEngine` episodes generate
+through, pausing and resuming generation, the weight hand-over (from disk, or
+tensors one engine at a time or over one shared :class:`FleetWeightGroup`),
+and the servers that join: each is brought to the current weights (the latest
+on disk, or the latest tensors kept for it) before it takes traffic.
+
+Everything here runs on the controller's event loop; the controller turns
+these coroutines into its thread-safe methods. Admission follows the fleet
+through :class:`Admission`: paused while the weights change, stamping
+episodes with the version once the engines have loaded it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Awaitable, Callable
+
+from areal_core.api.inference import InferenceEngine
+from areal_core.rollout.admission import Admission
+from areal_core.rollout.elastic import (DOWN, JOINING, ElasticConfig, EngineLost, EnginePool, HealthMonitor, Member,
+                                         NoEngineError, Topology, settle)
+from areal_core.rollout.interruptible import ENGINE_FAILURES, InterruptibleEngine
+from areal_core.rollout.weight_group import FleetWeightGroup, GroupMemberFailed
+
+
+class Fleet:
+    def __init__(self, engines: list[InferenceEngine], admission: Admission, *, request_timeout_s: float,
+                 elastic: ElasticConfig | None = None,
+                 engine_factory: Callable[[str], InferenceEngine] | None = None,
+                 on_topology_event: Callable[[str, str, str], None] | None = None,
+                 launcher_discovery_file: str | None = None) -> None:
+        self.initial_engines = list(engines)
+        self.admission = admission
+        self.request_timeout_s = request_timeout_s
+        self.elastic = elastic if elastic is None or elastic.enabled else None
+        self.engine_factory = engine_factory  # address -> engine, for add_server() and discovery
+        self.on_topology_event = on_topology_event  # (kind, server, why) when a server leaves or joins routing
+        self.launcher_discovery_file = launcher_discovery_file  # servers the launcher restarted, one per line
+        self.pool: EnginePool | None = None
+        self.monitor: HealthMonitor | None = None
+        self.engine: InterruptibleEngine | None = None
+        self.weights_path: str | None = None  # the latest weights on disk: joining servers load them
+        # ... or, elastic with weight_sync=tensors, the latest tensors themselves (copies the trainer handed over)
+        self.weights_tensors: list | None = None
+        self.started_engines: set[int] = set()  # ids of engines whose start() ran (discovered ones start late)
+        self.weight_group: FleetWeightGroup | None = None  # one group over every routed server, when they share one
+
+    # ------------------------------------------------------------ lifecycle (on the loop)
+    def open(self) -> None:
+        """Build the pool and the routing engine, on the loop's thread."""
+        self.pool = EnginePool(self.initial_engines, self.elastic, self.on_topology_event)
+        self.engine = InterruptibleEngine(self.pool, self.request_timeout_s)
+
+    async def start(self) -> None:
+        await asyncio.gather(*(e.start() for e in self.initial_engines))
+        self.started_engines.update(id(e) for e in self.initial_engines)
+        if self.elastic is not None:
+            discover = self.engine_for if self.engine_factory is not None else None
+            self.monitor = HealthMonitor(self.pool, self.bring_up, discover, self.launcher_discovery_file)
+            self.monitor.start()
+
+    async def stop_watching(self) -> None:
+        """Stop the health monitor and drop the shared weight group (before the episodes' tasks end)."""
+        if self.monitor is not None:
+            await self.monitor.stop()
+        if self.weight_group is not None:
+            await self.weight_group.drop(self.pool.active())
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(m.engine.aclose() for m in self.pool.members), return_exceptions=True)
+
+    # ------------------------------------------------------------ pause and weights
+    async def pause(self) -> None:
+        self.admission.set_paused(True)
+        self.engine.close_gate()
+        if all("pause" in e.capabilities for e in self.engines):
+            await self._on_members(lambda e: e.pause(), "pause")
+        else:  # no interruption: let requests in flight finish under the old weights
+            while self.engine.in_flight:
+                await asyncio.sleep(0.001)
+
+    async def resume(self) -> None:
+        if all("pause" in e.capabilities for e in self.engines):
+            await self._on_members(lambda e: e.resume(), "resume")
+        self.admission.set_paused(False)
+        self.engine.open_gate()
+        self.admission.admit()
+
+    async def _on_members(self, call: Callable[[InferenceEngine], Awaitable[Any]], what: str) -> None:
+        """``call`` on every routed engine at once. Elastic: an engine that fails leaves routing
+        (it would serve stale weights); otherwise the first failure is raised."""
+        async def on(member: Member) -> Any:
+            if self.elastic is None:
+                return await call(member.engine)
+            # A server that hangs here is removed by its failed probes; the others go on without it.
+            task = asyncio.ensure_future(call(member.engine))
+            if await settle(member, task):
+                return task.result()
+            raise EngineLost(member.name)
+
+        members = self.pool.active()
+        results = await asyncio.gather(*(on(m) for m in members), return_exceptions=True)
+        for member, result in zip(members, results):
+            if isinstance(result, EngineLost):
+                continue  # it left routing during the call
+            if isinstance(result, BaseException):
+                if self.elastic is None or not isinstance(result, ENGINE_FAILURES):
+                    raise result
+                self.pool.remove(member, f"{what} failed: {type(result).__name__}: {result}")
+
+    async def swap(self, apply: Callable[[], Awaitable[Any]], version: int) -> float:
+        """Pause, run ``apply()``, serve ``version``, resume; nothing else inside the pause. The seconds paused."""
+        began = time.monotonic()
+        async with self.pool.lock:  # never beside a rebuild of the server set
+            await self.pause()
+            try:
+                await apply()
+                self.admission.serve(version)
+            finally:
+                await self.resume()
+        return time.monotonic() - began
+
+    async def load_from_disk(self, path: str, version: int) -> None:
+        await self._on_members(lambda e: e.update_weights_from_disk(path, version), "update_weights_from_disk")
+        self.weights_path, self.weights_tensors = str(path), None
+
+    async def load_tensors(self, named_tensors: list, version: int) -> None:
+        group = self._shared_weight_group()
+        if group is None:
+            await self._on_members(lambda e: e.update_weights_from_tensors(named_tensors, version),
+                                   "update_weights_from_tensors")
+        else:
+            await self._update_over_group(group, named_tensors, version)
+        self.weights_path = None  # the weights now loaded are on no disk
+        # A joiner (a restarted server) takes these; kept only when servers may join (one model's copy)
+        self.weights_tensors = list(named_tensors) if self.elastic is not None else None
+
+    def _shared_weight_group(self) -> FleetWeightGroup | None:
+        """The fleet's weight-update group when every routed engine is of one class that offers the hook."""
+        kinds = {type(m.engine) for m in self.pool.active()}
+        hook = getattr(next(iter(kinds)), "fleet_weight_group", None) if len(kinds) == 1 else None
+        if hook is None:
+            return None
+        if self.weight_group is None:
+            self.weight_group = hook([m.engine for m in self.pool.active()])
+        return self.weight_group
+
+    async def _update_over_group(self, group: FleetWeightGroup, named_tensors: Any, version: int) -> None:
+        named = named_tensors if isinstance(named_tensors, (list, tuple)) else list(named_tensors)  # may go twice
+        for _ in range(len(self.pool.members) + 1):  # each retry follows a server leaving: bounded
+            members = self.pool.active()
+            if not members:
+                raise NoEngineError(f"no inference server is left to take the weights of version {version}")
+            try:
+                await group.update(members, self.pool.topology.version, named, version)
+                return
+            except GroupMemberFailed as failed:
+                cause = failed.cause
+                if self.elastic is None or not isinstance(cause, (*ENGINE_FAILURES, EngineLost)):
+                    raise cause from None
+                self.pool.remove(failed.member, f"update_weights_from_tensors failed: {type(cause).__name__}: "
+                                                f"{cause}")  # a new topology version: the next try rebuilds
+        raise RuntimeError(f"update_weights_from_tensors to version {version} failed on every inference server")
+
+    # ------------------------------------------------------------ topology
+    @property
+    def engines(self) -> list[InferenceEngine]:
+        """The engines now routed to (before start: the ones given)."""
+        return self.initial_engines if self.pool is None else [m.engine for m in self.pool.active()]
+
+    @property
+    def topology(self) -> Topology:
+        if self.pool is None:
+            raise RuntimeError("the rollout controller is not started; call start() first")
+        return self.pool.topology
+
+    def members(self) -> list[Member]:
+        return list(self.pool.members) if self.pool is not None else []
+
+    def engine_for(self, address: str) -> InferenceEngine:
+        if self.engine_factory is None:
+            raise ValueError(f"cannot add the inference server at {address}: the controller was built without an "
+                             "engine_factory (address -> engine); pass the engine itself to add_engine()")
+        return self.engine_factory(address)
+
+    async def bring_up(self, engine: InferenceEngine) -> None:
+        """Start a joining engine (a discovered one was only built) and bring it to the current weights, from
+        disk or from the latest tensors, before it takes traffic."""
+        if id(engine) not in self.started_engines:
+            await engine.start()
+            self.started_engines.add(id(engine))
+        version = self.admission.version
+        if engine.version == version:
+            return
+        if self.weights_path is not None:
+            await engine.update_weights_from_disk(self.weights_path, version)
+        elif self.weights_tensors is not None and "update_weights_from_tensors" in engine.capabilities:
+            await engine.update_weights_from_tensors(self.weights_tensors, version)
+        else:
+            raise RuntimeError(f"a server joining at version {version} (it has {engine.version}) needs the "
+                               "current weights, but they are on no disk and no tensors of them are kept (no "
+                               "update yet, or the engine does not take tensors); use rollout.weight_sync=disk")
+
+    async def join(self, engine: InferenceEngine, timeout_s: float) -> Topology:
+        """Start ``engine``, bring it to the current weights at the next rebuild (after the cooldown), route to
+        it; the topology it joined."""
+        await engine.start()
+        self.started_engines.add(id(engine))
+        member = self.pool.add(engine)
+        deadline = time.monotonic() + timeout_s
+        while member.state == JOINING:
+            if self.pool.cooldown_left() == 0 and not self.pool.lock.locked():
+                async with self.pool.lock:
+                    if member.state == JOINING:
+                        await self.pool.rebuild(self.bring_up)
+                continue
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"waited {timeout_s:.0f} s for inference server {member.name} to join "
+                                   f"(cooldown left {self.pool.cooldown_left():.0f} s)")
+            await asyncio.sleep(min(0.2, max(0.01, self.pool.cooldown_left())))
+        if member.state == DOWN:
+            raise RuntimeError(f"inference server {member.name} could not join; see the log above")
+        self.admission.kick()
+        return self.pool.topology

@@ -1,0 +1,84 @@
+"""The trainer's evaluation: the policy scored on validation items, beside training (rank 0).
+
+This part owns the validation items, the workflow that samples them
+(``eval.samples`` per item at ``eval.temperature``), the one evaluation that
+may be running (an evaluation runs on the rollout controller's engines while
+training goes on, see :meth:`RolloutController.evaluate`) and the
+``eval/*`` metrics it gives.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import replace
+from typing import Any, Callable
+
+from areal_core.api import Context
+from areal_core.config.validate import ValidatedRun
+
+
+class Evaluation:
+    def __init__(self, run: ValidatedRun, reward: Any, validation: Callable[[], Any]) -> None:
+        """``validation`` builds the dataset's validation split; it is called only when ``eval.size`` > 0."""
+        self.cfg = run.config
+        ev = self.cfg.eval
+        self.items: list[Any] = []
+        self._pending: tuple[Any, int, float] | None = None
+        if ev.size == 0:
+            return
+        self.items = list(itertools.islice(iter(validation()), ev.size))
+        if not self.items:
+            raise ValueError(f"eval.size is {ev.size} but dataset {self.cfg.dataset.name!r} has no validation "
+                             f"items; give the dataset a validation split (docs/datasets.md) or set eval.size=0")
+        r = self.cfg.rollout
+        eval_cfg = replace(self.cfg, rollout=replace(
+            r, group_size=ev.samples, sampling=replace(r.sampling, temperature=ev.temperature)))
+        workflow_cls = run.components["workflow"]
+        self.workflow = workflow_cls.create(Context(
+            config=eval_cfg, options=run.options.get("workflow"), extras={"reward": reward}))
+
+    def start(self, controller: Any, step: int) -> None:
+        """Evaluate the policy the engines serve after ``step``, unless an evaluation is still running."""
+        if self.items and self._pending is None:
+            timeout = self.cfg.rollout.request_timeout_s
+            pending = controller.evaluate(
+                self.workflow, self.items, timeout_s=timeout,
+                waited_for=f"the evaluation of {len(self.items)} validation items started after step {step} "
+                           f"(rollout.request_timeout_s)")
+            self._pending = (pending, step, time.monotonic())
+
+    def collect(self, wait: bool) -> dict[str, float]:
+        """The finished evaluation's metrics ({} while it runs, unless ``wait``)."""
+        if self._pending is None:
+            return {}
+        pending, step, began = self._pending
+        if not wait and not pending.done():
+            return {}
+        results = pending.result()
+        self._pending = None
+        return eval_metrics(results, self.items, self.cfg.eval.success, step, time.monotonic() - began)
+
+
+def eval_metrics(results: list[Any], items: list[Any], success: float, step: int, seconds: float) -> dict[str, float]:
+    """``eval/accuracy`` (pass@k: an item counts when one of its samples reaches ``success``) and friends.
+
+    ``results`` holds one entry per item: its trajectories, None (rejected by
+    the workflow: counted wrong) or an exception (raised here with the item).
+    """
+    correct, rewards, lengths = 0, [], []
+    for item, result in zip(items, results):
+        if isinstance(result, BaseException):
+            raise RuntimeError(f"evaluation failed on validation item {str(item)[:80]}: "
+                               f"{type(result).__name__}: {result}") from result
+        trajectories = result or []
+        item_rewards = [t.reward for t in trajectories]
+        rewards += item_rewards
+        lengths += [sum(t.loss_mask) for t in trajectories]
+        correct += any(r >= success for r in item_rewards)
+    out = {"eval/accuracy": correct / len(items), "eval/items": float(len(items)),
+           "eval/after_step": float(step), "eval/seconds": seconds}
+    if rewards:
+        out["eval/reward_mean"] = sum(rewards) / len(rewards)
+        out["eval/completion_tokens_mean"] = sum(lengths) / len(lengths)
+    return out

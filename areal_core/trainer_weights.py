@@ -1,0 +1,132 @@
+"""The trainer's weight hand-over: new weights from the train engine to the inference engines.
+
+This part owns one thing: getting the weights of each new version to the
+inference engines (``rollout.weight_sync``: a safetensors folder on disk, or
+tensors in memory), whether the trainer waits for them to load or goes on
+beside the load (eta > 0), and the hand-over of restored weights at resume.
+Every train rank takes part (the export is collective); rank 0, which owns
+the rollout controller, hands them over.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from areal_core.pending import PendingCall
+from areal_core.rollout import RolloutController
+from areal_core.threads import serial_torch
+
+WEIGHT_BUCKET_BYTES = 256 * 1024**2  # rollout.weight_sync=tensors: the most bytes gathered at once
+# A weight export beside training, then the engines' update: each waits 600 s at most on its own
+BACKGROUND_SYNC_TIMEOUT_S = 1200.0
+
+
+def check_weight_sync(cfg: Any, actor: Any, engines: list[Any]) -> None:
+    """``rollout.weight_sync: tensors`` needs a train engine that exports them and engines that take them."""
+    if cfg.rollout.weight_sync != "tensors":
+        return
+    refusing = [f"actor.backend {cfg.actor.backend!r} does not declare 'export_tensors'"] \
+        if "export_tensors" not in actor.capabilities else []
+    if engines and "update_weights_from_tensors" not in engines[0].capabilities:  # one backend for all
+        refusing.append(f"rollout.backend {cfg.rollout.backend!r} does not declare "
+                        "'update_weights_from_tensors'")
+    if refusing:
+        raise ValueError(f"rollout.weight_sync: 'tensors' cannot be used: {'; '.join(refusing)}. "
+                         "Fix: rollout.weight_sync=disk (the default)")
+
+
+class WeightHandOver:
+    def __init__(self, cfg: Any, actor: Any, run_dir: Path, rank: int, world_size: int) -> None:
+        self.cfg, self.actor, self.run_dir = cfg, actor, Path(run_dir)
+        self.rank, self.world_size = rank, world_size
+        self.controller: RolloutController | None = None  # rank 0's, once it is built
+        self._pending: PendingCall | None = None  # a weight update the engines are still applying (eta > 0)
+
+    def sync(self, version: int, wait: bool | None = None) -> float:
+        """Hand the new weights to the inference engines (collective); rank 0 returns the seconds paused.
+
+        ``rollout.weight_sync: disk`` writes a safetensors folder per version and
+        the engines load it; ``tensors`` gathers full tensors in buckets
+        (``export_tensors``) into rank 0's memory, then the engines take them in
+        memory. Generation pauses only for the hand-over, not for the gather.
+
+        At eta > 0 the trainer does not wait for the engines to load: it goes
+        on to its next batch while they do (admission follows the version the
+        engines hold, so staleness stays bounded), and waits for this update
+        only before the next one, an evaluation or a checkpoint. The seconds
+        returned are then those of the previous update's pause. At eta = 0 the
+        next batch needs the new weights anyway, so the call waits (as it
+        does with ``wait=True``: the hand-over of restored weights at resume).
+
+        With tensors at eta > 0 in a one-process trainer whose engine declares
+        ``export_beside_training``, the export itself also leaves this thread:
+        the engine holds the weights from the ``export_tensors`` call, a
+        background thread reads them and hands them over while this one
+        trains on, and the engine's next optimizer step waits for the read to
+        end. ``time/weight_sync_s`` is then only the hand-off.
+        """
+        paused_s = self.finish()
+        wait = self.cfg.rollout.max_head_offpolicyness == 0 if wait is None else wait
+        beside = not wait and self.world_size == 1 and "export_beside_training" in self.actor.capabilities
+        if self.cfg.rollout.weight_sync == "tensors":
+            buckets = self.actor.export_tensors(WEIGHT_BUCKET_BYTES)
+            if beside:
+                # The export itself goes on beside the next batch's training, on a thread of its own: on a CPU
+                # it is a full pass over the weights that another core can do. The engine holds its next
+                # optimizer step until the export has read them.
+                def export_and_send() -> float:
+                    serial_torch()  # see areal_core.threads: a helper thread's torch ops run on one thread
+                    named = [pair for bucket in buckets for pair in bucket]
+                    return self.controller.update_weights_from_tensors(named, version, wait=False).result()
+
+                self._pending = PendingCall.on_thread(
+                    export_and_send, BACKGROUND_SYNC_TIMEOUT_S,
+                    f"a background call to hand the weights of version {version} to the inference engines")
+                return paused_s
+            named = [pair for bucket in buckets for pair in bucket]
+            if self.rank != 0:
+                return 0.0
+            # export_tensors hands out copies (its contract), so the next optimizer step cannot change what the
+            # engines are still reading at eta > 0
+            pending = self.controller.update_weights_from_tensors(named, version, wait=wait)
+        else:
+            weights = self.run_dir / "weights" / f"v{version:06d}"
+            self.actor.export_to_disk(str(weights))  # collective: every rank takes part in the gather
+            if self.rank != 0:
+                return 0.0
+            pending = self.controller.update_weights_from_disk(str(weights), version, wait=wait)
+            _prune_weights(self.run_dir / "weights", keep=2)  # the two newest: the one loading now is kept
+        if wait:
+            return pending
+        self._pending = pending
+        return paused_s
+
+    def hand_over_restored(self) -> None:
+        """Resume: the engines started from the base model; send them the restored weights (collective) before
+        the first episode is admitted, and check they serve that version, so every stamped version is true."""
+        version = self.actor.version
+        began = time.monotonic()
+        self.sync(version, wait=True)
+        if self.rank != 0:
+            return
+        serving = {getattr(e, "address", f"engine {i}"): e.version for i, e in enumerate(self.controller.engines)}
+        if self.controller.version != version or any(v != version for v in serving.values()):
+            raise RuntimeError(f"resume: handed the restored weights of version {version} to the inference engines, "
+                               f"but the controller is at version {self.controller.version} and the engines "
+                               f"report {serving}")
+        print(f"resume: the inference engines serve the restored weights (version {version}, handed over in "
+              f"{time.monotonic() - began:.1f} s)", flush=True)
+
+    def finish(self) -> float:
+        """Wait for the weight update still running on the engines (rank 0, eta > 0); its seconds paused."""
+        pending, self._pending = self._pending, None
+        return 0.0 if pending is None else pending.result()
+
+
+def _prune_weights(folder: Path, keep: int) -> None:
+    versions = sorted(p for p in folder.glob("v*") if p.is_dir())
+    for old in versions[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
