@@ -143,7 +143,7 @@ class ComponentConformance:
                 f"unimplemented; the core cannot build it")
 
     def test_config_class_is_a_dataclass_with_defaults(self) -> None:
-        """``config_class``, if set, is a dataclass every field of which has a default."""
+        """``config_class``, if set, is a dataclass every field of which has a default and a help text."""
         config_class = getattr(self.component_class(), "config_class", None)
         if config_class is None:
             pytest.skip(f"{self.component_name} has no config_class (no keys of its own): nothing to check")
@@ -154,6 +154,11 @@ class ComponentConformance:
         assert not missing, (
             f"{config_class.__qualname__} fields {', '.join(missing)} have no default; a user who "
             f"does not set them would get a crash instead of a run. Fix: give every field a default")
+        silent = [f.name for f in dataclasses.fields(config_class) if not f.metadata.get("help")]
+        assert not silent, (
+            f"{config_class.__qualname__} fields {', '.join(silent)} have no help text, the one place a user "
+            f"learns what the key does. Fix: field(default=..., metadata={{'help': '...'}}) as "
+            f"plugins/_template does, or areal_core.config.schema.spec(default, help=...)")
 
     def test_declared_capabilities_are_implemented(self) -> None:
         """The suite tests no capability the component does not claim, and every claim is spelt right."""

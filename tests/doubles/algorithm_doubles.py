@@ -5,14 +5,14 @@ fake distribution by ``tests/test_conformance_kit.py``; never shipped."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from areal_core.api import Algorithm
 
 
 @dataclass
 class ToyAlgorithmDoubleConfig:
-    eps_clip: float = 0.2
+    eps_clip: float = field(default=0.2, metadata={"help": "clip range of the ratio"})
 
 
 class ToyAlgorithmDouble(Algorithm):

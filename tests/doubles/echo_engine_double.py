@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from areal_core.api import GenerationRequest, GenerationResponse, InferenceEngine
@@ -22,7 +22,7 @@ VOCAB = 1000
 
 @dataclass
 class EchoEngineDoubleConfig:
-    token_delay_s: float = 0.002
+    token_delay_s: float = field(default=0.002, metadata={"help": "seconds per generated token"})
 
 
 class EchoInferenceEngineDouble(InferenceEngine):

@@ -5,14 +5,14 @@ each breaking one rule. Installed as a fake distribution by
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from areal_core.api import Reward
 
 
 @dataclass
 class ToyRewardDoubleConfig:
-    scale: float = 1.0
+    scale: float = field(default=1.0, metadata={"help": "the reward when the answer occurs in the completion"})
 
 
 class ToyRewardDouble(Reward):

@@ -5,7 +5,7 @@ validate without real engines. Installed as a fake distribution by
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from areal_core import hookimpl
@@ -38,8 +38,9 @@ class InferenceEngineDouble(InferenceEngine):
 
 @dataclass
 class AlgorithmDoubleConfig:
-    eps_clip: float = 0.2
-    group_norm: bool = True
+    # keys of the double's own, read by no code: tests check they reach the component through the config
+    eps_clip: float = field(default=0.2, metadata={"help": "a float key of the double's own"})
+    group_norm: bool = field(default=True, metadata={"help": "a bool key of the double's own"})
 
 
 class AlgorithmDouble(Algorithm):

@@ -9,7 +9,7 @@ as a fake distribution by ``tests/test_conformance_kit.py``; never shipped.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,8 +19,8 @@ from areal_core.api import TrainEngine
 
 @dataclass
 class BigramTrainEngineDoubleConfig:
-    vocab_size: int = 32
-    lr: float = 0.5
+    vocab_size: int = field(default=32, metadata={"help": "tokens of the bigram table"})
+    lr: float = field(default=0.5, metadata={"help": "step size of each update"})
 
 
 class BigramTrainEngineDouble(TrainEngine):

@@ -28,7 +28,7 @@ class PPOFamilyConfig:
                                             "0 = rollout.sampling.max_new_tokens")
     # -- rewards -------------------------------------------------------------
     reward_scale: float = spec(1.0, help="r <- (r + reward_bias) * reward_scale")
-    reward_bias: float = spec(0.0)
+    reward_bias: float = spec(0.0, help="added to every reward before reward_scale")
     reward_clip: float = spec(0.0, ge=0.0, help="clip shaped rewards to [-reward_clip, reward_clip]; 0 = off")
     overlong_buffer_frac: float = spec(0.0, ge=0.0, lt=1.0,
                                        help="DAPO overlong shaping: the last fraction of max_response_len "

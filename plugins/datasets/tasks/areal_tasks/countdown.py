@@ -33,10 +33,10 @@ class CountdownConfig:
     """Keys of ``dataset`` when ``dataset.name: countdown``."""
 
     count: int = spec(4, ge=2, le=6, help="numbers given per problem")
-    min_number: int = spec(1, ge=1)
-    max_number: int = spec(25, ge=1)
-    min_target: int = spec(10, ge=1)
-    max_target: int = spec(100, ge=1)
+    min_number: int = spec(1, ge=1, help="smallest number given")
+    max_number: int = spec(25, ge=1, help="largest number given (at least min_number)")
+    min_target: int = spec(10, ge=1, help="smallest target")
+    max_target: int = spec(100, ge=1, help="largest target (at least min_target)")
     use_all: bool = spec(False, help="the answer must use every number (each exactly once)")
     exact_division: bool = spec(True, help="every division must leave no remainder")
     size: int = spec(0, ge=0, help="train problems; 0 = an endless stream")
