@@ -116,8 +116,8 @@ def entry_points(group: str, *, include_disabled: bool = False) -> list[Found]:
 
 
 def closest(name: str, candidates: list[str]) -> str | None:
-    """The candidate a typo most likely meant, or None."""
-    matches = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    """The candidate a typo most likely meant, or None (YAML keys may be numbers: compared as text)."""
+    matches = difflib.get_close_matches(str(name), [str(c) for c in candidates], n=1, cutoff=0.6)
     return matches[0] if matches else None
 
 

@@ -253,3 +253,15 @@ def test_check_answers_random_input_with_its_own_problems(tmp_path, monkeypatch)
 @pytest.mark.slow
 def test_check_answers_10000_random_inputs_with_its_own_problems(tmp_path, monkeypatch):
     assert _fuzz(tmp_path, monkeypatch, 10_000).cases >= 10_000
+
+
+# Inputs the fuzzer found that once ended in a traceback, checked on every run.
+FOUND = [
+    {"file": "actor:\n 0:", "overrides": []},  # a number as a component's key: TypeError in the did-you-mean
+    {"file": "rollout:\n  3: x\n  sampling: {7: 1}\nactor: {1.5: 2}", "overrides": []},
+]
+
+
+@pytest.mark.parametrize("case", FOUND, ids=range(len(FOUND)))
+def test_inputs_the_fuzzer_found_get_problems_not_tracebacks(tmp_path, monkeypatch, case):
+    Fuzz(tmp_path, monkeypatch).check(case)

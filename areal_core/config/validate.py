@@ -113,7 +113,8 @@ def resolve_components(run: ValidatedRun) -> None:
         run.options[section] = build(config_class, extra, f"{section}.", run.problems) if config_class else None
 
 
-def _unknown_extra(section: str, key: str, known: list[str], why: str) -> Problem:
+def _unknown_extra(section: str, key: Any, known: list[str], why: str) -> Problem:
+    key = str(key)  # a YAML key may be a number (`actor: {0: ...}`)
     guess = closest(key, known)
     hint = f"did you mean {section}.{guess}?" if guess else "remove it, or check the component's documentation for its keys"
     return Problem("core.unknown-key", f"unknown key: {why}", hint, key=f"{section}.{key}")
