@@ -123,7 +123,7 @@ class PackedBatch(dict):
                              f"token), got {cu[:8]}{' ...' if len(cu) > 8 else ''}")
         if "input_ids" not in self:
             raise ValueError(f"{who}: the batch has no 'input_ids'")
-        need = {TOKEN: (self.n_tokens, "T, the tokens"), SEQUENCE: (self.n_sequences, "N, the sequences")}
+        need = {TOKEN: (cu[-1], "T, the tokens"), SEQUENCE: (len(cu) - 1, "N, the sequences")}
         for key, value in self.items():
             field = FIELDS.get(key)
             if field is None or field.kind == SCALAR:

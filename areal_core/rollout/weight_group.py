@@ -305,7 +305,9 @@ class FleetWeightGroup:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(BLAME_GRACE_S, self.timeout_s)
         pending = {task for task in (*calls, *lost) if not task.done()}
-        while (found := dead()) is None and pending:
+        # Once every server's call has ended there is nothing more to learn: a server that died has failed its
+        # call by then (a healthy server's `lost` event never fires, so it is not waited for).
+        while (found := dead()) is None and any(not task.done() for task in calls):
             left = deadline - loop.time()
             if left <= 0:
                 break
