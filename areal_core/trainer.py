@@ -34,6 +34,7 @@ import signal
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -44,6 +45,7 @@ from areal_core.checkpoint import (
     set_rng_state,
 )
 from areal_core.config.validate import ValidatedRun, minibatch_problem, validate_run
+from areal_core.launch.nodes import rollout_node_env, same_node_as_trainer
 from areal_core.metrics import MetricsLogger, histogram, summarize, truncate_jsonl
 from areal_core.problems import ProblemsError, format_problems
 from areal_core.rollout import RolloutController, RolloutError, StallError, has_reward_variance, pack_groups
@@ -123,10 +125,16 @@ class Trainer:
         def engine_at(index: int, address: str | None) -> Any:
             return self.run.components["rollout"].create(Context(
                 config=self.cfg, options=self.run.options.get("rollout"), placement=placement,
-                extras={"server_index": index, "address": address}))
+                extras={"server_index": index, "address": address, "same_node": same_node_as_trainer(index),
+                        "exchange_dir": str(self.run_dir / "weights")}))
 
         engines = [engine_at(i, os.environ.get(f"AREAL_ROLLOUT_{i}_ADDRESS")) for i in range(placement.parallel.d)]
         self._check_weight_sync(engines)
+        for i, engine in enumerate(engines):
+            node = os.environ.get(rollout_node_env(i))
+            print(f"weights for inference server {i} ({getattr(engine, 'address', 'in process')}"
+                  f"{f', node {node}' if node else ''}): "
+                  f"{engine.weight_transport(self.cfg.rollout.weight_sync)}", flush=True)
         r = self.cfg.rollout
         joined = itertools.count(placement.parallel.d)  # servers added while the run is live (rollout.elastic)
         self.controller = RolloutController(
@@ -377,6 +385,9 @@ class Trainer:
             m.update({f"staleness/tokens_at_lag_{lag}": float(n) for lag, n in histogram(lags).items()})
         stats = self.controller.stats()
         m.update({f"rollout/{k}": float(v) for k, v in stats.items()})
+        for transport, n in Counter(e.weight_transport(self.cfg.rollout.weight_sync)
+                                    for e in self.controller.engines).items():
+            m[f"weight_sync/servers_{transport}"] = float(n)
         m["time/wait_batch_s"] = waited
         m["time/train_s"] = train_s
         m["throughput/train_tokens_per_s"] = len(packed["input_ids"]) / train_s if train_s > 0 else 0.0

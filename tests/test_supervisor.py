@@ -258,6 +258,20 @@ def test_a_process_started_from_a_thread_outlives_the_thread(tmp_path):
         assert started[0].poll() is None
 
 
+@pytest.mark.skipif(not LINUX, reason="needs the Linux trampoline")
+def test_the_command_dies_with_its_trampoline_even_when_the_trampoline_is_killed(tmp_path):
+    """Ray SIGKILLs the children of a worker that died, which are the trampolines of the processes a Ray actor
+    started: the command must not outlive them (it asked the kernel for SIGKILL at its parent's death)."""
+    pid_file = tmp_path / "command"
+    with Supervisor(tmp_path / "logs") as sup:
+        managed = sup.start(ProcessSpec("cmd", ["sh", "-c", f"echo $$ > {pid_file}; exec sleep 1000"]))
+        sup.wait_ready(managed, lambda: pid_file.exists() and pid_file.read_text().strip() != "", 20, "its pid file")
+        command = int(pid_file.read_text())
+        assert alive(command)
+        os.kill(managed.pid, signal.SIGKILL)  # the trampoline alone
+        assert survivors([command]) == []
+
+
 # -- the launcher itself dies -------------------------------------------------------
 
 LAUNCHER = textwrap.dedent(

@@ -92,6 +92,14 @@ class InferenceEngine(Component):
         None (the default): the engine lives inside the trainer process. When
         a server is started, the engine built in the trainer finds its
         address in ``context.extras["address"]`` (``"127.0.0.1:<port>"``).
+        A launcher that places servers on other machines sets
+        ``context.extras["host"]``: the address the server must listen on
+        (its node's, reachable from the trainer's node); 127.0.0.1 when it
+        is absent. The engine built in the trainer finds in
+        ``context.extras["same_node"]`` whether its server shares the
+        trainer's node, and in ``context.extras["exchange_dir"]`` a folder
+        on the run's shared storage for weights that cannot go through
+        shared memory.
         """
         return None
 
@@ -121,6 +129,12 @@ class InferenceEngine(Component):
     async def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
         """Load weights handed over in memory (buckets of (name, tensor))."""
         raise NotImplementedError(f"{type(self).__name__} does not declare 'update_weights_from_tensors'")
+
+    def weight_transport(self, weight_sync: str) -> str:
+        """How this engine's new weights travel under ``rollout.weight_sync`` (logged, and counted in the
+        metrics as ``weight_sync/servers_<transport>``). Engines whose path depends on where they run (shared
+        memory on the trainer's node, something else across nodes) say which they picked."""
+        return "disk_folder" if weight_sync == "disk" else "tensors"
 
     async def health(self) -> bool:
         return True

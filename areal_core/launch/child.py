@@ -21,7 +21,11 @@ supervisor of one:
   exited): every member already has it, so it forwards nothing;
 - when the command exits on its own, it sends SIGTERM to the processes the
   command left behind in the group, then exits with the command's own status
-  (the same exit code, or killed by the same signal).
+  (the same exit code, or killed by the same signal);
+- when this trampoline itself is killed (SIGKILL, as Ray does to the children
+  of a worker that died), the command gets SIGKILL from the kernel: it asked
+  for it (``PR_SET_PDEATHSIG``) between fork and exec. Its own children are
+  then left to their own means.
 """
 
 from __future__ import annotations
@@ -64,8 +68,14 @@ def main(args: list[str]) -> int:
 
     # Block the signals across fork so the child never runs our handler before exec.
     signal.pthread_sigmask(signal.SIG_BLOCK, TERMINATING)
+    me = os.getpid()
     pid = os.fork()
     if pid == 0:
+        # The command dies with this trampoline too, whatever kills it: a cluster launcher's worker that goes
+        # down (Ray SIGKILLs a dead worker's children) takes this trampoline with it before its teardown runs.
+        # The request survives exec (it is only cleared by fork and set-id programs).
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 or os.getppid() != me:
+            os._exit(1)
         for s in (*TERMINATING, signal.SIGPIPE, signal.SIGXFSZ):  # Python ignores SIGPIPE, SIGXFSZ
             signal.signal(s, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, TERMINATING)

@@ -252,8 +252,8 @@ class LocalLauncher(Launcher):
         servers = [(i, s) for i, s in enumerate(servers) if s is not None]
         server_threads, rank_threads = thread_plan(len(servers), actor.world_size, cfg.rollout.max_head_offpolicyness)
         master_port = free_port()
-        checkpoint_step = _checkpoint_step(run_dir)
-        progress = MetricsTail(run_dir, cfg.trainer.total_steps, checkpoint_step if resume else -1)
+        restored_step = checkpoint_step(run_dir)
+        progress = MetricsTail(run_dir, cfg.trainer.total_steps, restored_step if resume else -1)
         try:
             with Supervisor(run_dir / "logs") as sup:
                 sup.install_signal_handlers()
@@ -288,12 +288,7 @@ class LocalLauncher(Launcher):
                 progress.poll()
         except ProcessFailed as exc:
             progress.close()
-            console.print(f"areal run failed: {exc}")
-            saved = _checkpoint_step(run_dir)
-            if saved > 0:
-                console.print(f"The checkpoint of step {saved} is complete: continue from it with the same "
-                              f"command and --resume (areal run ... --resume)")
-            return 1
+            return report_failure(str(exc), run_dir)
         except Shutdown as exc:
             progress.close()
             console.print(f"areal run stopped ({exc}); every process it started was stopped. "
@@ -312,7 +307,18 @@ class LocalLauncher(Launcher):
         return 0
 
 
-def _checkpoint_step(run_dir: Path) -> int:
+def report_failure(message: str, run_dir: Path) -> int:
+    """Say that the run failed and, when a checkpoint is complete, how to continue from it; the exit status (1).
+    Every launcher ends a failed run with these words."""
+    console.print(f"areal run failed: {message}")
+    saved = checkpoint_step(run_dir)
+    if saved > 0:
+        console.print(f"The checkpoint of step {saved} is complete: continue from it with the same command and "
+                      f"--resume (areal run ... --resume)")
+    return 1
+
+
+def checkpoint_step(run_dir: Path) -> int:
     """The step of the run's latest complete checkpoint; 0 when there is none (or it cannot be read)."""
     from areal_core.checkpoint import CheckpointStore
 

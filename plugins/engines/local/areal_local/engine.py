@@ -37,10 +37,12 @@ class LocalEngine(RemoteEngine):
     @classmethod
     def server_process(cls, context: Any, index: int, port: int) -> ServerProcess:
         config, options = context.config, context.options or LocalEngineConfig()
+        host = context.extras.get("host") or "127.0.0.1"  # a cluster launcher gives the node's own address
         argv = [sys.executable, "-m", "areal_local.server", "--model", _model_arg(config),
-                "--dtype", config.model.dtype, "--port", str(port), "--max-batch", str(options.max_batch)]
-        return ServerProcess(argv, http_ready(port), f"the /health endpoint of embedded engine {index} on "
-                             f"127.0.0.1:{port}", startup_timeout_s=options.startup_timeout_s)
+                "--dtype", config.model.dtype, "--host", host, "--port", str(port),
+                "--max-batch", str(options.max_batch)]
+        return ServerProcess(argv, http_ready(port, host=host), f"the /health endpoint of embedded engine {index} "
+                             f"on {host}:{port}", startup_timeout_s=options.startup_timeout_s)
 
     @classmethod
     def create(cls, context: Any) -> LocalEngine:
@@ -58,6 +60,10 @@ class LocalEngine(RemoteEngine):
                          startup_timeout_s=options.startup_timeout_s,
                          log_path=context.extras.get("log_path") or run_log_path(context.config, self.index))
         self.backend = f"embedded engine {self.index}"
+        # Weights in memory reach a server on the trainer's node through /dev/shm; one on another node reads
+        # them from a file in the run's shared storage instead (the launcher checked every node sees it).
+        self.same_node = context.extras.get("same_node", True)
+        self.exchange_dir = context.extras.get("exchange_dir")
 
     async def start(self) -> None:
         """Take the version the server serves. The launcher waited for it to start, so a server that does not
@@ -85,10 +91,17 @@ class LocalEngine(RemoteEngine):
         health = await self.request("POST", "/update_weights_from_disk", json={"path": str(path), "version": version})
         self._version = health["version"]
 
+    def weight_transport(self, weight_sync: str) -> str:
+        if weight_sync == "disk":
+            return "disk_folder"
+        return "shared_memory" if self.same_node or not self.exchange_dir else "shared_storage_file"
+
     async def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
         """Hand tensors over through shared memory: a safetensors file in /dev/shm the server maps, rewritten in
-        place for every version and written once for all the engines of this process (:mod:`areal_local.shm`)."""
+        place for every version and written once for all the engines of this process (:mod:`areal_local.shm`).
+        A server on another node gets the same file in the run's shared storage (``exchange_dir``)."""
         from areal_local.shm import stage
 
-        await self.update_weights_from_disk(str(stage().write(named_tensors, version)), version)
+        root = None if self.weight_transport("tensors") == "shared_memory" else Path(self.exchange_dir)
+        await self.update_weights_from_disk(str(stage(root).write(named_tensors, version)), version)
 

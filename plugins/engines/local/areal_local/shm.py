@@ -137,12 +137,14 @@ class WeightStage:
         self.folder, self._size, self._staged = None, 0, None
 
 
-_STAGE: WeightStage | None = None
+_STAGES: dict[Path | None, WeightStage] = {}
 
 
-def stage() -> WeightStage:
-    """This process's stage, created on first use."""
-    global _STAGE
-    if _STAGE is None:
-        _STAGE = WeightStage()
-    return _STAGE
+def stage(root: Path | None = None) -> WeightStage:
+    """This process's stage under ``root`` (default: /dev/shm), created on first use. Engines whose servers
+    share this node use the default; those on other nodes one under the run's shared storage."""
+    if root is not None:
+        root.mkdir(parents=True, exist_ok=True)
+    if root not in _STAGES:
+        _STAGES[root] = WeightStage(root)
+    return _STAGES[root]

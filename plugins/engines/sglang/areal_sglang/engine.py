@@ -34,6 +34,7 @@ from typing import Any, Iterable
 from areal_core.api import GenerationRequest, GenerationResponse, ServerProcess
 from areal_core.remote import RemoteEngine, attach_addresses, check_server_version, http_ready
 from areal_core.rollout.elastic import Member
+from areal_core.launch.nodes import NODE_ADDRESS_ENV
 from areal_core.rollout.weight_group import FleetWeightGroup, GroupLayout, GroupMemberFailed
 
 SUPPORTED = ">=0.5.0,<0.6"
@@ -76,10 +77,18 @@ def check_version(found: str) -> None:
 
 
 def server_argv(python: str, model: str, port: int, options: SGLangEngineConfig,
-                dtype: str = "auto", tensor_parallel: int = 1) -> list[str]:
-    return [python, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
+                dtype: str = "auto", tensor_parallel: int = 1, host: str = "127.0.0.1") -> list[str]:
+    return [python, "-m", "sglang.launch_server", "--model-path", model, "--host", host,
             "--port", str(port), "--dtype", dtype, "--tp-size", str(tensor_parallel),
             "--mem-fraction-static", str(options.mem_fraction_static), *map(str, options.extra_args)]
+
+
+def _group_host(options: SGLangEngineConfig) -> str:
+    """Where the servers reach the trainer for tensor updates: the option, or, left at its default under a
+    cluster launcher, the trainer's node address (``AREAL_NODE_ADDRESS``)."""
+    if options.weight_group_host == "127.0.0.1":
+        return os.environ.get(NODE_ADDRESS_ENV) or options.weight_group_host
+    return options.weight_group_host
 
 
 class SGLangEngine(RemoteEngine):
@@ -95,9 +104,10 @@ class SGLangEngine(RemoteEngine):
         python = options.python or os.environ.get(PYTHON_ENV) or sys.executable
         placement = getattr(context, "placement", None)
         tensor_parallel = getattr(getattr(placement, "parallel", None), "t", 1) or 1
+        host = context.extras.get("host") or "127.0.0.1"  # a cluster launcher gives the node's address
         argv = server_argv(python, config.model.path, port, options, getattr(config.model, "dtype", "auto"),
-                           tensor_parallel)
-        return ServerProcess(argv, http_ready(port), f"the /health endpoint of SGLang server {index} on 127.0.0.1:{port}",
+                           tensor_parallel, host)
+        return ServerProcess(argv, http_ready(port, host=host), f"the /health endpoint of SGLang server {index} on {host}:{port}",
                              startup_timeout_s=options.startup_timeout_s)
 
     @classmethod
@@ -107,7 +117,7 @@ class SGLangEngine(RemoteEngine):
         tensor_parallel = getattr(getattr(placement, "parallel", None), "t", 1) or 1
         return cls.from_context(context, options, weight_bucket_mb=options.weight_bucket_mb,
                                 weight_group_backend=options.weight_group_backend,
-                                weight_group_host=options.weight_group_host, tensor_parallel=tensor_parallel)
+                                weight_group_host=_group_host(options), tensor_parallel=tensor_parallel)
 
     def __init__(self, context: Any = None, address: str = "", *, weight_bucket_mb: float = 512,
                  weight_group_backend: str = "nccl", weight_group_host: str = "127.0.0.1", tensor_parallel: int = 1,
@@ -216,6 +226,9 @@ class SGLangEngine(RemoteEngine):
     def weight_group_ranks(self) -> int:
         """The ranks this server joins a weight-update group with: its tensor-parallel workers."""
         return self._server_tp or self.tensor_parallel
+
+    def weight_transport(self, weight_sync: str) -> str:
+        return "disk_folder" if weight_sync == "disk" else "process_group"
 
     async def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
         """Broadcast the tensors to this server alone, in buckets of whole layers (about ``weight_bucket_mb``).

@@ -87,9 +87,10 @@ def check_version(found: str) -> None:
 
 
 def server_argv(python: str, model: str, port: int, options: VLLMEngineConfig, dtype: str = "auto",
-                device: str = "cpu") -> tuple[list[str], dict[str, str]]:
-    """The command and environment of one vLLM server on 127.0.0.1:``port``."""
-    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+                device: str = "cpu", host: str = "127.0.0.1") -> tuple[list[str], dict[str, str]]:
+    """The command and environment of one vLLM server on ``host:port`` (a cluster launcher gives the node's
+    address; 127.0.0.1 otherwise)."""
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
             "--port", str(port), "--max-model-len", str(options.max_model_len), "--dtype", dtype,
             "--disable-uvicorn-access-log", *map(str, options.extra_args)]
     env = {"VLLM_SERVER_DEV_MODE": "1"}  # /pause, /resume, /collective_rpc
@@ -113,9 +114,10 @@ class VLLMEngine(RemoteEngine):
         python = options.python or default_python()
         device = getattr(getattr(context, "placement", None), "device", "cpu") or "cpu"
         dtype = getattr(config.model, "dtype", "auto") or "auto"
-        argv, env = server_argv(python, config.model.path, port, options, dtype=dtype, device=device)
-        return ServerProcess(argv, http_ready(port), f"the /health endpoint of vLLM server {index} on "
-                             f"127.0.0.1:{port} (interpreter {python})", env=env,
+        host = context.extras.get("host") or "127.0.0.1"
+        argv, env = server_argv(python, config.model.path, port, options, dtype=dtype, device=device, host=host)
+        return ServerProcess(argv, http_ready(port, host=host), f"the /health endpoint of vLLM server {index} on "
+                             f"{host}:{port} (interpreter {python})", env=env,
                              startup_timeout_s=options.startup_timeout_s)
 
     @classmethod
@@ -194,8 +196,19 @@ class VLLMEngine(RemoteEngine):
                            json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
         self._version = version
 
+    def weight_transport(self, weight_sync: str) -> str:
+        if weight_sync == "disk":
+            return "disk_folder"
+        same_node = self.context.extras.get("same_node", True)
+        return "shared_memory" if same_node or not self.exchange_dir else "shared_storage_file"
+
+    @property
+    def exchange_dir(self) -> str | None:
+        return self.context.extras.get("exchange_dir")
+
     async def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
-        """Send the tensors in buckets of whole layers (about ``weight_bucket_mb`` each) through /dev/shm.
+        """Send the tensors in buckets of whole layers (about ``weight_bucket_mb`` each) through /dev/shm
+        (or, for a server on another node than the trainer, through the run's shared storage).
 
         Each bucket is written as safetensors into shared memory and reloaded
         by the server (``reload_weights``) while the next bucket is written:
@@ -205,7 +218,11 @@ class VLLMEngine(RemoteEngine):
         """
         from safetensors.torch import save_file
 
-        root = "/dev/shm" if Path("/dev/shm").is_dir() else None
+        if self.weight_transport("tensors") == "shared_storage_file":  # a server on another node
+            root = str(Path(self.exchange_dir))
+            Path(root).mkdir(parents=True, exist_ok=True)
+        else:
+            root = "/dev/shm" if Path("/dev/shm").is_dir() else None
         workdir = Path(tempfile.mkdtemp(prefix="areal-vllm-weights-", dir=root))
         folders = count()
 
