@@ -43,17 +43,21 @@ def _split(config: str | None, overrides: list[str] | None) -> tuple[str, list[s
     return (config if config is not None else str(DEMO_CONFIG)), overrides
 
 
-def _validated(config: str | None, overrides: list[str] | None):
+def _validated(config: str | None, overrides: list[str] | None, *, dry_run: bool = False):
     from areal_core.config.validate import output_problems, validate_run
     from areal_core.problems import ProblemsError
 
     path, overrides = _split(config, overrides)
+    if dry_run:
+        overrides.append(f"{DRY_RUN_KEY}=true")
     try:
         run = validate_run(path, overrides)
     except ProblemsError as exc:
         err.print(str(exc))
         raise typer.Exit(1) from None
     run.problems.extend(output_problems(run.config))
+    if dry_run:
+        _refuse_a_launcher_without_dry_run(run)
     if run.problems:
         source = "the built-in demo" if path == str(DEMO_CONFIG) else path
         err.print(format_problems(run.problems, source))
@@ -70,9 +74,34 @@ def check(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
 
 
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="continue the run in its folder from the last complete checkpoint")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="show what the launcher would do (e.g. the batch scripts it "
+                                         "would submit) and start nothing; the same as launcher.dry_run=true")]
+DRY_RUN_KEY = "launcher.dry_run"
 
 
-def run(config: ConfigArg = None, overrides: OverridesArg = None, resume: ResumeOpt = False) -> None:
+def _refuse_a_launcher_without_dry_run(run) -> None:
+    """--dry-run is the override launcher.dry_run=true; a launcher without that option would otherwise get an
+    unknown-key problem about a key the user never wrote, so say in words what is missing."""
+    if "launcher" not in run.components:  # an unknown launcher: its own problem says so
+        return
+    if not any(p.key == DRY_RUN_KEY and p.code == "core.unknown-key" for p in run.problems):
+        return
+    name = run.config.launcher.name
+    err.print(f"--dry-run: the '{name}' launcher has no dry run (it declares no {DRY_RUN_KEY} option), so it cannot "
+              f"show what it would do without starting the run. Nothing was started or written. Fix: drop "
+              f"--dry-run to start the run with the '{name}' launcher, choose a launcher that has a dry run "
+              f"(launcher.name=...), or run `areal check` with the same arguments to validate the config and its "
+              f"placement without starting anything.")
+    raise typer.Exit(1)
+
+
+def _is_dry_run(validated) -> bool:
+    """launcher.dry_run is true (from --dry-run, an override or the YAML): the launcher only shows what it would do."""
+    return getattr(validated.options.get("launcher"), "dry_run", False) is True
+
+
+def run(config: ConfigArg = None, overrides: OverridesArg = None, resume: ResumeOpt = False,
+        dry_run: DryRunOpt = False) -> None:
     """Train: with no CONFIG, the built-in demo (a small real model on a built-in task, CPU only).
 
     The run folder is <output_dir>/<experiment>/<trial>. One that holds a run
@@ -83,14 +112,23 @@ def run(config: ConfigArg = None, overrides: OverridesArg = None, resume: Resume
     is nothing to resume from).
     """
     from areal_core.api import Context
+    from areal_core.problems import ProblemsError
 
-    validated, _ = _validated(config, overrides)
+    validated, _ = _validated(config, overrides, dry_run=dry_run)
     cfg = validated.config
     run_dir = Path(cfg.output_dir).expanduser() / cfg.experiment / cfg.trial
     resolved = validated.resolved_dict()
     resume = _decide(run_dir, resolved, resume)
     launcher_cls = validated.components["launcher"]
-    launcher = launcher_cls.create(Context(config=cfg, options=validated.options.get("launcher")))
+    try:  # a launcher that cannot run on this machine (its tools missing) says so before the run folder is made
+        launcher = launcher_cls.create(Context(config=cfg, options=validated.options.get("launcher")))
+    except ProblemsError as exc:
+        err.print(str(exc))
+        raise typer.Exit(1) from None
+    if _is_dry_run(validated):
+        # Nothing is created or claimed: a dry run leaves no run folder (nor a config.yaml in one) behind, so the
+        # real run afterwards starts exactly as it would have without it. The launcher writes nothing there either.
+        raise typer.Exit(launcher.launch(validated, run_dir, resume=resume))
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         claim = _claim(run_dir)

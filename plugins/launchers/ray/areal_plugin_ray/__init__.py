@@ -1,0 +1,1 @@
+"""areal's Ray launcher: ``areal run ... launcher.name=ray``."""
