@@ -158,8 +158,11 @@ class RaySession:
         address = self.options.address or None
         kwargs: dict[str, Any] = {"namespace": self.options.namespace, "log_to_driver": False,
                                   "include_dashboard": False, "logging_level": "WARNING"}
-        if address is None and self.options.num_cpus:
-            kwargs["num_cpus"] = self.options.num_cpus
+        if address is None:
+            # Ray runs its workers at nice 15 by default; a run's processes are the work, not background
+            kwargs["_system_config"] = {"worker_niceness": 0}
+            if self.options.num_cpus:
+                kwargs["num_cpus"] = self.options.num_cpus
         try:
             ray.init(address=address, **kwargs)
         except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -206,6 +209,12 @@ class RaySession:
                                                             f"to start")
         placed = [Placed(slot, actor, node, log_name=name or slot.name) for slot, actor, node in zip(slots, actors, nodes)]
         self.placed.extend(placed)
+        niced = sorted({p.where() for p in placed if p.node["nice"] > 0})
+        if niced:
+            self.progress.say(f"the run's processes on {', '.join(niced)} run at nice {max(p.node['nice'] for p in placed)} "
+                              f"(Ray's worker niceness), so anything else on those nodes gets the CPU first; to run "
+                              f"them at normal priority start Ray there with RAY_worker_niceness=0 "
+                              f"(RAY_worker_niceness=0 ray start ...)")
         return placed
 
     def _get(self, ref: Any, what: str, timeout_s: float | None = None) -> Any:

@@ -33,13 +33,20 @@ class NodeProcess:
         self.name = name
         self.sup = Supervisor(Path(log_dir))
         self.managed: Managed | None = None
+        # Ray starts its workers at nice 15 (its worker_niceness), and what this actor starts inherits it: on a
+        # node where anything else runs, training and generation would get the CPU last. Back to normal priority
+        # where the node allows it (root, or CAP_SYS_NICE); where not, the launcher says how to start Ray instead.
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+        except OSError:
+            pass
 
     def node(self) -> dict[str, Any]:
         """Where this actor runs: Ray's node id, the node's address, its host name, the GPUs Ray gave it."""
         import ray
 
         return {"node_id": ray.get_runtime_context().get_node_id(), "address": ray.util.get_node_ip_address(),
-                "hostname": socket.gethostname(), "pid": os.getpid(),
+                "hostname": socket.gethostname(), "pid": os.getpid(), "nice": os.getpriority(os.PRIO_PROCESS, 0),
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
 
     def plugins(self) -> dict[str, str]:

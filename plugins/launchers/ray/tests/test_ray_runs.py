@@ -146,10 +146,11 @@ def test_a_run_on_two_nodes_trains_the_same_items_as_the_local_launcher(tmp_path
     metrics = read_jsonl(run.run_dir / "metrics.jsonl")
     assert len(metrics) == 4 and all(math.isfinite(v) for row in metrics for v in row.values()
                                      if isinstance(v, float))
-    assert all(row["train/grad_norm"] > 0 for row in metrics)
+    assert any(row["train/grad_norm"] > 0 for row in metrics)  # a group with equal rewards has no gradient
     assert all(row["weight_sync/servers_shared_storage_file"] == 1.0 for row in metrics), metrics[-1]
     placed = dict(PLACED.findall(out))
     assert placed["rollout-0"] != placed["actor-rank0"], out  # on two nodes
+    assert "run at nice 15 (Ray's worker niceness)" in out  # the cluster was started with Ray's defaults
     trainer_log = (run.run_dir / "logs" / "actor-rank0.log").read_text()
     assert "shared_storage_file" in trainer_log
     run.only_loopback()
@@ -289,6 +290,7 @@ def test_without_an_address_the_run_starts_ray_here_and_stops_it_at_the_end(tmp_
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout
     assert [r["step"] for r in _steps(tmp_path / "runs" / "areal" / "here")] == list(range(1, 7))
+    assert "worker niceness" not in proc.stdout  # a Ray started by the run runs its processes at normal priority
     deadline = time.monotonic() + 30
     while _raylets() > before:
         assert time.monotonic() < deadline, "the Ray instance the run started outlived it"

@@ -48,6 +48,7 @@ def test_a_run_through_slurm_trains_the_steps_the_local_launcher_does(doubles, s
     assert [row["step"] for row in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
 
 
+@pytest.mark.slow  # a whole job each (~7 s): CI's slow suite runs them
 def test_a_failing_train_step_tears_the_job_down_and_is_quoted(doubles, standins, tmp_path):
     config, env = doubles
     runs = tmp_path / "runs"
@@ -67,6 +68,7 @@ def test_a_failing_train_step_tears_the_job_down_and_is_quoted(doubles, standins
     assert not run_processes(run_dir)
 
 
+@pytest.mark.slow  # a whole job each (~7 s): CI's slow suite runs them
 def test_sigterm_to_areal_run_cancels_the_job_and_leaves_nothing_running(doubles, standins, tmp_path):
     config, env = doubles
     runs = tmp_path / "runs"
@@ -109,6 +111,7 @@ def test_a_node_with_another_plugin_version_is_refused_before_any_server_starts(
     assert not run_processes(run_dir)
 
 
+@pytest.mark.slow  # a whole job each (~7 s): CI's slow suite runs them
 def test_a_server_that_dies_mid_run_fails_the_job_naming_the_servers_step(doubles, standins, tmp_path):
     config, env = doubles
     runs = tmp_path / "runs"
