@@ -1,0 +1,224 @@
+"""Latency profiles: how long a simulated engine spends on each piece of work, as data.
+
+A profile file (YAML) describes one model on one kind of GPU: a decode step's
+time as a table over the running batch and the context length, prefill time
+per token, training time per token and the gradient all-reduce, the time to
+move the weights, and the distribution of response lengths. The simulated
+engines ask it, and spend that much (simulated) time instead of computing.
+Only the interpolation and the all-reduce formula are code; every number is
+in the file, with where it comes from (``source``).
+
+Shipped profiles are in ``areal_sim/profiles/`` (``load_profile("qwen2.5-7b-h800")``);
+any other path works too. Units: seconds, bytes, Gbit/s.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PROFILES = Path(__file__).with_name("profiles")
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used; the message names the file, the field, the value and the fix."""
+
+
+def _interp(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys); beyond either end, the end segment extended (never below 0)."""
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
+    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+@dataclass(frozen=True)
+class DecodeTable:
+    """Seconds of one decode step (every running request gets a token) by running batch and mean context.
+
+    Interpolated linearly in the batch and in the context (a decode step is
+    memory-bound: weights read once per step, KV cache read per token of
+    context, both linear), extended linearly past the table's edges.
+    """
+
+    batch: tuple[float, ...]
+    context: tuple[float, ...]
+    seconds: tuple[tuple[float, ...], ...]  # [batch index][context index]
+
+    def __call__(self, batch: float, context: float) -> float:
+        if batch <= 0:
+            return 0.0
+        by_batch = [_interp(list(self.context), list(row), context) for row in self.seconds]
+        return _interp(list(self.batch), by_batch, batch)
+
+
+@dataclass(frozen=True)
+class InferenceModel:
+    tp: int  # the tensor-parallel size the table holds for (the layout one server has)
+    decode_step_s: DecodeTable
+    prefill_s_per_token: float
+    kv_capacity_tokens: int  # KV-cache tokens one server holds (prompt + output of every running request)
+
+    def prefill_s(self, tokens: int) -> float:
+        return tokens * self.prefill_s_per_token
+
+
+@dataclass(frozen=True)
+class TrainModel:
+    s_per_token_per_gpu: float  # forward + backward + optimizer, per token, on one GPU's share
+    grad_bytes: float  # what the all-reduce moves per optimizer step
+    allreduce_gbps: float  # the bus bandwidth the all-reduce runs at (Gbit/s)
+    allreduce_latency_s: float  # per hop
+
+    def allreduce_s(self, d: int) -> float:
+        """A ring all-reduce over ``d`` ranks: 2 (d - 1) / d of the gradient bytes over the bus, 2 (d - 1) hops."""
+        if d <= 1:
+            return 0.0
+        return 2 * (d - 1) / d * self.grad_bytes / (self.allreduce_gbps * 1e9 / 8) + 2 * (d - 1) * self.allreduce_latency_s
+
+    def step_s(self, tokens: int, d: int) -> float:
+        """One optimizer step over ``tokens`` tokens split across ``d`` data-parallel ranks."""
+        return tokens * self.s_per_token_per_gpu / max(d, 1) + self.allreduce_s(d)
+
+
+@dataclass(frozen=True)
+class WeightModel:
+    bytes: float  # the weights the trainer sends per update
+    link_gbps: float  # trainer -> inference servers
+    latency_s: float
+
+    def transfer_s(self, nbytes: float | None = None) -> float:
+        return (self.bytes if nbytes is None else nbytes) / (self.link_gbps * 1e9 / 8) + self.latency_s
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Response lengths: log-normal (long-tailed, as reasoning traces are), cut at ``cap`` tokens."""
+
+    median: float
+    sigma: float
+    cap: int
+    prompt: int  # prompt tokens per request
+
+    def sample(self, rng: random.Random) -> int:
+        return max(1, min(self.cap, round(rng.lognormvariate(math.log(self.median), self.sigma))))
+
+    def mean(self) -> float:
+        """The mean of the capped distribution, numerically (for reports)."""
+        rng = random.Random(0)
+        return sum(self.sample(rng) for _ in range(20000)) / 20000
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    source: str
+    gpu: str
+    params: float  # model parameters
+    inference: InferenceModel
+    train: TrainModel
+    weights: WeightModel
+    lengths: Lengths
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    """A shipped profile by name (``qwen2.5-7b-h800``) or a YAML file by path."""
+    import yaml
+
+    shipped_path = PROFILES / f"{name_or_path}.yaml"
+    path = shipped_path if shipped_path.is_file() else Path(name_or_path)
+    if not path.is_file():
+        shipped = ", ".join(sorted(p.stem for p in PROFILES.glob("*.yaml")))
+        raise ProfileError(f"sim.profile: {str(name_or_path)!r} is neither a shipped profile nor a file. Fix: one of "
+                           f"{shipped}, or the path of a profile YAML (see {PROFILES}/README.md)")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ProfileError(f"profile {path}: not valid YAML ({exc})") from None
+    return parse_profile(data, str(path))
+
+
+def parse_profile(data: Any, where: str = "the profile") -> Profile:
+    reader = _Reader(data, where)
+    inference, train = reader.section("inference"), reader.section("train")
+    weights, lengths = reader.section("weights"), reader.section("lengths")
+    table = inference.section("decode_step_s")
+    batch = table.numbers("batch", increasing=True)
+    context = table.numbers("context", increasing=True)
+    seconds = table.get("seconds")
+    if not (isinstance(seconds, list) and len(seconds) == len(batch)
+            and all(isinstance(row, list) and len(row) == len(context) for row in seconds)):
+        raise ProfileError(f"{where}: inference.decode_step_s.seconds must be a list of {len(batch)} rows (one per "
+                           f"batch) of {len(context)} numbers (one per context)")
+    rows = tuple(tuple(table.positive(f"seconds[{i}][{j}]", v) for j, v in enumerate(row))
+                 for i, row in enumerate(seconds))
+    lengths_profile = Lengths(median=lengths.positive_number("median"), sigma=lengths.positive_number("sigma"),
+                              cap=int(lengths.positive_number("cap")), prompt=int(lengths.positive_number("prompt")))
+    return Profile(
+        name=reader.text("name"), source=reader.text("source"), gpu=reader.text("gpu"),
+        params=reader.positive_number("params"),
+        inference=InferenceModel(tp=int(inference.positive_number("tp")),
+                                 decode_step_s=DecodeTable(tuple(batch), tuple(context), rows),
+                                 prefill_s_per_token=inference.positive_number("prefill_s_per_token"),
+                                 kv_capacity_tokens=int(inference.positive_number("kv_capacity_tokens"))),
+        train=TrainModel(s_per_token_per_gpu=train.positive_number("s_per_token_per_gpu"),
+                         grad_bytes=train.positive_number("grad_bytes"),
+                         allreduce_gbps=train.positive_number("allreduce_gbps"),
+                         allreduce_latency_s=train.number("allreduce_latency_s", minimum=0.0)),
+        weights=WeightModel(bytes=weights.positive_number("bytes"), link_gbps=weights.positive_number("link_gbps"),
+                            latency_s=weights.number("latency_s", minimum=0.0)),
+        lengths=lengths_profile)
+
+
+class _Reader:
+    """Field access with messages that name the file, the dotted field, the value and what it must be."""
+
+    def __init__(self, data: Any, where: str, prefix: str = "") -> None:
+        if not isinstance(data, dict):
+            raise ProfileError(f"{where}: {prefix.rstrip('.') or 'the file'} must be a mapping, got {data!r}")
+        self.data, self.where, self.prefix = data, where, prefix
+
+    def get(self, key: str) -> Any:
+        if key not in self.data:
+            raise ProfileError(f"{self.where}: {self.prefix}{key} is missing. Fix: add it (see "
+                               f"{PROFILES}/README.md for every field)")
+        return self.data[key]
+
+    def section(self, key: str) -> _Reader:
+        return _Reader(self.get(key), self.where, f"{self.prefix}{key}.")
+
+    def text(self, key: str) -> str:
+        value = self.get(key)
+        if not isinstance(value, str) or not value.strip():
+            raise ProfileError(f"{self.where}: {self.prefix}{key} must be a non-empty text, got {value!r}")
+        return value
+
+    def number(self, key: str, minimum: float) -> float:
+        value = self.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or value < minimum:
+            raise ProfileError(f"{self.where}: {self.prefix}{key} must be a finite number >= {minimum:g}, "
+                               f"got {value!r}")
+        return float(value)
+
+    def positive(self, label: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ProfileError(f"{self.where}: {self.prefix}{label} must be a finite number > 0, got {value!r}")
+        return float(value)
+
+    def positive_number(self, key: str) -> float:
+        return self.positive(key, self.get(key))
+
+    def numbers(self, key: str, increasing: bool = False) -> list[float]:
+        values = self.get(key)
+        if not isinstance(values, list) or not values:
+            raise ProfileError(f"{self.where}: {self.prefix}{key} must be a non-empty list of numbers, got {values!r}")
+        out = [self.positive(f"{key}[{i}]", v) for i, v in enumerate(values)]
+        if increasing and any(b <= a for a, b in zip(out, out[1:])):
+            raise ProfileError(f"{self.where}: {self.prefix}{key} must increase strictly, got {values!r}")
+        return out

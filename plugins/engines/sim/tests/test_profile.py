@@ -1,0 +1,99 @@
+"""Latency profiles: the shipped files load and match their derivation, the model's arithmetic on hand cases,
+and every bad field is named."""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from areal_sim.profile import PROFILES, DecodeTable, Lengths, ProfileError, TrainModel, load_profile, parse_profile
+
+SHIPPED = sorted(p.stem for p in PROFILES.glob("*.yaml"))
+
+
+def test_the_shipped_profiles_are_the_ones_their_derivation_writes():
+    assert SHIPPED == [f"qwen2.5-{size}-h800" for size in ("1.5b", "14b", "32b", "7b")]
+    check = subprocess.run([sys.executable, "-m", "areal_sim.profiles.derive_h800", "--check"],
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_each_shipped_profile_loads_and_grows_the_way_the_hardware_does(name):
+    p = load_profile(name)
+    assert p.name == name and "not a measurement" in p.source
+    step = p.inference.decode_step_s
+    assert step(1, 512) < step(64, 512) < step(64, 8192) < step(512, 32768)
+    assert p.train.step_s(10_000, 1) > p.train.step_s(10_000, 8) > 0
+    assert p.weights.transfer_s() > p.weights.latency_s
+
+
+def test_bigger_models_are_slower_per_token_and_to_send():
+    small, big = load_profile("qwen2.5-1.5b-h800"), load_profile("qwen2.5-32b-h800")
+    assert big.train.s_per_token_per_gpu > 20 * small.train.s_per_token_per_gpu
+    assert big.weights.transfer_s() > 10 * small.weights.transfer_s()
+
+
+def test_the_decode_table_interpolates_linearly_in_batch_and_context_and_extends_past_its_edges():
+    table = DecodeTable(batch=(1.0, 3.0), context=(100.0, 200.0), seconds=((1.0, 2.0), (3.0, 6.0)))
+    assert table(1, 100) == 1.0 and table(3, 200) == 6.0
+    assert table(2, 150) == pytest.approx((1.5 + 4.5) / 2)  # 1.5 at batch 1, 4.5 at batch 3
+    assert table(5, 200) == pytest.approx(10.0)  # the last batch segment extended: 6 + (6 - 2)
+    assert table(1, 300) == pytest.approx(3.0)  # the last context segment extended
+    assert table(0, 100) == 0.0
+
+
+def test_the_all_reduce_is_a_ring_over_the_bus():
+    train = TrainModel(s_per_token_per_gpu=1e-3, grad_bytes=1e9, allreduce_gbps=80.0, allreduce_latency_s=1e-3)
+    assert train.allreduce_s(1) == 0.0
+    # 2 (d-1)/d x 1 GB at 10 GB/s, plus 2 (d-1) hops of 1 ms
+    assert train.allreduce_s(4) == pytest.approx(2 * 3 / 4 * 0.1 + 6e-3)
+    assert train.step_s(1000, 4) == pytest.approx(1000 * 1e-3 / 4 + train.allreduce_s(4))
+
+
+def test_response_lengths_are_long_tailed_and_capped():
+    lengths = Lengths(median=1000, sigma=1.0, cap=4000, prompt=50)
+    rng = random.Random(1)
+    draws = [lengths.sample(rng) for _ in range(20000)]
+    assert max(draws) == 4000 and min(draws) >= 1
+    assert statistics.median(draws) == pytest.approx(1000, rel=0.05)
+    assert statistics.mean(draws) > 1.2 * statistics.median(draws)  # the tail pulls the mean up
+    # P(length >= cap) = P(Z >= ln 4 / 1.0)
+    at_cap = sum(d == 4000 for d in draws) / len(draws)
+    assert at_cap == pytest.approx(0.5 * math.erfc(math.log(4) / math.sqrt(2)), abs=0.01)
+
+
+def _data(name: str = "qwen2.5-7b-h800") -> dict:
+    return yaml.safe_load((PROFILES / f"{name}.yaml").read_text())
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda d: d["train"].pop("grad_bytes"), "train.grad_bytes is missing"),
+    (lambda d: d["train"].update(allreduce_gbps=0), "train.allreduce_gbps must be a finite number > 0, got 0"),
+    (lambda d: d["inference"].update(prefill_s_per_token=float("nan")), "inference.prefill_s_per_token must be"),
+    (lambda d: d["inference"]["decode_step_s"].update(batch=[8, 1, 32, 64, 128, 256, 512]),
+     "inference.decode_step_s.batch must increase strictly"),
+    (lambda d: d["inference"]["decode_step_s"]["seconds"].pop(), "inference.decode_step_s.seconds must be a list of 7 rows"),
+    (lambda d: d["lengths"].update(sigma=-1), "lengths.sigma must be a finite number > 0, got -1"),
+    (lambda d: d.update(weights=[1, 2]), "weights must be a mapping"),
+])
+def test_a_bad_field_is_named_with_its_value(edit, field):
+    data = _data()
+    edit(data)
+    with pytest.raises(ProfileError, match="my.yaml: " + field.replace(".", r"\.").replace("(", r"\(")
+                       .replace("[", r"\[")):
+        parse_profile(data, "my.yaml")
+
+
+def test_an_unknown_profile_lists_the_shipped_ones(tmp_path):
+    with pytest.raises(ProfileError, match="neither a shipped profile nor a file.*qwen2.5-7b-h800"):
+        load_profile("h100-70b")
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump({**_data(), "name": "mine"}))
+    assert load_profile(path).name == "mine"
