@@ -49,6 +49,17 @@ def test_the_decode_table_interpolates_linearly_in_batch_and_context_and_extends
     assert table(0, 100) == 0.0
 
 
+@pytest.mark.parametrize("batch, context, k", [(64, 100, 10000), (1, 8000, 30000), (300, 20000, 5), (7, 1, 3),
+                                                (512, 40000, 200), (32, 500, 1)])
+def test_a_stretch_of_decode_steps_sums_in_closed_form_to_the_step_by_step_sum(batch, context, k):
+    table = load_profile("qwen2.5-7b-h800").inference.decode_step_s
+    assert table.sum_steps(batch, context, k) == pytest.approx(sum(table(batch, context + i) for i in range(k)),
+                                                               rel=1e-12)
+    total = table.sum_steps(batch, context, k)
+    assert table.steps_within(batch, context, total, k) == k
+    assert table.steps_within(batch, context, table.sum_steps(batch, context, k // 2) + 1e-9, k) == k // 2
+
+
 def test_the_all_reduce_is_a_ring_over_the_bus():
     train = TrainModel(s_per_token_per_gpu=1e-3, grad_bytes=1e9, allreduce_gbps=80.0, allreduce_latency_s=1e-3)
     assert train.allreduce_s(1) == 0.0
