@@ -15,7 +15,6 @@ own last log lines.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -29,7 +28,7 @@ from areal_core.launch.supervisor import (
     Managed, ProcessFailed, ProcessSpec, Shutdown, Supervisor, describe_exit, free_port, rendezvous_env,
     split_threads,
 )
-from areal_core.rollout.elastic import EVENTS_FILE, LAUNCHER_DISCOVERY_ENV
+from areal_core.rollout.elastic import EVENTS_FILE, LAUNCHER_DISCOVERY_ENV, write_discovery_file
 
 console = Console(stderr=True, highlight=False, markup=False, soft_wrap=True, emoji=False)
 
@@ -234,10 +233,7 @@ class ServerKeeper:
                  f"routing with the current weights at the next rebuild (rollout.elastic.cooldown_s)")
 
     def _write(self) -> None:
-        """The restarted servers that are up, one address per line, replaced in one step."""
-        tmp = self.discovery_file.with_name(self.discovery_file.name + ".tmp")
-        tmp.write_text("".join(f"{address}\n" for address in self.listed.values()))
-        os.replace(tmp, self.discovery_file)
+        write_discovery_file(self.discovery_file, self.listed.values())
 
 
 class LocalLauncher(Launcher):

@@ -136,7 +136,18 @@ def describe_exit(returncode: int) -> str:
     return f"was killed by signal {-returncode} ({name}){hint}"
 
 
-def _format_tail(log_path: Path | None, log_tail: list[str]) -> str:
+def read_tail(log_path: Path, n: int = 20) -> list[str]:
+    """The last ``n`` lines of a log file, reading only its end; [] when it does not exist."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 256 * n - 4096))
+            data = f.read()
+    except FileNotFoundError:
+        return []
+    return data.decode(errors="replace").splitlines()[-n:] if n > 0 else []
+
+
+def format_tail(log_path: Path | None, log_tail: list[str]) -> str:
     if not log_tail:
         return f"; its log {log_path} is empty" if log_path else ""
     where = f" of {log_path}" if log_path else ""
@@ -150,7 +161,7 @@ class ProcessFailed(RuntimeError):
         self, name: str, returncode: int, log_tail: list[str], log_path: Path | None = None, context: str = ""
     ) -> None:
         self.name, self.returncode, self.log_tail, self.log_path = name, returncode, log_tail, log_path
-        super().__init__(f"{name} {describe_exit(returncode)}{context}{_format_tail(log_path, log_tail)}")
+        super().__init__(f"{name} {describe_exit(returncode)}{context}{format_tail(log_path, log_tail)}")
 
 
 class Shutdown(KeyboardInterrupt):
@@ -195,13 +206,7 @@ class Managed:
 
     def tail(self, n: int = 20) -> list[str]:
         """The last ``n`` lines of its log (stdout and stderr together)."""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(max(0, f.seek(0, os.SEEK_END) - 256 * n - 4096))
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        return data.decode(errors="replace").splitlines()[-n:] if n > 0 else []
+        return read_tail(self.log_path, n)
 
     def __repr__(self) -> str:
         state = "running" if self.returncode is None else describe_exit(self.returncode)
@@ -322,7 +327,7 @@ class Supervisor:
                 tail = managed.tail()
                 raise TimeoutError(
                     f"waited {timeout_s:.0f} s for {what} ({managed.name}, pid {managed.pid}, still running)"
-                    f"{last_error}{_format_tail(managed.log_path, tail)}"
+                    f"{last_error}{format_tail(managed.log_path, tail)}"
                 )
             managed.exited.wait(min(0.1, remaining))
 

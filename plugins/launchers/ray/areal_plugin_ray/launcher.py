@@ -36,7 +36,6 @@ for; a failure at any step stops everything that was started):
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 from dataclasses import dataclass, field
@@ -49,8 +48,8 @@ from areal_core.launch.nodes import (
     NODE_ADDRESS_ENV, NODE_ENV, StorageReport, check_plugin_sets, installed_plugins, raise_storage_problems,
     remove_storage_tokens, trainer_argv, trainer_env,
 )
-from areal_core.launch.supervisor import Shutdown, describe_exit
-from areal_core.rollout.elastic import LAUNCHER_DISCOVERY_ENV
+from areal_core.launch.supervisor import Shutdown, describe_exit, format_tail, read_tail
+from areal_core.rollout.elastic import LAUNCHER_DISCOVERY_ENV, write_discovery_file
 from areal_plugin_ray.placement import Plan, Slot, local_ranks, plan
 
 STRATEGIES = ["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
@@ -343,11 +342,7 @@ class RaySession:
 
     def _log_tail(self, name: str, n: int = 15) -> str:
         path = self.run_dir / "logs" / f"{name}.log"
-        try:
-            lines = path.read_text(errors="replace").splitlines()[-n:]
-        except OSError:
-            return f"; its log {path} cannot be read"
-        return f"; last {len(lines)} lines of {path}:\n" + "\n".join(f"    {line}" for line in lines)
+        return format_tail(path, read_tail(path, n))
 
     # ------------------------------------------------------------ 6. teardown
     def teardown(self) -> None:
@@ -446,7 +441,5 @@ class RayServerKeeper:
         return new
 
     def _write(self) -> None:
-        tmp = self.discovery_file.with_name(self.discovery_file.name + ".tmp")
-        tmp.write_text("".join(f"{address}\n" for address in self.listed.values()))
-        os.replace(tmp, self.discovery_file)
+        write_discovery_file(self.discovery_file, self.listed.values())
 
