@@ -27,16 +27,62 @@ def test_the_shipped_profiles_are_the_ones_their_derivation_writes():
 @pytest.mark.parametrize("name", SHIPPED)
 def test_each_shipped_profile_loads_and_grows_the_way_the_hardware_does(name):
     p = load_profile(name)
-    assert p.name == name and "not a measurement" in p.source
+    assert p.name == name and "measured" in p.source
     step = p.inference.decode_step_s
     assert step(1, 512) < step(64, 512) < step(64, 8192) < step(512, 32768)
     assert p.train.step_s(10_000, 1) > p.train.step_s(10_000, 8) > 0
     assert p.weights.transfer_s() > p.weights.latency_s
 
 
+@pytest.mark.parametrize("name", ["qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b"])
+def test_no_measured_figure_beats_the_datasheet(name):
+    """The H100 timings behind the H800 profiles against what the hardware cannot exceed: a decode step reads
+    the weights and the KV cache at most at 3.35 TB/s (and in practice at no more than about 90 % of it), a token
+    of prefill costs 2 x params FLOPs and of training (with recomputation) 8 x params, at most 989 TFLOP/s."""
+    from areal_sim.profiles import derive_h800 as d
+
+    m = d.measured()[name]
+    params, tp = d.MODELS[name][0], d.MODELS[name][-1]
+    for i, b in enumerate(m["batch"]):
+        for j, c in enumerate(m["context"]):
+            bound = d.roofline_decode_s(name, b, c)
+            assert bound < m["decode"][i][j] < 40 * bound, (b, c)
+    assert m["prefill"] > 2 * params / tp / d.GPU["bf16_flops"]
+    assert m["train"] > 8 * params / d.GPU["bf16_flops"]
+    # a large step is bandwidth-bound: within 25 % of the bound, as a streaming kernel on this chip is
+    assert m["decode"][-1][-1] < 1.25 * d.roofline_decode_s(name, m["batch"][-1], m["context"][-1])
+
+
+def test_the_split_attention_used_for_measuring_equals_plain_attention():
+    import torch
+    import torch.nn.functional as F
+
+    from areal_sim.profiles.measure_gpu import split_kv_attention, splits_for
+
+    q, k, v = torch.randn(3, 2, 6, 16), torch.randn(3, 2, 1024, 16), torch.randn(3, 2, 1024, 16)
+    for splits in (1, 2, 8):
+        assert torch.allclose(split_kv_attention(q, k, v, splits), F.scaled_dot_product_attention(q, k, v),
+                              atol=1e-5)
+    assert splits_for(1, 2, 32768, 264) == 128 and splits_for(512, 8, 32768, 264) == 1
+
+
+def test_the_measuring_script_runs_on_toy_shapes(tmp_path):
+    out = tmp_path / "m.json"
+    run = subprocess.run([sys.executable, "-m", "areal_sim.profiles.measure_gpu", "--tiny", "--out", str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    import json
+
+    data = json.loads(out.read_text())
+    tiny = data["models"]["tiny"]
+    assert all(t > 0 for row in tiny["decode"]["seconds"] for t in row)
+    assert tiny["train"]["s_per_token_recompute"] > tiny["train"]["s_per_token"] > 0
+
+
 def test_bigger_models_are_slower_per_token_and_to_send():
     small, big = load_profile("qwen2.5-1.5b-h800"), load_profile("qwen2.5-32b-h800")
-    assert big.train.s_per_token_per_gpu > 20 * small.train.s_per_token_per_gpu
+    # 21x the parameters; the small model runs its GEMMs less efficiently (measured: 14.5x per token)
+    assert big.train.s_per_token_per_gpu > 10 * small.train.s_per_token_per_gpu
     assert big.weights.transfer_s() > 10 * small.weights.transfer_s()
 
 
