@@ -11,6 +11,8 @@ import concurrent.futures
 import threading
 from typing import Any, Callable
 
+from areal_core.clock import REAL_CLOCK, Clock
+
 
 class PendingCall:
     """:meth:`result` waits for the call, at most ``timeout_s``, and then names what was waited for.
@@ -22,8 +24,10 @@ class PendingCall:
     from the wait's own by its type alone.
     """
 
-    def __init__(self, future: concurrent.futures.Future, timeout_s: float, waited_for: str) -> None:
+    def __init__(self, future: concurrent.futures.Future, timeout_s: float, waited_for: str,
+                 clock: Clock = REAL_CLOCK) -> None:
         self._future, self._timeout_s, self.waited_for = future, timeout_s, waited_for
+        self._clock = clock  # a virtual clock counts the wait as blocked (the timeout stays wall-clock)
 
     @classmethod
     def on_thread(cls, fn: Callable[[], Any], timeout_s: float, waited_for: str) -> PendingCall:
@@ -50,7 +54,7 @@ class PendingCall:
         was made with), as ``concurrent.futures.Future.result`` does."""
         timeout_s = self._timeout_s if timeout is None else timeout
         try:
-            return self._future.result(timeout_s)
+            return self._clock.wait_future(self._future, timeout_s)
         except TimeoutError:
             if self._future.done():  # the call's own TimeoutError: keep its message
                 raise

@@ -44,6 +44,7 @@ from areal_core.checkpoint import (
     CheckpointSpaceError, CheckpointStore, load_pickle, reporting_full_disk, rng_state, save_pickle_atomic,
     set_rng_state,
 )
+from areal_core.clock import REAL_CLOCK, Clock
 from areal_core.config.validate import ValidatedRun, minibatch_problem, validate_run
 from areal_core.launch.nodes import rollout_node_env, same_node_as_trainer
 from areal_core.metrics import MetricsLogger, histogram, summarize, truncate_jsonl
@@ -77,15 +78,20 @@ class FilteredOutError(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, run: ValidatedRun, run_dir: Path, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, run: ValidatedRun, run_dir: Path, rank: int = 0, world_size: int = 1,
+                 clock: Clock = REAL_CLOCK) -> None:
         self.run, self.cfg, self.run_dir = run, run.config, Path(run_dir)
+        # The step's timings and the controller's loop run on it; the simulator passes a virtual one, which the
+        # engines also get (extras["clock"]) to spend modelled time on.
+        self.clock = clock
         self.algorithm = build(run, "algorithm")
         self.rank, self.world_size = rank, world_size
-        self.actor = build(run, "actor", role="actor")
+        self.actor = build(run, "actor", role="actor", clock=clock)
         # A frozen copy of the initial policy, only when the algorithm asks for reference logprobs.
-        self.reference = build(run, "actor", role="reference") if self.algorithm.needs.reference_logprobs else None
+        self.reference = build(run, "actor", role="reference", clock=clock) \
+            if self.algorithm.needs.reference_logprobs else None
         # A value model (the initial weights with a value head), only when the algorithm asks for values.
-        self.critic = build(run, "actor", role="critic") if self.algorithm.needs.values else None
+        self.critic = build(run, "actor", role="critic", clock=clock) if self.algorithm.needs.values else None
         self._check_minibatches()
         self.controller: RolloutController | None = None
         self.store = CheckpointStore(self.run_dir / "checkpoints")
@@ -126,7 +132,7 @@ class Trainer:
             return self.run.components["rollout"].create(Context(
                 config=self.cfg, options=self.run.options.get("rollout"), placement=placement,
                 extras={"server_index": index, "address": address, "same_node": same_node_as_trainer(index),
-                        "exchange_dir": str(self.run_dir / "weights")}))
+                        "exchange_dir": str(self.run_dir / "weights"), "clock": self.clock}))
 
         engines = [engine_at(i, os.environ.get(f"AREAL_ROLLOUT_{i}_ADDRESS")) for i in range(placement.parallel.d)]
         self._check_weight_sync(engines)
@@ -143,9 +149,9 @@ class Trainer:
             should_accept=self._should_accept, elastic=r.elastic, pacing=r.pacing,
             engine_factory=lambda address: engine_at(next(joined), address),
             on_topology_event=self._record_topology_event,
-            launcher_discovery_file=os.environ.get(LAUNCHER_DISCOVERY_ENV) or None)
+            launcher_discovery_file=os.environ.get(LAUNCHER_DISCOVERY_ENV) or None, clock=self.clock)
         self.weights.controller = self.controller
-        self._last_generated = (0, time.monotonic())
+        self._last_generated = (0, self.clock.now())
         self.dataset = build(self.run, "dataset")
         self.data = data_stream(self.dataset, self.cfg.trainer.epochs)
         self._eval_setup(reward)
@@ -301,12 +307,13 @@ class Trainer:
         return box[0]
 
     def train_step(self) -> dict[str, float]:
-        began = time.monotonic()
+        now = self.clock.now
+        began = now()
         version = self.actor.version  # what this batch is trained at: the hand-out decides by it, not by the
         # version the engines serve, which lags by one while a non-blocking update loads (eta > 0)
         groups = self.controller.prepare_batch(self.data, timeout=self.cfg.rollout.request_timeout_s,
                                                version=version) if self.rank == 0 else None
-        waited = time.monotonic() - began
+        waited = now() - began
         packed = self._broadcast(self._pack(groups, version) if groups is not None else None)
         needs = self.algorithm.needs
         # Logprobs under the distribution the engines sampled from (greedy: the raw one).
@@ -319,7 +326,7 @@ class Trainer:
             packed["values"] = self.critic.forward_values(packed)["values"]
         packed = PackedBatch.of(self.algorithm.compute_advantages(packed)).validate(
             f"the batch after algorithm {self.cfg.algorithm.name!r} computed its advantages")
-        train_began = time.monotonic()
+        train_began = now()
         epochs = self.cfg.actor.ppo_epochs
         update = {"epochs": epochs} if epochs > 1 else {}  # engines that predate epochs keep working at 1
         stats = self.actor.train_batch(packed, self.algorithm.loss, temperature=temperature, **update)
@@ -327,14 +334,14 @@ class Trainer:
         critic_stats = self.critic.train_values(packed, self.algorithm.value_loss, **update) if needs.values else {}
         if needs.values:
             self._check_optimizer_steps("critic", critic_stats)
-        train_s = time.monotonic() - train_began
+        train_s = now() - train_began
         new_version = self.actor.version
         metrics: dict[str, float] = {f"train/{k}": float(v) for k, v in stats.items() if _is_number(v)}
         metrics.update({f"critic/{k}": float(v) for k, v in critic_stats.items() if _is_number(v)})
-        sync_began = time.monotonic()
+        sync_began = now()
         paused_s = self.weights.sync(new_version)
         if self.rank == 0:
-            metrics["time/weight_sync_s"] = time.monotonic() - sync_began
+            metrics["time/weight_sync_s"] = now() - sync_began
             metrics["time/generation_paused_s"] = paused_s
             metrics.update(self._rollout_metrics(groups, packed, version, waited, train_s))
             self._record_samples(groups, version)
@@ -391,7 +398,7 @@ class Trainer:
         m["time/wait_batch_s"] = waited
         m["time/train_s"] = train_s
         m["throughput/train_tokens_per_s"] = len(packed["input_ids"]) / train_s if train_s > 0 else 0.0
-        tokens, since = stats["generated_tokens"], time.monotonic()
+        tokens, since = stats["generated_tokens"], self.clock.now()
         before, before_t = self._last_generated
         m["throughput/gen_tokens_per_s"] = (tokens - before) / (since - before_t) if since > before_t else 0.0
         self._last_generated = (tokens, since)

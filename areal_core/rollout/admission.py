@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from areal_core.api.inference import InferenceEngine
 from areal_core.api.workflow import Workflow
+from areal_core.clock import REAL_CLOCK, Clock
 from areal_core.rollout.batch import EpisodeGroup
 from areal_core.rollout.staleness import StalenessManager
 
@@ -62,14 +63,15 @@ class Admission:
     """
 
     def __init__(self, workflow: Workflow, staleness: StalenessManager, should_accept: ShouldAccept | None,
-                 kick: Callable[[], None]) -> None:
+                 kick: Callable[[], None], clock: Clock = REAL_CLOCK) -> None:
         self.workflow = workflow
         self.staleness = staleness
         self.batch_size = staleness.batch_size
         self.should_accept = should_accept
         self.kick = kick
         self.engine: InferenceEngine | None = None
-        self.cond = threading.Condition()
+        self.cond = clock.condition()
+        self._now = clock.now  # episode timestamps; the hand-out's own timeout stays wall-clock
         self._version = 0  # the version the engines serve: episodes are stamped with it
         self._target_version = 0  # the newest version handed to update_weights (ahead while engines load)
         self._restored_version = 0  # load_state_dict's: admission waits until the engines serve it
@@ -186,12 +188,12 @@ class Admission:
                 task.add_done_callback(self._tasks.discard)
 
     async def _episode(self, seq: int, item: Any, start_version: int) -> None:
-        admitted = time.monotonic()
+        admitted = self._now()
         try:
             result = await self.workflow.arun_episode(self.engine, item)
             group = None
             if result is not None:
-                group = EpisodeGroup(seq, item, start_version, list(result), admitted, time.monotonic())
+                group = EpisodeGroup(seq, item, start_version, list(result), admitted, self._now())
                 self._generated_tokens += group.generated_tokens()
                 if self.should_accept is not None and not self.should_accept(group):
                     group = None

@@ -15,7 +15,7 @@ class EpisodeGroup:
 
     ``seq`` is the item's position in the data stream (what resume keys on);
     ``start_version`` the trainer version when the episode was admitted;
-    times are ``time.monotonic()`` seconds.
+    times are seconds on the controller's clock (``time.monotonic()``, or simulated time).
     """
 
     seq: int

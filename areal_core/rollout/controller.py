@@ -32,6 +32,7 @@ from typing import Any, Awaitable, Callable, Iterable
 
 from areal_core.api.inference import InferenceEngine
 from areal_core.api.workflow import Workflow
+from areal_core.clock import REAL_CLOCK, Clock
 from areal_core.pending import PendingCall
 from areal_core.rollout.admission import Admission, RolloutError, ShouldAccept, StallError
 from areal_core.rollout.batch import EpisodeGroup
@@ -72,14 +73,16 @@ class RolloutController:
         pacing: bool = False,
         on_topology_event: Callable[[str, str, str], None] | None = None,
         launcher_discovery_file: str | None = None,
+        clock: Clock = REAL_CLOCK,
     ) -> None:
+        self.clock = clock  # the loop, the episodes' times and the trainer's waits on the loop (areal_core.clock)
         self.batch_size = batch_size
         self.eta = max_head_offpolicyness
         self.staleness = StalenessManager(batch_size, max_head_offpolicyness, max_concurrent_rollouts, pacing)
-        self.admission = Admission(workflow, self.staleness, should_accept, self._kick)
+        self.admission = Admission(workflow, self.staleness, should_accept, self._kick, clock)
         self.fleet = Fleet(engines, self.admission, request_timeout_s=request_timeout_s, elastic=elastic,
                            engine_factory=engine_factory, on_topology_event=on_topology_event,
-                           launcher_discovery_file=launcher_discovery_file)
+                           launcher_discovery_file=launcher_discovery_file, clock=clock)
         self.workflow = workflow
         self.should_accept = should_accept
         self.request_timeout_s = request_timeout_s
@@ -105,7 +108,7 @@ class RolloutController:
             # Torch work here (weight staging, collectives) must not form a second OpenMP team beside the
             # training thread's: see areal_core.threads.
             serial_torch()
-            loop = asyncio.new_event_loop()
+            loop = self.clock.new_event_loop()
             asyncio.set_event_loop(loop)
             loop.set_default_executor(ThreadPoolExecutor(self._reward_workers, thread_name_prefix="areal-reward",
                                                          initializer=serial_torch))
@@ -141,7 +144,7 @@ class RolloutController:
             await self.fleet.aclose()
 
         try:
-            asyncio.run_coroutine_threadsafe(shutdown(), loop).result(self.call_timeout_s)
+            self.clock.wait_future(asyncio.run_coroutine_threadsafe(shutdown(), loop), self.call_timeout_s)
         except TimeoutError:
             raise TimeoutError(f"waited {self.call_timeout_s:.0f} s for episodes to cancel and "
                                "inference engines to close") from None
@@ -164,7 +167,7 @@ class RolloutController:
             coro.close()
             raise RuntimeError("the rollout controller is not started; call start() first")
         return PendingCall(asyncio.run_coroutine_threadsafe(coro, self._loop), self.call_timeout_s,
-                           f"the rollout controller to {what}")
+                           f"the rollout controller to {what}", self.clock)
 
     def _kick(self) -> None:
         if self._loop is not None:
@@ -289,7 +292,7 @@ class RolloutController:
             raise RuntimeError("the rollout controller is not started; call start() first")
         future = asyncio.run_coroutine_threadsafe(run_evaluation(workflow, self.engine, items, concurrency),
                                                   self._loop)
-        return PendingCall(future, timeout_s, waited_for or f"the evaluation of {len(items)} items")
+        return PendingCall(future, timeout_s, waited_for or f"the evaluation of {len(items)} items", self.clock)
 
     def stats(self) -> dict[str, int]:
         return self.admission.stats(servers=len(self.fleet.engines))

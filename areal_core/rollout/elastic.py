@@ -155,7 +155,8 @@ class EnginePool:
     """The engines the router may use, and the topology they form. Lives on the controller's loop."""
 
     def __init__(self, engines: list[InferenceEngine], config: ElasticConfig | None = None,
-                 on_event: Callable[[str, str, str], None] | None = None) -> None:
+                 on_event: Callable[[str, str, str], None] | None = None,
+                 now: Callable[[], float] = time.monotonic) -> None:
         if not engines:
             raise ValueError("the rollout controller needs at least one inference engine")
         self.config = config
@@ -164,7 +165,8 @@ class EnginePool:
         self.topology = Topology(0, tuple(m.name for m in self.members))
         self.lock = asyncio.Lock()  # weight updates and rebuilds
         self.changed = asyncio.Event()  # set whenever routing may have gained an engine
-        self.last_rebuild = time.monotonic()
+        self.now = now  # the controller's clock (areal_core.clock): cooldowns and waits on the loop use it
+        self.last_rebuild = now()
         self.events: list[tuple[float, str, str]] = []  # (time, "left" / "joined", name): for logs and tests
         self._closing: set[asyncio.Task] = set()  # clients of servers that left, being closed
 
@@ -211,7 +213,7 @@ class EnginePool:
         was_member = member.state == ACTIVE
         member.state = DOWN
         member.lost.set()
-        self.events.append((time.monotonic(), "left", member.name))
+        self.events.append((self.now(), "left", member.name))
         log.warning("inference server %s left routing (%s); %d request(s) it was serving continue elsewhere",
                     member.name, why, member.in_flight)
         if was_member:
@@ -235,12 +237,12 @@ class EnginePool:
 
     async def wait_for_engine(self, timeout_s: float, what: str) -> Member:
         """A routable engine, waiting (up to ``timeout_s``) while none is."""
-        deadline = time.monotonic() + timeout_s
+        deadline = self.now() + timeout_s
         while (member := self.pick()) is None:
             if not self.elastic or not any(m.state != DOWN for m in self.members):
                 raise NoEngineError(f"no inference server is left to {what}: every one failed "
                                     f"({', '.join(m.name for m in self.members)}); see their logs")
-            remaining = deadline - time.monotonic()
+            remaining = deadline - self.now()
             if remaining <= 0:
                 raise TimeoutError(f"waited {timeout_s:.0f} s (rollout.request_timeout_s) for a healthy inference "
                                    f"server to {what}; none of {', '.join(m.name for m in self.members)} is")
@@ -264,7 +266,7 @@ class EnginePool:
 
     def cooldown_left(self) -> float:
         cooldown = self.config.cooldown_s if self.config else 0.0
-        return max(0.0, self.last_rebuild + cooldown - time.monotonic())
+        return max(0.0, self.last_rebuild + cooldown - self.now())
 
     async def rebuild(self, bring_up: Callable[[InferenceEngine], Awaitable[None]]) -> Topology:
         """Bring every joining engine to the current weights, then make them members: one new topology.
@@ -281,13 +283,13 @@ class EnginePool:
                 self._tell("failed to join", member.name, f"{type(result).__name__}: {result}")
                 continue
             member.state = ACTIVE
-            self.events.append((time.monotonic(), "joined", member.name))
+            self.events.append((self.now(), "joined", member.name))
         self.topology = Topology(self.topology.version + 1, tuple(m.name for m in self.active()))
         for member in joiners:
             if member.state == ACTIVE:
                 self._tell("joined", member.name, f"at version {member.engine.version}; {self.topology.size} "
                                                   f"server(s) in routing")
-        self.last_rebuild = time.monotonic()
+        self.last_rebuild = self.now()
         self.changed.set()
         log.info("inference servers rebuilt: topology version %d, %d member(s): %s", self.topology.version,
                  self.topology.size, ", ".join(self.topology.members))

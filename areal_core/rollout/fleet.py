@@ -16,10 +16,10 @@ episodes with the version once the engines have loaded it.
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any, Awaitable, Callable
 
 from areal_core.api.inference import InferenceEngine
+from areal_core.clock import REAL_CLOCK, Clock
 from areal_core.rollout.admission import Admission
 from areal_core.rollout.elastic import (DOWN, JOINING, ElasticConfig, EngineLost, EnginePool, HealthMonitor, Member,
                                          NoEngineError, Topology, settle)
@@ -32,8 +32,9 @@ class Fleet:
                  elastic: ElasticConfig | None = None,
                  engine_factory: Callable[[str], InferenceEngine] | None = None,
                  on_topology_event: Callable[[str, str, str], None] | None = None,
-                 launcher_discovery_file: str | None = None) -> None:
+                 launcher_discovery_file: str | None = None, clock: Clock = REAL_CLOCK) -> None:
         self.initial_engines = list(engines)
+        self.clock = clock
         self.admission = admission
         self.request_timeout_s = request_timeout_s
         self.elastic = elastic if elastic is None or elastic.enabled else None
@@ -52,7 +53,7 @@ class Fleet:
     # ------------------------------------------------------------ lifecycle (on the loop)
     def open(self) -> None:
         """Build the pool and the routing engine, on the loop's thread."""
-        self.pool = EnginePool(self.initial_engines, self.elastic, self.on_topology_event)
+        self.pool = EnginePool(self.initial_engines, self.elastic, self.on_topology_event, now=self.clock.now)
         self.engine = InterruptibleEngine(self.pool, self.request_timeout_s)
 
     async def start(self) -> None:
@@ -114,7 +115,7 @@ class Fleet:
 
     async def swap(self, apply: Callable[[], Awaitable[Any]], version: int) -> float:
         """Pause, run ``apply()``, serve ``version``, resume; nothing else inside the pause. The seconds paused."""
-        began = time.monotonic()
+        began = self.clock.now()
         async with self.pool.lock:  # never beside a rebuild of the server set
             await self.pause()
             try:
@@ -122,7 +123,7 @@ class Fleet:
                 self.admission.serve(version)
             finally:
                 await self.resume()
-        return time.monotonic() - began
+        return self.clock.now() - began
 
     async def load_from_disk(self, path: str, version: int) -> None:
         await self._on_members(lambda e: e.update_weights_from_disk(path, version), "update_weights_from_disk")
@@ -211,14 +212,14 @@ class Fleet:
         await engine.start()
         self.started_engines.add(id(engine))
         member = self.pool.add(engine)
-        deadline = time.monotonic() + timeout_s
+        deadline = self.clock.now() + timeout_s
         while member.state == JOINING:
             if self.pool.cooldown_left() == 0 and not self.pool.lock.locked():
                 async with self.pool.lock:
                     if member.state == JOINING:
                         await self.pool.rebuild(self.bring_up)
                 continue
-            if time.monotonic() >= deadline:
+            if self.clock.now() >= deadline:
                 raise TimeoutError(f"waited {timeout_s:.0f} s for inference server {member.name} to join "
                                    f"(cooldown left {self.pool.cooldown_left():.0f} s)")
             await asyncio.sleep(min(0.2, max(0.01, self.pool.cooldown_left())))

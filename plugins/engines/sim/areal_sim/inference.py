@@ -41,26 +41,42 @@ class SimEngineConfig:
     time_scale: float = field(default=1.0, metadata={
         "gt": 0.0, "help": "modelled seconds per wall-clock second on a real clock (1 = the modelled hardware's "
                            "speed; a virtual clock makes it irrelevant)"})
+    token_scale: int = field(default=1, metadata={
+        "ge": 1, "help": "modelled tokens per token the engine returns (each returned token stands for this "
+                         "many decode steps; prompts count len(input_ids) x this): what lets a simulated step "
+                         "of millions of tokens pass through the real controller and trainer as thousands"})
     vocab_size: int = field(default=32000, metadata={"ge": 2, "help": "token ids are drawn below this"})
 
 
 @dataclass
 class _Request:
     request: GenerationRequest
-    target: int  # tokens it generates unless max_new_tokens or a pause cuts it
+    target: int  # tokens (records) it returns unless max_new_tokens or a pause cuts it
     future: asyncio.Future
+    scale: int
+    steps: int = 0  # modelled tokens generated so far (decode steps it took part in)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[int] = field(default_factory=list)
 
     @property
+    def records(self) -> int:
+        """Tokens it returns: ``target`` unless ``max_new_tokens`` is lower."""
+        return min(self.target, self.request.sampling.max_new_tokens)
+
+    @property
+    def steps_left(self) -> int:
+        return self.records * self.scale - self.steps
+
+    @property
     def context(self) -> int:
-        return len(self.request.input_ids) + len(self.output_ids)
+        """Modelled tokens in its KV cache."""
+        return len(self.request.input_ids) * self.scale + self.steps
 
     @property
     def reserved(self) -> int:
-        """KV-cache tokens it holds at most: prompt + everything it may generate."""
-        return len(self.request.input_ids) + min(self.target, self.request.sampling.max_new_tokens)
+        """Modelled KV-cache tokens it holds at most: prompt + everything it may generate."""
+        return (len(self.request.input_ids) + self.records) * self.scale
 
     def finish(self, stop_reason: str) -> None:
         if not self.future.done():
@@ -88,6 +104,7 @@ class SimInferenceEngine(InferenceEngine):
         options = self.context.options or SimEngineConfig()
         self.profile = load_profile(options.profile)
         self.time_scale, self.vocab_size = options.time_scale, options.vocab_size
+        self.scale = options.token_scale
         self._version = 0
         self._waiting: list[_Request] = []
         self._running: list[_Request] = []
@@ -95,10 +112,13 @@ class SimInferenceEngine(InferenceEngine):
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._rng = random.Random()
-        # modelled seconds spent working (decode steps, prefills, weight loads) and tokens produced: the
-        # simulator's utilisation figures
+        # the stretch of decode steps under way: when it began (loop time), its batch and mean context
+        self._stretch: tuple[float, int, float, float] | None = None  # (began, batch, context, prefill_s)
+        # modelled seconds spent working (decode steps, prefills, weight loads) and modelled tokens produced:
+        # the simulator's utilisation figures
         self.busy_s = 0.0
         self.tokens = 0
+        self.events = 0  # stretches planned: the simulator's own cost
 
     @property
     def version(self) -> int:
@@ -117,7 +137,8 @@ class SimInferenceEngine(InferenceEngine):
         assert self._wake is not None
         seed = request.sampling.seed
         rng = random.Random(_mix(seed, len(request.input_ids))) if seed is not None else self._rng
-        item = _Request(request, self.profile.lengths.sample(rng), asyncio.get_running_loop().create_future())
+        target = max(1, -(-self.profile.lengths.sample(rng) // self.scale))  # modelled length in whole tokens
+        item = _Request(request, target, asyncio.get_running_loop().create_future(), self.scale)
         self._waiting.append(item)
         self._wake.set()
         return await item.future
@@ -126,9 +147,47 @@ class SimInferenceEngine(InferenceEngine):
         self.busy_s += modelled_s
         await asyncio.sleep(modelled_s / self.time_scale)
 
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def _credit(self, now: float) -> None:
+        """Give the running requests the decode steps of the current stretch that ended by ``now`` and close
+        the stretch; the engine was busy for all of it (a step cut short by a pause is work thrown away)."""
+        if self._stretch is None:
+            return
+        began, batch, context, prefill = self._stretch
+        self._stretch = None
+        table = self.profile.inference.decode_step_s
+        most = min(r.steps_left for r in self._running) if self._running else 0
+        elapsed = max(0.0, (now - began) * self.time_scale)
+        done = table.steps_within(batch, context, max(0.0, elapsed - prefill), most)
+        self.busy_s += min(elapsed, prefill + table.sum_steps(batch, context, most))
+        for r in list(self._running):
+            self._advance(r, done)
+
+    def _advance(self, r: _Request, steps: int) -> None:
+        """``steps`` more modelled tokens for ``r``: the returned tokens they complete, and its end."""
+        r.steps += steps
+        self.tokens += steps
+        have, due = len(r.output_ids), min(r.steps // self.scale, r.records)
+        if due > have:
+            seed = r.request.sampling.seed
+            for position in range(len(r.request.input_ids) + have, len(r.request.input_ids) + due):
+                rng = random.Random(_mix(seed, position, 1)) if seed is not None else self._rng
+                r.output_ids.append(rng.randrange(self.vocab_size))
+                r.output_logprobs.append(-rng.expovariate(1.0))
+            r.output_versions.extend([self._version] * (due - have))
+        if r.steps_left <= 0:
+            self._running.remove(r)
+            limit = r.request.sampling.max_new_tokens
+            r.finish("length" if len(r.output_ids) >= limit and r.target >= limit else "stop")
+
     async def _run(self) -> None:
+        """Event-driven continuous batching: between two events (a request joins or finishes, a pause) the
+        batch is fixed, so the whole stretch of decode steps is one wait (``DecodeTable.sum_steps``)."""
         assert self._wake is not None
         capacity = self.profile.inference.kv_capacity_tokens
+        table = self.profile.inference.decode_step_s
         while True:
             if self._paused or not (self._waiting or self._running):
                 self._wake.clear()
@@ -143,33 +202,41 @@ class SimInferenceEngine(InferenceEngine):
             self._running.extend(joined)
             batch = len(self._running)
             context = sum(r.context for r in self._running) / batch
-            step = self.profile.inference.decode_step_s(batch, context) + \
-                self.profile.inference.prefill_s(sum(len(r.request.input_ids) for r in joined))
-            await self._sleep(step)
-            if self._paused:  # pause() answered every request of this step with what it had before it
+            prefill = self.profile.inference.prefill_s(sum(len(r.request.input_ids) for r in joined) * self.scale)
+            k = min(r.steps_left for r in self._running)
+            self._stretch = (self._now(), batch, context, prefill)
+            self.events += 1
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), (prefill + table.sum_steps(batch, context, k))
+                                       / self.time_scale)
+            except asyncio.TimeoutError:
+                pass  # the stretch ran to its end: the first request to finish does
+            if self._paused:  # pause() credited the steps done and answered every request
                 continue
-            for r in list(self._running):
-                self._emit(r)
-
-    def _emit(self, r: _Request) -> None:
-        position = r.context
-        seed = r.request.sampling.seed
-        rng = random.Random(_mix(seed, position, 1)) if seed is not None else self._rng
-        r.output_ids.append(rng.randrange(self.vocab_size))
-        r.output_logprobs.append(-rng.expovariate(1.0))
-        r.output_versions.append(self._version)
-        self.tokens += 1
-        limit = r.request.sampling.max_new_tokens
-        if len(r.output_ids) >= min(r.target, limit):
-            self._running.remove(r)
-            r.finish("length" if len(r.output_ids) >= limit and r.target >= limit else "stop")
+            if self._stretch is None:
+                continue
+            if self._wake.is_set() and self._waiting:
+                # a request arrived: it joins at the end of the step in progress, which we wait out
+                began, b, c, p = self._stretch
+                elapsed = (self._now() - began) * self.time_scale - p
+                done = table.steps_within(b, c, max(0.0, elapsed), k)
+                boundary = p + table.sum_steps(b, c, min(done + 1, k))
+                if boundary > elapsed + 1e-12 and done < k:
+                    await asyncio.sleep((boundary - max(0.0, elapsed)) / self.time_scale)
+                    if self._paused or self._stretch is None:
+                        continue
+            self._credit(self._now() + 1e-9 / self.time_scale)
 
     async def pause(self) -> None:
         """Every request in flight comes back now with the tokens it has and ``abort``; new ones wait."""
+        self._credit(self._now())
         self._paused = True
         for r in self._running:
             r.finish("abort")
         self._running.clear()
+        if self._wake is not None:
+            self._wake.set()
 
     async def resume(self) -> None:
         self._paused = False

@@ -78,3 +78,105 @@ def test_requests_wait_for_room_in_the_kv_cache():
         return peak
 
     assert _run(body, time_scale=50.0) == 2  # 2 x (400 + 100) fit in 1000 tokens, a third does not
+
+
+def _reference_finish_times(prompts: list[int], targets: list[int], capacity: int, profile) -> list[float]:
+    """Continuous batching step by step, written plainly (one loop iteration per decode step): every waiting
+    request that fits joins at a step's start (its prefill adds to that step), every running request gets a
+    token per step, and a request finishes at the end of the step that gives it its last token."""
+    table, prefill = profile.inference.decode_step_s, profile.inference.prefill_s
+    waiting = list(range(len(prompts)))
+    running: dict[int, int] = {}  # index -> tokens so far
+    finish = [0.0] * len(prompts)
+    t = 0.0
+    while waiting or running:
+        used = sum(prompts[i] + targets[i] for i in running)
+        joined = []
+        while waiting and (not running and not joined or used + prompts[waiting[0]] + targets[waiting[0]] <= capacity):
+            i = waiting.pop(0)
+            used += prompts[i] + targets[i]
+            joined.append(i)
+            running[i] = 0
+        context = sum(prompts[i] + n for i, n in running.items()) / len(running)
+        t += table(len(running), context) + prefill(sum(prompts[i] for i in joined))
+        for i in list(running):
+            running[i] += 1
+            if running[i] == targets[i]:
+                finish[i] = t
+                del running[i]
+    return finish
+
+
+@pytest.mark.parametrize("scale", [1, 25])
+def test_the_event_driven_engine_finishes_each_request_when_a_step_by_step_reference_does(scale):
+    """300 requests at once into a KV cache that holds about a third of them, on a virtual clock: each one's
+    finish time equals the plain step-by-step model's (which knows nothing of stretches or closed forms)."""
+    from areal_core.clock import VirtualClock
+
+    clock = VirtualClock(threads=0)
+    loop = clock.new_event_loop()
+    finished: dict[int, float] = {}
+
+    async def main():
+        engine = SimInferenceEngine(Context(options=SimEngineConfig(token_scale=scale)))
+        object.__setattr__(engine.profile, "lengths", Lengths(median=400, sigma=1.0, cap=6000, prompt=50))
+        object.__setattr__(engine.profile.inference, "kv_capacity_tokens", 100_000)
+        await engine.start()
+
+        async def one(i):
+            r = await engine.agenerate(GenerationRequest([1] * (2 + i % 3), SamplingParams(max_new_tokens=10**6,
+                                                                                           seed=i)))
+            finished[i] = loop.time()
+            return r
+
+        out = await asyncio.gather(*(one(i) for i in range(300)))
+        await engine.aclose()
+        return out, engine
+
+    began = time.perf_counter()
+    out, engine = loop.run_until_complete(main())
+    wall = time.perf_counter() - began
+    loop.close()
+    prompts = [len(r.input_ids) * scale for r in out]
+    targets = [len(r.output_ids) * scale for r in out]
+    reference = _reference_finish_times(prompts, targets, 100_000, engine.profile)
+    assert [finished[i] for i in range(300)] == pytest.approx(reference, rel=1e-9)
+    assert engine.tokens == sum(targets)
+    assert max(targets) > 5 * sorted(targets)[150]  # long-tailed: stragglers at the end
+    assert engine.events < 2 * 300 + 10  # one stretch per join / finish, not one per step
+    assert wall < 10  # a simulated minute or more of generation in seconds of wall time
+    assert finished[max(finished, key=finished.get)] > 30
+
+
+def test_a_pause_returns_the_tokens_of_the_steps_already_done_and_resumes_exactly():
+    """Paused mid-stretch on a virtual clock: the output is what the steps up to the pause produced, and
+    continuing the request gives the uninterrupted one's tokens."""
+    from areal_core.clock import VirtualClock
+
+    clock = VirtualClock(threads=0)
+    loop = clock.new_event_loop()
+
+    async def main():
+        engine = SimInferenceEngine(Context(options=SimEngineConfig()))
+        await engine.start()
+        request = GenerationRequest([5] * 20, SamplingParams(max_new_tokens=300, seed=11))
+        whole = await engine.agenerate(request)
+        began = loop.time()
+        task = asyncio.ensure_future(engine.agenerate(GenerationRequest([5] * 20, SamplingParams(max_new_tokens=300,
+                                                                                              seed=11))))
+        await asyncio.sleep(0.5)  # half a simulated second: some dozens of steps at 7B
+        await engine.pause()
+        partial = await task
+        await engine.resume()
+        table = engine.profile.inference.decode_step_s
+        expected = table.steps_within(1, 20, loop.time() - began - engine.profile.inference.prefill_s(20), 300)
+        rest = await engine.agenerate(GenerationRequest([5] * 20 + partial.output_ids,
+                                                        SamplingParams(max_new_tokens=300 - len(partial.output_ids),
+                                                                       seed=11)))
+        await engine.aclose()
+        return whole, partial, rest, expected
+
+    whole, partial, rest, expected = loop.run_until_complete(main())
+    loop.close()
+    assert partial.stop_reason == "abort" and len(partial.output_ids) == expected > 10
+    assert partial.output_ids + rest.output_ids == whole.output_ids
