@@ -12,11 +12,19 @@ the wall time of the Python that runs, not an hour.
 **What "nothing is runnable" means.** The loop has no ready callbacks and
 every thread that takes part (the trainer's, reward workers) is blocked in a
 wait the clock knows of: :meth:`Clock.wait_future` (a call on the loop, a
-modelled sleep), :meth:`Clock.condition`'s ``wait``, or the loop's executor.
-Whoever wakes a blocked thread counts it as runnable *when it wakes it* (a
-future's done-callback, a condition's ``notify``), before the loop goes on:
-otherwise the loop could jump ahead in the instant between the wake-up and the
-thread running again. Why by hand: asyncio's loops read ``time.monotonic`` and
+modelled sleep), :meth:`Clock.condition`'s ``wait``, :meth:`Clock.blocked`,
+or the loop's executor. Whoever wakes a blocked thread counts it as runnable
+*when it wakes it* (a future's done-callback, a condition's ``notify``),
+before the loop goes on: otherwise the loop could jump ahead in the instant
+between the wake-up and the thread running again.
+
+**Lockstep, for reproducible runs.** The threads that drive the run (the
+trainer's: ``threads`` at construction) and the loop take turns: the loop runs
+no callback while a driver runs. What a driver does between two waits
+therefore happens at one simulated instant, after everything the loop did
+before it and before anything after, whatever the real interleaving would have
+been: the same config gives the same simulated run. (Reward workers only hold
+time still; the loop waits for their results as it always does.) Why by hand: asyncio's loops read ``time.monotonic`` and
 no library we found (``looptime``, ``asynctest``'s ``ClockedTestCase``)
 coordinates a virtual loop with threads that are not on it, which is how the
 trainer and the controller meet.
@@ -32,7 +40,8 @@ import concurrent.futures
 import selectors
 import threading
 import time
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 
 class Clock:
@@ -58,14 +67,23 @@ class Clock:
         """Spend ``seconds`` on this clock from a thread off the loop (a modelled computation)."""
         time.sleep(seconds)
 
+    @contextmanager
+    def blocked(self) -> Iterator[None]:
+        """Around any other wall-clock wait of a driving thread (joining a thread): counted as blocked."""
+        yield
+
 
 REAL_CLOCK = Clock()
 
 
 class _Token:
-    __slots__ = ("woken",)
+    """One wait of one thread: ``blocked`` once counted out, ``woken`` once counted back in (by whoever came
+    first: the waker, or the waiter itself after a wall-clock timeout)."""
+
+    __slots__ = ("blocked", "woken")
 
     def __init__(self) -> None:
+        self.blocked = False
         self.woken = False
 
 
@@ -78,22 +96,30 @@ class VirtualClock(Clock):
 
     virtual = True
 
-    def __init__(self, threads: int = 1, start: float = 0.0) -> None:
+    def __init__(self, threads: int = 1, start: float = 0.0, lockstep_timeout_s: float = 600.0) -> None:
         self._now = start
-        self._running = threads
-        self._lock = threading.Lock()
+        self._drivers = threads  # driving threads running now (the loop waits for none to run)
+        self._running = threads  # the same, plus work in the loop's executor (time waits for none to run)
+        self._lock = threading.Condition()
         self._loop: VirtualTimeLoop | None = None
+        self.lockstep_timeout_s = lockstep_timeout_s
         self.jumps = 0  # how often time jumped (the simulator's own cost figure)
 
     def now(self) -> float:
         return self._now
 
     # -------------------------------------------------------------- the participants' accounting
-    def _block(self) -> _Token:
-        token = _Token()
+    def _block(self, token: _Token | None = None) -> _Token:
+        """Count the calling thread out (unless ``token`` was woken already: its wait is over before it began)."""
+        token = token or _Token()
         with self._lock:
+            if token.woken:
+                return token
+            token.blocked = True
             self._running -= 1
+            self._drivers -= 1
             idle = self._running == 0
+            self._lock.notify_all()
         if idle and self._loop is not None:
             self._loop.poke()  # it may be in a select waiting for us: let it jump now
         return token
@@ -103,7 +129,9 @@ class VirtualClock(Clock):
         with self._lock:
             if not token.woken:
                 token.woken = True
-                self._running += 1
+                if token.blocked:
+                    self._running += 1
+                    self._drivers += 1
 
     def runnable(self) -> bool:
         with self._lock:
@@ -113,9 +141,11 @@ class VirtualClock(Clock):
     def wait_future(self, future: concurrent.futures.Future, timeout: float | None) -> Any:
         if future.done():
             return future.result()
-        token = self._block()
-        # Done-callbacks run in the thread that completes the future (the loop's), at completion.
+        token = _Token()
+        # Done-callbacks run in the thread that completes the future (the loop's), at completion. Registered
+        # before counting out: a future done in between would otherwise wake nobody while time jumps on.
         future.add_done_callback(lambda _: self._wake(token))
+        self._block(token)
         try:
             return future.result(timeout)
         finally:
@@ -123,6 +153,14 @@ class VirtualClock(Clock):
 
     def condition(self) -> threading.Condition:
         return _ClockCondition(self)
+
+    @contextmanager
+    def blocked(self) -> Iterator[None]:
+        token = self._block()
+        try:
+            yield
+        finally:
+            self._wake(token)
 
     def sleep(self, seconds: float) -> None:
         loop = self._loop
@@ -139,14 +177,26 @@ class VirtualClock(Clock):
         return self._loop
 
     # -------------------------------------------------------------- the loop's side
-    def _advance(self, seconds: float) -> bool:
-        """Jump ``seconds`` ahead if nothing outside the loop is running (called by the loop when it is idle)."""
+    def _advance(self, seconds: float, pending: Callable[[], bool]) -> bool:
+        """Jump ``seconds`` ahead if nothing outside the loop is running and nothing was handed to the loop
+        (``pending()``) since it last looked: a thread may have scheduled a callback and blocked in between."""
         with self._lock:
-            if self._running > 0:
+            if self._running > 0 or pending():
                 return False
             self._now += seconds
             self.jumps += 1
             return True
+
+    def _wait_for_drivers(self) -> None:
+        """Lockstep: return once no driving thread runs (the loop's turn)."""
+        with self._lock:
+            if self._drivers <= 0:
+                return
+            if not self._lock.wait_for(lambda: self._drivers <= 0, self.lockstep_timeout_s):
+                raise RuntimeError(
+                    f"the simulated run's event loop waited {self.lockstep_timeout_s:.0f} s for the trainer thread "
+                    "to block in one of the clock's waits (areal_core.clock): it is stuck, or waits on something "
+                    "the clock does not know of (wrap such a wait in clock.blocked())")
 
     def _executor_started(self) -> None:
         with self._lock:
@@ -163,6 +213,7 @@ class _ClockCondition(threading.Condition):
     def __init__(self, clock: VirtualClock) -> None:
         super().__init__()
         self._clock = clock
+        self.pending: Callable[[], bool] = lambda: False  # set by the loop: whether callbacks wait to run
         self._tokens: list[_Token] = []
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -191,24 +242,34 @@ class _VirtualSelector(selectors.DefaultSelector):  # type: ignore[misc, valid-t
     def __init__(self, clock: VirtualClock) -> None:
         super().__init__()
         self._clock = clock
+        self.pending: Callable[[], bool] = lambda: False  # set by the loop: whether callbacks wait to run
 
     def select(self, timeout: float | None = None) -> list:
+        # Every iteration of the loop selects before it runs its callbacks: the loop's turn begins here, once no
+        # driving thread runs (lockstep).
         events = super().select(0)
         if events or timeout == 0:
+            self._clock._wait_for_drivers()
             return events
-        if timeout is not None and self._clock._advance(timeout):
+        if timeout is not None and self._clock._advance(timeout, self.pending):
             return []
         # Someone outside the loop is running (or nothing is scheduled): wait for real, until they hand the loop
         # work (call_soon_threadsafe) or block (poke); capped so a missed poke costs at most that.
-        return super().select(0.05 if timeout is None else min(timeout, 0.05))
+        events = super().select(0.05 if timeout is None else min(timeout, 0.05))
+        self._clock._wait_for_drivers()
+        return events
 
 
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
     """An asyncio loop on a :class:`VirtualClock`: ``time()`` is the clock's, and idle waits are jumps."""
 
     def __init__(self, clock: VirtualClock) -> None:
-        super().__init__(_VirtualSelector(clock))
+        selector = _VirtualSelector(clock)
+        super().__init__(selector)
         self._clock = clock
+        # asyncio's queue of ready callbacks (a private attribute, the same from 3.10 to 3.13): call_soon_threadsafe
+        # appends to it before the caller can block
+        selector.pending = lambda: bool(self._ready)
 
     def time(self) -> float:
         return self._clock.now()

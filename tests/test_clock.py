@@ -24,13 +24,16 @@ def _run_loop(clock: VirtualClock) -> tuple[asyncio.AbstractEventLoop, threading
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    assert started.wait(10)
+    with clock.blocked():  # a wall-clock wait the clock must know of: the loop runs in its turn only
+        assert started.wait(10)
     return loop, thread
 
 
-def _stop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+def _stop(clock: VirtualClock, loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
     loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
+    with clock.blocked():
+        thread.join(10)
+    assert not thread.is_alive()
 
 
 def test_timers_on_the_loop_fire_at_their_simulated_times_in_no_wall_time():
@@ -73,7 +76,7 @@ def test_a_thread_off_the_loop_holds_time_still_while_it_runs_and_its_sleeps_int
     clock.wait_future(future, 10)
     assert log == [("tick", 10.0), ("tick", 20.0), ("slept", 25.0), ("tick", 30.0), ("tick", 40.0),
                    ("tick", 50.0)]
-    _stop(loop, thread)
+    _stop(clock, loop, thread)
 
 
 def test_a_condition_wait_lets_time_move_and_the_notified_thread_is_running_before_the_loop_goes_on():
@@ -102,7 +105,7 @@ def test_a_condition_wait_lets_time_move_and_the_notified_thread_is_running_befo
     assert clock.now() == 7.5 and len(box) == 1
     clock.sleep(1.0)
     assert box == [7.0, 8.0] and clock.now() == 8.5
-    _stop(loop, thread)
+    _stop(clock, loop, thread)
 
 
 def test_work_in_the_loops_executor_counts_as_running():
@@ -134,9 +137,32 @@ def test_a_future_that_times_out_in_wall_time_leaves_the_waiter_running():
     time.sleep(0.2)
     assert clock.now() == now  # still counted as running: nothing jumps
     never.cancel()
-    _stop(loop, thread)
+    _stop(clock, loop, thread)
 
 
 def test_the_real_clock_is_the_monotonic_one():
     assert not REAL_CLOCK.virtual
     assert abs(REAL_CLOCK.now() - time.monotonic()) < 0.1
+
+
+def test_lockstep_the_loop_runs_nothing_while_the_driving_thread_runs():
+    """What the driving thread does between two waits happens at one instant, before the loop goes on: a
+    callback it schedules runs only once it blocks, however long it runs meanwhile."""
+    clock = VirtualClock(threads=1)
+    loop, thread = _run_loop(clock)
+    ran = []
+    loop.call_soon_threadsafe(lambda: ran.append(clock.now()))
+    time.sleep(0.3)
+    assert ran == []  # scheduled, but the driver is running: not the loop's turn
+    clock.sleep(1.0)
+    assert ran == [0.0]
+    _stop(clock, loop, thread)
+
+
+def test_a_stuck_driver_is_named_after_the_lockstep_timeout():
+    clock = VirtualClock(threads=1, lockstep_timeout_s=0.3)
+    loop = clock.new_event_loop()
+    loop.call_soon(lambda: None)
+    with pytest.raises(RuntimeError, match="waited 0 s for the trainer thread to block"):
+        loop.run_until_complete(asyncio.sleep(0))
+    loop.close()

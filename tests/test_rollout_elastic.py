@@ -404,3 +404,51 @@ def test_servers_leaving_and_joining_are_reported_and_the_launchers_file_is_read
     assert [(kind, name) for kind, name, _ in seen] == [("left", "b:1"), ("joined", "c:1")]
     assert "1 server(s) left in routing" in seen[0][2] and "at version 1" in seen[1][2]
     assert joined.starts == 1 and joined.updates == [("/ckpt/v1", 1), ("/ckpt/v2", 2)]  # brought up, then updated
+
+
+def test_the_routing_heap_always_picks_what_a_scan_of_every_member_would():
+    """EnginePool.pick keeps a heap (O(log n) a pick); whatever sequence of requests starting and ending, servers
+    leaving, joining and falling under suspicion, its pick equals the plain rule: the routable member with the
+    fewest requests in flight, the first of them on ties."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from areal_core.rollout.elastic import ACTIVE, ElasticConfig, EnginePool
+
+    class Engine:
+        version = 0
+
+        def __init__(self, i):
+            self.address = f"e{i}:1"
+
+    ops = st.lists(st.tuples(st.sampled_from(["acquire", "release", "remove", "suspect", "clear", "join"]),
+                             st.integers(0, 11)), max_size=200)
+
+    @settings(max_examples=300, deadline=None)
+    @given(ops)
+    def check(sequence):
+        async def body():
+            pool = EnginePool([Engine(i) for i in range(6)], ElasticConfig(enabled=True))
+            for op, i in sequence:
+                member = pool.members[i % len(pool.members)]
+                if op == "acquire" and member.state == ACTIVE:
+                    pool.acquire(member)
+                elif op == "release" and member.in_flight > 0:
+                    pool.release(member)
+                elif op == "remove":
+                    pool.remove(member, "test")
+                elif op == "suspect":
+                    member.suspect = True
+                    pool.routing_changed()
+                elif op == "clear":
+                    pool.report_success(member)
+                elif op == "join" and len(pool.members) < 12:
+                    pool.add(Engine(len(pool.members)))
+                    await pool.rebuild(lambda engine: asyncio.sleep(0))
+                routable = [m for m in pool.members if m.state == ACTIVE and not m.suspect]
+                expected = min(routable, key=lambda m: m.in_flight) if routable else None
+                assert pool.pick() is expected
+
+        asyncio.run(body())
+
+    check()

@@ -150,7 +150,8 @@ class RolloutController:
                                "inference engines to close") from None
         finally:
             loop.call_soon_threadsafe(loop.stop)
-            self._thread.join(self.call_timeout_s)
+            with self.clock.blocked():  # the loop must run to stop: a virtual clock's lockstep lets it
+                self._thread.join(self.call_timeout_s)
             self._thread = None
 
     def __enter__(self) -> RolloutController:

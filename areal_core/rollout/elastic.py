@@ -22,6 +22,7 @@ apart; weight updates and rebuilds never overlap (one lock).
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import time
 from dataclasses import dataclass, field
@@ -121,6 +122,22 @@ class Member:
     served: int = 0  # requests answered
     moved: int = 0  # requests that left it unanswered (it failed or left routing) and went elsewhere
     lost: asyncio.Event = field(default_factory=asyncio.Event)
+    slot: int = 0  # its position in the pool's list: who comes first on ties
+    _lost_future: asyncio.Future | None = None
+
+    def lost_future(self) -> asyncio.Future:
+        """A future done once it leaves routing, shared by every request on it (a task per request waiting on
+        ``lost`` cost more than the rest of the routing at hundreds of servers)."""
+        if self._lost_future is None:
+            self._lost_future = asyncio.get_running_loop().create_future()
+            if self.lost.is_set():
+                self._lost_future.set_result(None)
+        return self._lost_future
+
+    def mark_lost(self) -> None:
+        self.lost.set()
+        if self._lost_future is not None and not self._lost_future.done():
+            self._lost_future.set_result(None)
 
 
 async def settle(member: Member, call: asyncio.Future, timeout_s: float | None = None) -> bool:
@@ -130,16 +147,32 @@ async def settle(member: Member, call: asyncio.Future, timeout_s: float | None =
     Otherwise, and when the waiter is itself cancelled, ``call`` is cancelled and has ended before this
     returns: a call to a server that left routing (a hung one fails its probes) never holds its caller.
     """
-    lost = asyncio.ensure_future(member.lost.wait())
-    try:
-        done, _ = await asyncio.wait({call, lost}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        call.cancel()
-        await asyncio.wait({call})
-        raise
-    finally:
-        lost.cancel()
-    if call in done:
+    lost = member.lost_future()
+    if not call.done() and not lost.done():
+        # asyncio.wait(FIRST_COMPLETED, timeout) written out: one waiter and two callbacks, without the sets and
+        # copies it makes per call (every request of every server passes here, and again after each pause)
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+
+        def wake(_: Any = None) -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        call.add_done_callback(wake)
+        lost.add_done_callback(wake)
+        timer = loop.call_later(timeout_s, wake) if timeout_s is not None else None
+        try:
+            await waiter
+        except BaseException:
+            call.cancel()
+            await asyncio.wait({call})
+            raise
+        finally:
+            call.remove_done_callback(wake)
+            lost.remove_done_callback(wake)
+            if timer is not None:
+                timer.cancel()
+    if call.done():
         return True
     call.cancel()
     await asyncio.gather(call, return_exceptions=True)
@@ -161,7 +194,7 @@ class EnginePool:
             raise ValueError("the rollout controller needs at least one inference engine")
         self.config = config
         self.on_event = on_event  # (kind: "left" / "joined" / "failed to join", server, why): e.g. to the terminal
-        self.members = [Member(e, engine_name(e, i)) for i, e in enumerate(engines)]
+        self.members = [Member(e, engine_name(e, i), slot=i) for i, e in enumerate(engines)]
         self.topology = Topology(0, tuple(m.name for m in self.members))
         self.lock = asyncio.Lock()  # weight updates and rebuilds
         self.changed = asyncio.Event()  # set whenever routing may have gained an engine
@@ -169,6 +202,10 @@ class EnginePool:
         self.last_rebuild = now()
         self.events: list[tuple[float, str, str]] = []  # (time, "left" / "joined", name): for logs and tests
         self._closing: set[asyncio.Task] = set()  # clients of servers that left, being closed
+        # Routing: a heap of (in_flight, slot, member) entries, stale ones dropped when they reach the top and
+        # the whole heap rebuilt when the set of routable members changes; pick() is O(log n), not O(n).
+        self._heap: list[tuple[int, int, Member]] = []
+        self._heap_dirty = True
 
     # -------------------------------------------------------------- routing
     @property
@@ -180,8 +217,30 @@ class EnginePool:
 
     def pick(self) -> Member | None:
         """The routable engine with the fewest requests in flight (first on ties); None when there is none."""
-        candidates = [m for m in self.active() if not m.suspect]
-        return min(candidates, key=lambda m: m.in_flight) if candidates else None
+        heap = self._heap
+        if self._heap_dirty or len(heap) > 4 * len(self.members) + 64:
+            heap[:] = [(m.in_flight, m.slot, m) for m in self.members if m.state == ACTIVE and not m.suspect]
+            heapq.heapify(heap)
+            self._heap_dirty = False
+        while heap:
+            in_flight, _, member = heap[0]
+            if member.in_flight == in_flight and member.state == ACTIVE and not member.suspect:
+                return member
+            heapq.heappop(heap)
+        return None
+
+    def routing_changed(self) -> None:
+        """A member's state or suspicion changed: the next pick looks at every member again."""
+        self._heap_dirty = True
+
+    def acquire(self, member: Member) -> None:
+        """One more request in flight on ``member``."""
+        member.in_flight += 1
+        heapq.heappush(self._heap, (member.in_flight, member.slot, member))
+
+    def release(self, member: Member) -> None:
+        member.in_flight -= 1
+        heapq.heappush(self._heap, (member.in_flight, member.slot, member))
 
     @property
     def version(self) -> int:
@@ -194,6 +253,7 @@ class EnginePool:
             return
         member.failures += 1
         member.suspect = member.suspect or request
+        self.routing_changed()
         threshold = self.config.failure_threshold if self.config else 1
         log.warning("inference server %s failed (%d in a row of %d allowed): %s", member.name, member.failures,
                     threshold, why)
@@ -204,6 +264,7 @@ class EnginePool:
         member.failures = 0
         if member.suspect:
             member.suspect = False
+            self.routing_changed()
             self.changed.set()
 
     def remove(self, member: Member, why: str) -> None:
@@ -212,7 +273,8 @@ class EnginePool:
             return
         was_member = member.state == ACTIVE
         member.state = DOWN
-        member.lost.set()
+        member.mark_lost()
+        self.routing_changed()
         self.events.append((self.now(), "left", member.name))
         log.warning("inference server %s left routing (%s); %d request(s) it was serving continue elsewhere",
                     member.name, why, member.in_flight)
@@ -255,7 +317,7 @@ class EnginePool:
 
     # -------------------------------------------------------------- joins
     def add(self, engine: InferenceEngine) -> Member:
-        member = Member(engine, engine_name(engine, len(self.members)), state=JOINING)
+        member = Member(engine, engine_name(engine, len(self.members)), state=JOINING, slot=len(self.members))
         if any(m.name == member.name and m.state != DOWN for m in self.members):
             raise ValueError(f"inference server {member.name} is already in the pool")
         self.members.append(member)
@@ -283,6 +345,7 @@ class EnginePool:
                 self._tell("failed to join", member.name, f"{type(result).__name__}: {result}")
                 continue
             member.state = ACTIVE
+            self.routing_changed()
             self.events.append((self.now(), "joined", member.name))
         self.topology = Topology(self.topology.version + 1, tuple(m.name for m in self.active()))
         for member in joiners:

@@ -78,11 +78,11 @@ class InterruptibleEngine(InferenceEngine):
 
     async def _call(self, request: GenerationRequest) -> GenerationResponse:
         member = await self.pool.wait_for_engine(self.request_timeout_s, f"serve request {request.rid}")
-        member.in_flight += 1
+        self.pool.acquire(member)
         try:
             return await self._call_on(member, request)
         finally:
-            member.in_flight -= 1
+            self.pool.release(member)
 
     async def _call_on(self, member: Member, request: GenerationRequest) -> GenerationResponse:
         call = asyncio.ensure_future(member.engine.agenerate(request))
@@ -118,11 +118,10 @@ class InterruptibleEngine(InferenceEngine):
             try:
                 # The same seed on purpose: prompt + output so far puts each new token at its uninterrupted
                 # position, which is what a position-keyed engine's draw depends on (module docstring).
-                part = await self._call(replace(
-                    request,
-                    input_ids=request.input_ids + out_ids,
-                    sampling=replace(request.sampling, max_new_tokens=budget - len(out_ids)),
-                ))
+                part = await self._call(request if not out_ids and budget == request.sampling.max_new_tokens
+                                        else replace(request, input_ids=request.input_ids + out_ids,
+                                                     sampling=replace(request.sampling,
+                                                                      max_new_tokens=budget - len(out_ids))))
             except EngineLost as lost:
                 # Its server left: the same continuation goes to another one. A request that fails
                 # on server after server is the problem itself; it must not take every server down.

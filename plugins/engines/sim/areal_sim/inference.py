@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import random
+import heapq
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from areal_core.api import GenerationRequest, GenerationResponse, InferenceEngine
+from areal_core.api import GenerationRequest, GenerationResponse, InferenceEngine, stable_seed
 
 from areal_sim.profile import load_profile
 
@@ -48,41 +50,48 @@ class SimEngineConfig:
     vocab_size: int = field(default=32000, metadata={"ge": 2, "help": "token ids are drawn below this"})
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
     request: GenerationRequest
-    target: int  # tokens (records) it returns unless max_new_tokens or a pause cuts it
+    target: int  # tokens it returns unless max_new_tokens or a pause cuts it
     future: asyncio.Future
     scale: int
-    steps: int = 0  # modelled tokens generated so far (decode steps it took part in)
+    joined: int = 0  # the engine's step count when it joined the batch
+    end: int = 0  # the engine's step count at which it has every token
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[int] = field(default_factory=list)
+    done: bool = False
 
-    @property
-    def records(self) -> int:
-        """Tokens it returns: ``target`` unless ``max_new_tokens`` is lower."""
-        return min(self.target, self.request.sampling.max_new_tokens)
-
-    @property
-    def steps_left(self) -> int:
-        return self.records * self.scale - self.steps
-
-    @property
-    def context(self) -> int:
-        """Modelled tokens in its KV cache."""
-        return len(self.request.input_ids) * self.scale + self.steps
-
-    @property
-    def reserved(self) -> int:
-        """Modelled KV-cache tokens it holds at most: prompt + everything it may generate."""
-        return (len(self.request.input_ids) + self.records) * self.scale
+    def __post_init__(self) -> None:
+        self.records = min(self.target, self.request.sampling.max_new_tokens)  # tokens it returns at most
+        self.prompt = len(self.request.input_ids) * self.scale  # modelled prompt tokens
+        self.reserved = self.prompt + self.records * self.scale  # KV-cache tokens it holds at most
 
     def finish(self, stop_reason: str) -> None:
+        self.done = True
         if not self.future.done():
             self.future.set_result(GenerationResponse(
                 self.request.rid, list(self.request.input_ids), self.output_ids, self.output_logprobs,
                 self.output_versions, stop_reason))
+
+
+POOL = 1 << 12  # random tokens drawn per engine, handed out as slices to unseeded requests
+
+
+def _cycle(pool: list, start: int, n: int) -> list:
+    """``n`` items of ``pool`` from ``start``, wrapping around."""
+    if start + n <= len(pool):
+        return pool[start:start + n]
+    out = pool[start:]
+    while len(out) < n:
+        out.extend(pool[: n - len(out)])
+    return out
+
+
+def _finish(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def _mix(*parts: int) -> int:
@@ -106,19 +115,37 @@ class SimInferenceEngine(InferenceEngine):
         self.time_scale, self.vocab_size = options.time_scale, options.vocab_size
         self.scale = options.token_scale
         self._version = 0
-        self._waiting: list[_Request] = []
-        self._running: list[_Request] = []
+        self._waiting: deque[_Request] = deque()
+        # The running batch. Every running request gains a token per decode step, so the engine counts steps
+        # (``_steps``) and each request only remembers when it joined and when it ends: a heap of ends gives the
+        # next finish and running sums give the batch's KV use and mean context, O(log n) per event.
+        self._running: dict[_Request, None] = {}  # insertion-ordered (a set's order would vary run to run)
+        self._ends: list[tuple[int, int, _Request]] = []  # (end, arrival order, request); finished ones linger
+        self._steps = 0
+        self._order = 0
+        self._sum_prompt = 0  # modelled prompt tokens of the running requests
+        self._sum_joined = 0  # their join steps: context total = sum_prompt + n * steps - sum_joined
+        self._used = 0  # KV-cache tokens they reserve
         self._paused = False
-        self._wake: asyncio.Event | None = None
+        self._kicked = False  # a request arrived, or pause / resume, since the engine last looked
+        self._waiter: asyncio.Future | None = None  # what the engine awaits: a kick, or its stretch's end
         self._task: asyncio.Task | None = None
-        self._rng = random.Random()
+        # unseeded requests draw from the engine's own generator, seeded by the run's seed and the server's
+        # index: a simulation is reproducible
+        config, index = self.context.config, self.context.extras.get("server_index", 0)
+        self._rng = random.Random(stable_seed("sim-engine", int(config.trainer.seed) if config is not None else 0,
+                                              index))
+        self._pool_ids = [self._rng.randrange(self.vocab_size) for _ in range(POOL)]
+        self._pool_logprobs = [-self._rng.expovariate(1.0) for _ in range(POOL)]
         # the stretch of decode steps under way: when it began (loop time), its batch and mean context
-        self._stretch: tuple[float, int, float, float] | None = None  # (began, batch, context, prefill_s)
+        # (began, batch, context, prefill_s, modelled seconds to its planned end)
+        self._stretch: tuple[float, int, float, float, float] | None = None
         # modelled seconds spent working (decode steps, prefills, weight loads) and modelled tokens produced:
         # the simulator's utilisation figures
         self.busy_s = 0.0
         self.tokens = 0
         self.events = 0  # stretches planned: the simulator's own cost
+        self.requests = 0  # generation calls answered (an interrupted request continues as a new call)
 
     @property
     def version(self) -> int:
@@ -129,19 +156,39 @@ class SimInferenceEngine(InferenceEngine):
 
     async def start(self) -> None:
         if self._task is None:
-            self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-inference")
 
     async def agenerate(self, request: GenerationRequest) -> GenerationResponse:
         await self.start()
-        assert self._wake is not None
+        self.requests += 1
         seed = request.sampling.seed
         rng = random.Random(_mix(seed, len(request.input_ids))) if seed is not None else self._rng
         target = max(1, -(-self.profile.lengths.sample(rng) // self.scale))  # modelled length in whole tokens
         item = _Request(request, target, asyncio.get_running_loop().create_future(), self.scale)
         self._waiting.append(item)
-        self._wake.set()
+        self._kick()
         return await item.future
+
+    def _kick(self) -> None:
+        self._kicked = True
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def _wait(self, modelled_s: float | None) -> bool:
+        """Until kicked, or ``modelled_s`` have passed (None: no limit); True when kicked. A future and a timer
+        of the loop's own, not ``asyncio.wait_for``: this is the simulator's innermost wait."""
+        loop = asyncio.get_running_loop()
+        self._kicked = False
+        waiter = self._waiter = loop.create_future()
+        timer = None if modelled_s is None else loop.call_later(modelled_s / self.time_scale, _finish, waiter)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+        kicked, self._kicked = self._kicked, False
+        return kicked
 
     async def _sleep(self, modelled_s: float) -> None:
         self.busy_s += modelled_s
@@ -150,75 +197,95 @@ class SimInferenceEngine(InferenceEngine):
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
 
-    def _credit(self, now: float) -> None:
-        """Give the running requests the decode steps of the current stretch that ended by ``now`` and close
-        the stretch; the engine was busy for all of it (a step cut short by a pause is work thrown away)."""
-        if self._stretch is None:
-            return
-        began, batch, context, prefill = self._stretch
-        self._stretch = None
-        table = self.profile.inference.decode_step_s
-        most = min(r.steps_left for r in self._running) if self._running else 0
-        elapsed = max(0.0, (now - began) * self.time_scale)
-        done = table.steps_within(batch, context, max(0.0, elapsed - prefill), most)
-        self.busy_s += min(elapsed, prefill + table.sum_steps(batch, context, most))
-        for r in list(self._running):
-            self._advance(r, done)
+    def _context(self) -> float:
+        """The running requests' mean context (modelled tokens in their KV caches)."""
+        n = len(self._running)
+        return (self._sum_prompt + n * self._steps - self._sum_joined) / n
 
-    def _advance(self, r: _Request, steps: int) -> None:
-        """``steps`` more modelled tokens for ``r``: the returned tokens they complete, and its end."""
-        r.steps += steps
-        self.tokens += steps
-        have, due = len(r.output_ids), min(r.steps // self.scale, r.records)
+    def _steps_to_next_end(self) -> int:
+        while self._ends[0][2].done:
+            heapq.heappop(self._ends)
+        return self._ends[0][0] - self._steps
+
+    def _join(self, r: _Request) -> None:
+        r.joined, r.end = self._steps, self._steps + r.records * self.scale
+        self._running[r] = None
+        self._order += 1
+        heapq.heappush(self._ends, (r.end, self._order, r))
+        self._sum_prompt += r.prompt
+        self._sum_joined += r.joined
+        self._used += r.reserved
+
+    def _leave(self, r: _Request, stop_reason: str) -> None:
+        """``r`` leaves the batch with the tokens its steps completed."""
+        self._running.pop(r, None)
+        self._sum_prompt -= r.prompt
+        self._sum_joined -= r.joined
+        self._used -= r.reserved
+        have, due = len(r.output_ids), min((self._steps - r.joined) // self.scale, r.records)
         if due > have:
             seed = r.request.sampling.seed
-            for position in range(len(r.request.input_ids) + have, len(r.request.input_ids) + due):
-                rng = random.Random(_mix(seed, position, 1)) if seed is not None else self._rng
-                r.output_ids.append(rng.randrange(self.vocab_size))
-                r.output_logprobs.append(-rng.expovariate(1.0))
+            if seed is None:  # a slice of a pool drawn once: per-token draws were most of the simulator's time
+                start = self._rng.randrange(len(self._pool_ids) - (due - have)) if due - have < len(self._pool_ids) \
+                    else 0
+                r.output_ids.extend(_cycle(self._pool_ids, start, due - have))
+                r.output_logprobs.extend(_cycle(self._pool_logprobs, start, due - have))
+            else:  # position by position, so a continued request draws what the uninterrupted one would have
+                for position in range(len(r.request.input_ids) + have, len(r.request.input_ids) + due):
+                    rng = random.Random(_mix(seed, position, 1))
+                    r.output_ids.append(rng.randrange(self.vocab_size))
+                    r.output_logprobs.append(-rng.expovariate(1.0))
             r.output_versions.extend([self._version] * (due - have))
-        if r.steps_left <= 0:
-            self._running.remove(r)
-            limit = r.request.sampling.max_new_tokens
-            r.finish("length" if len(r.output_ids) >= limit and r.target >= limit else "stop")
+        r.finish(stop_reason)
+
+    def _credit(self, now: float) -> None:
+        """Give the running requests the decode steps of the current stretch that ended by ``now``, finish those
+        that have all their tokens, and close the stretch; the engine was busy for all of it (a step cut short
+        by a pause is work thrown away)."""
+        if self._stretch is None:
+            return
+        began, batch, context, prefill, full = self._stretch
+        self._stretch = None
+        table = self.profile.inference.decode_step_s
+        most = self._steps_to_next_end() if self._running else 0
+        elapsed = max(0.0, (now - began) * self.time_scale)
+        done = most if elapsed >= full else table.steps_within(batch, context, max(0.0, elapsed - prefill), most)
+        self.busy_s += min(elapsed, full)
+        self._steps += done
+        self.tokens += done * len(self._running)
+        while self._ends and self._ends[0][0] <= self._steps:
+            _, _, r = heapq.heappop(self._ends)
+            if not r.done:
+                limit = r.request.sampling.max_new_tokens
+                self._leave(r, "length" if r.records >= limit and r.target >= limit else "stop")
 
     async def _run(self) -> None:
         """Event-driven continuous batching: between two events (a request joins or finishes, a pause) the
         batch is fixed, so the whole stretch of decode steps is one wait (``DecodeTable.sum_steps``)."""
-        assert self._wake is not None
         capacity = self.profile.inference.kv_capacity_tokens
         table = self.profile.inference.decode_step_s
         while True:
             if self._paused or not (self._waiting or self._running):
-                self._wake.clear()
-                await self._wake.wait()
+                await self._wait(None)
                 continue
-            used = sum(r.reserved for r in self._running)
-            joined = []
-            while self._waiting and (not self._running and not joined or used + self._waiting[0].reserved <= capacity):
-                item = self._waiting.pop(0)
-                used += item.reserved
-                joined.append(item)
-            self._running.extend(joined)
+            joined_prompt = 0
+            while self._waiting and (not self._running or self._used + self._waiting[0].reserved <= capacity):
+                item = self._waiting.popleft()
+                joined_prompt += item.prompt
+                self._join(item)
             batch = len(self._running)
-            context = sum(r.context for r in self._running) / batch
-            prefill = self.profile.inference.prefill_s(sum(len(r.request.input_ids) for r in joined) * self.scale)
-            k = min(r.steps_left for r in self._running)
-            self._stretch = (self._now(), batch, context, prefill)
+            context = self._context()
+            prefill = self.profile.inference.prefill_s(joined_prompt)
+            k = self._steps_to_next_end()
+            full = prefill + table.sum_steps(batch, context, k)
+            self._stretch = (self._now(), batch, context, prefill, full)
             self.events += 1
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), (prefill + table.sum_steps(batch, context, k))
-                                       / self.time_scale)
-            except asyncio.TimeoutError:
-                pass  # the stretch ran to its end: the first request to finish does
-            if self._paused:  # pause() credited the steps done and answered every request
+            kicked = await self._wait(full)  # not kicked: the stretch ran to its end (the first request finishes)
+            if self._paused or self._stretch is None:  # pause() credited the steps done and answered everyone
                 continue
-            if self._stretch is None:
-                continue
-            if self._wake.is_set() and self._waiting:
+            if kicked and self._waiting:
                 # a request arrived: it joins at the end of the step in progress, which we wait out
-                began, b, c, p = self._stretch
+                began, b, c, p, _ = self._stretch
                 elapsed = (self._now() - began) * self.time_scale - p
                 done = table.steps_within(b, c, max(0.0, elapsed), k)
                 boundary = p + table.sum_steps(b, c, min(done + 1, k))
@@ -232,16 +299,14 @@ class SimInferenceEngine(InferenceEngine):
         """Every request in flight comes back now with the tokens it has and ``abort``; new ones wait."""
         self._credit(self._now())
         self._paused = True
-        for r in self._running:
-            r.finish("abort")
-        self._running.clear()
-        if self._wake is not None:
-            self._wake.set()
+        for r in list(self._running):
+            self._leave(r, "abort")
+        self._ends.clear()
+        self._kick()
 
     async def resume(self) -> None:
         self._paused = False
-        if self._wake is not None:
-            self._wake.set()
+        self._kick()
 
     async def update_weights_from_disk(self, path: str, version: int) -> None:
         await self._sleep(self.profile.weights.transfer_s())
@@ -259,7 +324,8 @@ class SimInferenceEngine(InferenceEngine):
                 await task
             except asyncio.CancelledError:
                 pass
-        for r in self._running + self._waiting:
+        for r in [*self._running, *self._waiting]:
             r.finish("abort")
         self._running.clear()
+        self._ends.clear()
         self._waiting.clear()

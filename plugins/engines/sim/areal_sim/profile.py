@@ -17,7 +17,7 @@ from __future__ import annotations
 import bisect
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,16 +49,23 @@ class DecodeTable:
     batch: tuple[float, ...]
     context: tuple[float, ...]
     seconds: tuple[tuple[float, ...], ...]  # [batch index][context index]
+    _lines: dict = field(default_factory=dict, compare=False, repr=False)  # batch -> _line(batch), memoised
 
     def __call__(self, batch: float, context: float) -> float:
         if batch <= 0:
             return 0.0
-        by_batch = [_interp(list(self.context), list(row), context) for row in self.seconds]
-        return _interp(list(self.batch), by_batch, batch)
+        return _interp(list(self.context), self._line(batch), context)
 
     def _line(self, batch: float) -> list[float]:
-        """Seconds at each of the table's contexts for this batch (interpolated in the batch)."""
-        return [_interp(list(self.batch), [row[j] for row in self.seconds], batch) for j in range(len(self.context))]
+        """Seconds at each of the table's contexts for this batch (interpolated in the batch; piecewise-linear
+        in both, so this equals interpolating each row in the context first)."""
+        line = self._lines.get(batch)
+        if line is None:
+            line = [_interp(list(self.batch), [row[j] for row in self.seconds], batch)
+                    for j in range(len(self.context))]
+            if len(self._lines) < 4096:
+                self._lines[batch] = line
+        return line
 
     def sum_steps(self, batch: float, context: float, k: int) -> float:
         """``sum(self(batch, context + i) for i in range(k))`` in closed form: k steps at a fixed batch while
@@ -171,11 +178,20 @@ def load_profile(name_or_path: str | Path) -> Profile:
         shipped = ", ".join(sorted(p.stem for p in PROFILES.glob("*.yaml")))
         raise ProfileError(f"sim.profile: {str(name_or_path)!r} is neither a shipped profile nor a file. Fix: one of "
                            f"{shipped}, or the path of a profile YAML (see {PROFILES}/README.md)")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ProfileError(f"profile {path}: not valid YAML ({exc})") from None
+    # hundreds of simulated servers load the same file: read it once (per version of the file); each call still
+    # gets its own Profile
+    key = (str(path.resolve()), path.stat().st_mtime_ns)
+    data = _read_cache.get(key)
+    if data is None:
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ProfileError(f"profile {path}: not valid YAML ({exc})") from None
+        _read_cache[key] = data
     return parse_profile(data, str(path))
+
+
+_read_cache: dict[tuple[str, int], Any] = {}
 
 
 def parse_profile(data: Any, where: str = "the profile") -> Profile:

@@ -1,0 +1,299 @@
+"""``areal simulate``: a run's own config, the real controller and trainer, simulated engines, a virtual clock.
+
+The config a real run takes is read as it is (with its overrides); what
+simulation needs replaces what needs hardware:
+
+- the inference and train backends become ``sim`` and ``sim_train`` (the profile's latencies), the
+  allocation ``sim:d{servers}t{tp}+sim:d{train GPUs}`` for ``sim.gpus`` GPUs of which
+  ``sim.inference_gpus`` (default: the share the config's own allocation gives
+  inference) serve, in servers of the profile's tensor-parallel size;
+- dataset, workflow and reward become the simulated workload
+  (:mod:`areal_sim.workload`): no model, tokenizer or text;
+- lengths are in modelled tokens and each token id stands for
+  ``sim.token_scale`` of them (``rollout.sampling.max_new_tokens`` is divided by it);
+- no evaluation, no checkpoints but the last.
+
+Everything the config says about the algorithm and the controller (batch size,
+group size, ``max_head_offpolicyness``, concurrency, pacing, mini-batches and
+epochs, total steps, weight sync) is kept, and runs through the same code as a
+real run: :class:`areal_core.trainer.Trainer` with a
+:class:`areal_core.clock.VirtualClock`. The report (``simulation.json`` in the
+run folder) gives samples/s and trained tokens/s, GPU utilisation and waiting per
+role, the staleness histogram, and the simulator's own cost per episode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from areal_sim.profile import ProfileError, load_profile
+
+DEFAULT_PROFILE = "qwen2.5-7b-h800"
+
+
+class SimulationError(ValueError):
+    """A simulation setting that cannot be used; the message names the key, the value and the fix."""
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    gpus: int | None = None  # None: the config's own allocation's count (at least 2)
+    inference_gpus: int | None = None
+    profile: str = DEFAULT_PROFILE
+    token_scale: int = 100
+    dataset_size: int = 1_000_000
+
+    @classmethod
+    def from_overrides(cls, items: list[str]) -> tuple[SimSettings, list[str]]:
+        """The ``sim.*`` overrides, and the others (the run config's) in their order."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        rest = []
+        for item in items:
+            key, sep, value = item.partition("=")
+            if not key.startswith("sim."):
+                rest.append(item)
+                continue
+            name = key[len("sim."):]
+            if name not in fields or not sep:
+                raise SimulationError(f"{key}: not a simulation setting. Fix: one of "
+                                      f"{', '.join('sim.' + n + '=...' for n in fields)}")
+            if name == "profile":
+                values[name] = value
+                continue
+            try:
+                number = int(value)
+            except ValueError:
+                raise SimulationError(f"{key}={value}: must be a whole number") from None
+            if number < 1:
+                raise SimulationError(f"{key}={value}: must be at least 1")
+            values[name] = number
+        return cls(**values), rest
+
+
+def _kept(section: Any, schema: type) -> dict:
+    """The keys of ``section`` that the core's schema ``schema`` declares (a backend's own keys go)."""
+    if not isinstance(section, dict):
+        return {}
+    names = {f.name for f in dataclasses.fields(schema)} - {"extra"}
+    return {k: v for k, v in section.items() if k in names}
+
+
+def simulated_config(raw: dict, settings: SimSettings) -> tuple[dict, dict]:
+    """The run config to simulate, built from the user's merged raw config; and facts for the report."""
+    from areal_core.config.allocation import AllocationParseError, parse_allocation
+    from areal_core.config.schema import ActorConfig, RolloutConfig, TrainerConfig
+
+    try:
+        profile = load_profile(settings.profile)
+    except ProfileError as exc:
+        raise SimulationError(str(exc)) from None
+    rollout_raw = raw.get("rollout") or {}
+    allocation_text = raw.get("allocation") or ""
+    share = 0.5
+    if allocation_text:
+        try:
+            alloc = parse_allocation(allocation_text)
+        except AllocationParseError as exc:
+            raise SimulationError(f"allocation: {exc.reason}; fix it, or give sim.gpus and sim.inference_gpus") \
+                from None
+        infer = sum(c.world_size for c in alloc.components if c.backend == rollout_raw.get("backend", "local"))
+        total = sum(c.world_size for c in alloc.components)
+        share = infer / total if total and 0 < infer < total else 0.5
+        default_gpus = max(2, total)
+    else:
+        default_gpus = 2
+    gpus = settings.gpus or default_gpus
+    tp = profile.inference.tp
+    inference_gpus = settings.inference_gpus or max(tp, int(round(gpus * share / tp)) * tp)
+    if inference_gpus % tp or inference_gpus >= gpus:
+        raise SimulationError(
+            f"sim.inference_gpus={inference_gpus}: must be a multiple of the profile's tensor-parallel size "
+            f"({tp}, {profile.name}) and leave GPUs for training out of sim.gpus={gpus}. Fix: e.g. "
+            f"sim.inference_gpus={max(tp, (gpus // 2) // tp * tp)}")
+    train_gpus = gpus - inference_gpus
+    servers = inference_gpus // tp
+    k = settings.token_scale
+    rollout = _kept(rollout_raw, RolloutConfig)
+    sampling = dict(rollout.get("sampling") or {})
+    modelled_max = int(sampling.get("max_new_tokens", profile.lengths.cap))
+    sampling["max_new_tokens"] = max(1, math.ceil(min(modelled_max, profile.lengths.cap) / k))
+    sampling.pop("stop", None)
+    rollout.update(backend="sim", sampling=sampling, request_timeout_s=1e9, profile=settings.profile, token_scale=k)
+    actor = _kept(raw.get("actor") or {}, ActorConfig)
+    actor.update(backend="sim_train", profile=settings.profile, token_scale=k)
+    trainer = _kept(raw.get("trainer") or {}, TrainerConfig)
+    trainer.update(save_every=0, save_every_s=0)
+    config = {
+        "experiment": raw.get("experiment", "areal"), "trial": f"{raw.get('trial', 'run0')}-sim",
+        "output_dir": raw.get("output_dir", "runs"),
+        "allocation": f"sim:d{servers}" + (f"t{tp}" if tp > 1 else "") + f"+sim_train:d{train_gpus}",
+        "model": {"path": ""}, "rollout": rollout, "actor": actor,
+        "algorithm": raw.get("algorithm") or {"name": "grpo"},
+        "workflow": {"name": "sim"}, "reward": {"name": "sim"},
+        "dataset": {"name": "sim", "profile": settings.profile, "token_scale": k, "size": settings.dataset_size},
+        "trainer": trainer, "eval": {"size": 0, "before": False},
+    }
+    facts = {"gpus": gpus, "inference_gpus": inference_gpus, "train_gpus": train_gpus, "servers": servers,
+             "tp": tp, "profile": profile.name, "profile_source": profile.source, "token_scale": k,
+             "max_new_tokens": min(modelled_max, profile.lengths.cap)}
+    return config, facts
+
+
+def run_simulation(config_path: str | None, overrides: list[str], out_dir: str | None = None) -> dict:
+    """Simulate the run ``config_path`` + ``overrides`` (``sim.*`` keys included); the report (also written to
+    ``simulation.json`` in the run folder). Raises :class:`SimulationError` or the core's ``ProblemsError``
+    for what the user must fix."""
+    import yaml
+
+    from areal_core.clock import VirtualClock
+    from areal_core.config.load import read_raw
+    from areal_core.config.validate import validate_run
+    from areal_core.problems import ProblemsError, format_problems
+    from areal_core.trainer import Trainer
+
+    settings, rest = SimSettings.from_overrides(overrides)
+    raw, problems = read_raw(config_path, rest)
+    if problems:
+        raise ProblemsError(problems, config_path or "the overrides")
+    config, facts = simulated_config(raw, settings)
+    run_dir = Path(out_dir) if out_dir else Path(config["output_dir"]) / config["experiment"] / config["trial"]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("metrics.jsonl", "samples.jsonl", "events.jsonl"):
+        (run_dir / stale).unlink(missing_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    run = validate_run(str(run_dir / "config.yaml"), [])
+    if run.problems:
+        raise SimulationError(format_problems(run.problems, f"the simulated config {run_dir / 'config.yaml'}"))
+    clock = VirtualClock(threads=1)
+    began = time.perf_counter()
+    trainer = Trainer(run, run_dir, clock=clock)
+    with open(run_dir / "trainer.log", "w") as log, contextlib.redirect_stdout(log):
+        trainer.fit()  # its lines (one per simulated server) go to the log
+    wall = time.perf_counter() - began
+    report = _report(trainer, clock, facts, wall, run_dir)
+    (run_dir / "simulation.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def _report(trainer: Any, clock: Any, facts: dict, wall: float, run_dir: Path) -> dict:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r.get("step", 0) >= 1]
+    engines = trainer.controller.fleet.initial_engines
+    actor = trainer.actor
+    simulated = clock.now()
+    k = facts["token_scale"]
+    steps = len(rows)
+    trajectories = steps * trainer.cfg.rollout.batch_size * trainer.cfg.rollout.group_size
+    lags: dict[int, float] = {}
+    for r in rows:
+        for key, value in r.items():
+            if key.startswith("staleness/tokens_at_lag_"):
+                lag = int(key.rsplit("_", 1)[1])
+                lags[lag] = lags.get(lag, 0.0) + value * k
+    total_lag_tokens = sum(lags.values()) or 1.0
+    inference_busy = sum(e.busy_s for e in engines) / max(len(engines), 1)
+    wait_batch = sum(r.get("time/wait_batch_s", 0.0) for r in rows)
+    episodes = trainer.controller.stats()["started"]
+    report = {
+        **facts,
+        "allocation": trainer.cfg.allocation, "steps": steps,
+        "batch_size": trainer.cfg.rollout.batch_size, "group_size": trainer.cfg.rollout.group_size,
+        "max_head_offpolicyness": trainer.cfg.rollout.max_head_offpolicyness,
+        "simulated_s": simulated, "s_per_step": simulated / steps if steps else None,
+        "samples_per_s": trajectories / simulated if simulated else 0.0,
+        "trained_tokens_per_s": actor.tokens / simulated if simulated else 0.0,
+        "generated_tokens_per_s": sum(e.tokens for e in engines) / simulated if simulated else 0.0,
+        "utilisation": {"inference": inference_busy / simulated if simulated else 0.0,
+                        "train": actor.busy_s / simulated if simulated else 0.0},
+        "waiting_s": {"trainer_for_batches": wait_batch,
+                      "inference_idle": max(0.0, simulated - inference_busy)},
+        "staleness_tokens_by_lag": {str(lag): lags[lag] / total_lag_tokens for lag in sorted(lags)},
+        "wall_s": wall, "episodes": episodes,
+        "wall_ms_per_episode": 1e3 * wall / episodes if episodes else None,
+        "clock_jumps": clock.jumps, "engine_events": sum(e.events for e in engines),
+        "engine_calls": sum(e.requests for e in engines),
+    }
+    return report
+
+
+def summary_lines(r: dict) -> list[str]:
+    """The report in a few lines for the terminal."""
+    lags = ", ".join(f"{lag}: {share:.0%}" for lag, share in r["staleness_tokens_by_lag"].items())
+    return [
+        f"{r['allocation']} ({r['gpus']} GPUs, {r['profile']}), batch {r['batch_size']} x {r['group_size']}, "
+        f"eta {r['max_head_offpolicyness']}, {r['steps']} steps",
+        f"simulated {r['simulated_s']:.0f} s ({r['s_per_step']:.1f} s a step) in {r['wall_s']:.1f} s of wall time "
+        f"({r['wall_ms_per_episode']:.1f} ms an episode)",
+        f"samples/s {r['samples_per_s']:.2f}, trained tokens/s {r['trained_tokens_per_s']:.0f}, "
+        f"generated tokens/s {r['generated_tokens_per_s']:.0f}",
+        f"GPU utilisation: inference {r['utilisation']['inference']:.0%}, train {r['utilisation']['train']:.0%}; "
+        f"trainer waited {r['waiting_s']['trainer_for_batches']:.0f} s for batches",
+        f"trained tokens by staleness: {lags}",
+    ]
+
+
+def parse_sweep(specs: list[str]) -> list[tuple[str, list[str]]]:
+    """``key=v1,v2,...`` each; the grid is their product, in the order given."""
+    out = []
+    for spec in specs:
+        key, sep, values = spec.partition("=")
+        if not sep or not key or not values:
+            raise SimulationError(f"--sweep {spec!r}: write key=v1,v2,... (e.g. rollout.max_head_offpolicyness=0,4)")
+        out.append((key, values.split(",")))
+    return out
+
+
+def run_sweep(config_path: str | None, overrides: list[str], sweeps: list[tuple[str, list[str]]],
+              out_dir: Path) -> list[dict]:
+    """Every point of the grid, each in ``out_dir/<key>=<value>...``; ``sweep.json`` and ``curves.png`` beside."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    points = []
+    for combo in itertools.product(*(values for _, values in sweeps)):
+        extra = [f"{key}={value}" for (key, _), value in zip(sweeps, combo)]
+        name = ",".join(extra).replace("/", "_")
+        report = run_simulation(config_path, [*overrides, *extra], str(out_dir / name))
+        points.append({"point": dict(zip((key for key, _ in sweeps), combo)), "report": report})
+    (out_dir / "sweep.json").write_text(json.dumps(points, indent=1))
+    plot_sweep(points, sweeps, out_dir / "curves.png")
+    return points
+
+
+def plot_sweep(points: list[dict], sweeps: list[tuple[str, list[str]]], path: Path) -> None:
+    """Samples/s and trained tokens/s against the first swept key, a line per value of the others."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SimulationError(f"--sweep draws {path} with matplotlib, which is not installed (the sweep's figures are "
+                              f"in {path.with_name('sweep.json')}). Fix: pip install 'areal-plugin-sim[plot]'") from None
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    first = sweeps[0][0]
+    lines: dict[tuple, list[tuple[str, dict]]] = {}
+    for p in points:
+        rest = tuple((k, v) for k, v in p["point"].items() if k != first)
+        lines.setdefault(rest, []).append((p["point"][first], p["report"]))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for rest, series in lines.items():
+        label = ", ".join(f"{k}={v}" for k, v in rest) or "simulated"
+        xs = [x for x, _ in series]
+        axes[0].plot(xs, [r["samples_per_s"] for _, r in series], marker="o", label=label)
+        axes[1].plot(xs, [r["trained_tokens_per_s"] for _, r in series], marker="o", label=label)
+    for ax, title in zip(axes, ("samples / s", "trained tokens / s")):
+        ax.set_xlabel(first)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

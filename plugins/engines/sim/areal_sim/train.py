@@ -1,0 +1,129 @@
+"""The simulated train engine: the real train-engine contract, the profile's time instead of a model.
+
+It is the actor of a simulated run: the real trainer loop hands it batches
+(packed by the real code, advantages from the real algorithm), and it runs the
+algorithm's real loss on each optimizer step's sub-batch (behaviour logprobs
+standing in for the model's, so every ratio is 1), then spends what the profile
+says a step of that many tokens costs on the modelled layout:
+
+- ``forward_logprobs``: a quarter of a recomputed forward + backward per token
+  (2 of its 8 x params FLOPs per token), over the d x t x p GPUs of the actor's
+  placement;
+- ``train_batch``: per optimizer step (``actor.ppo_minibatches`` x
+  ``ppo_epochs``), the step's tokens x ``train.s_per_token_per_gpu`` over the
+  GPUs, plus the gradient all-reduce over d ranks (``TrainModel.step_s``). Tensor
+  and pipeline parallelism are taken as an ideal split of the compute; their own
+  communication and bubbles are not modelled.
+
+Tokens count ``token_scale`` times over, as in the simulated inference engine
+(each returned token stands for that many). Time passes through the clock the
+trainer hands its engines (``extras["clock"]``): a virtual one in ``areal
+simulate``, the wall clock (divided by ``time_scale``) otherwise. Weights are a
+version number: exports write it, and the inference engines charge the
+profile's transfer time for the bytes a real model would move.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from areal_core.api import TrainEngine
+from areal_core.clock import REAL_CLOCK
+
+from areal_sim.profile import load_profile
+
+FORWARD_SHARE = 0.25  # forward pass / (forward + recomputed forward + backward): 2 of 8 x params FLOPs per token
+
+
+@dataclass
+class SimTrainConfig:
+    """Keys of ``actor`` when ``actor.backend: sim_train``."""
+
+    profile: str = field(default="qwen2.5-7b-h800", metadata={
+        "help": "a shipped latency profile (areal_sim/profiles) or the path of a profile YAML"})
+    token_scale: int = field(default=1, metadata={
+        "ge": 1, "help": "modelled tokens per token in a batch (the same as rollout.token_scale)"})
+    time_scale: float = field(default=1.0, metadata={
+        "gt": 0.0, "help": "modelled seconds per wall-clock second on a real clock (a virtual clock ignores it)"})
+
+
+class SimTrainEngine(TrainEngine):
+    capabilities = frozenset({"save_load", "export_disk", "export_tensors", "minibatches", "reference"})
+    config_class = SimTrainConfig
+
+    def initialize(self) -> None:
+        options = self.context.options or SimTrainConfig()
+        self.profile = load_profile(options.profile)
+        self.scale, self.time_scale = options.token_scale, options.time_scale
+        self.clock = self.context.extras.get("clock") or REAL_CLOCK
+        parallel = getattr(self.context.placement, "parallel", None)
+        self.d = int(getattr(parallel, "d", 1) or 1)
+        self.gpus = self.d * int(getattr(parallel, "t", 1) or 1) * int(getattr(parallel, "p", 1) or 1)
+        self._version = 0
+        self.busy_s = 0.0  # modelled seconds of work (the simulator's utilisation figure)
+        self.tokens = 0  # modelled tokens trained
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def _spend(self, modelled_s: float) -> None:
+        self.busy_s += modelled_s
+        self.clock.sleep(modelled_s if self.clock.virtual else modelled_s / self.time_scale)
+
+    def forward_logprobs(self, batch: dict, temperature: float = 1.0) -> dict:
+        tokens = len(batch["input_ids"]) * self.scale
+        self._spend(FORWARD_SHARE * tokens * self.profile.train.s_per_token_per_gpu / self.gpus)
+        return {"logprobs": list(batch["logprobs"])}
+
+    def train_batch(self, batch: dict, loss_fn: Any, temperature: float = 1.0, epochs: int = 1) -> dict:
+        import torch
+
+        from areal_core.train_batches import merge_update_stats, update_batches
+
+        steps = []
+        for j, part in enumerate(update_batches(batch, epochs)):
+            logprobs = torch.as_tensor(part["logprobs"], dtype=torch.float32).requires_grad_()
+            entropy = torch.zeros_like(logprobs)
+            loss, stats = loss_fn(logprobs, entropy, {**part, "update_step": j})
+            loss.backward()  # the algorithm's real loss and its gradient, on the stand-in logprobs
+            tokens = len(part["input_ids"]) * self.scale
+            self._spend(tokens * self.profile.train.s_per_token_per_gpu / self.gpus
+                        + self.profile.train.allreduce_s(self.d))
+            self.tokens += tokens
+            steps.append({"loss": float(loss.detach()), **{k: float(v) for k, v in stats.items()},
+                          "grad_norm": float(logprobs.grad.norm()) if logprobs.grad is not None else 0.0})
+        self._version += 1
+        return merge_update_stats(steps, epochs)
+
+    # -------------------------------------------------------------- weights: a version number
+    def _state(self) -> dict:
+        return {"version": self._version, "tokens": self.tokens, "busy_s": self.busy_s,
+                "profile": self.profile.name}
+
+    def save(self, path: str, *, with_optimizer: bool = True) -> None:
+        if os.environ.get("RANK", "0") != "0":
+            return
+        Path(path).mkdir(parents=True, exist_ok=True)
+        tmp = Path(path, "sim_state.json.tmp")
+        tmp.write_text(json.dumps(self._state()))
+        tmp.replace(Path(path, "sim_state.json"))
+
+    def load(self, path: str, *, with_optimizer: bool = True) -> None:
+        state = json.loads(Path(path, "sim_state.json").read_text())
+        self._version, self.tokens, self.busy_s = state["version"], state["tokens"], state["busy_s"]
+
+    def export_to_disk(self, path: str) -> None:
+        self.save(path)
+
+    def export_tensors(self, bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
+        import torch
+
+        return iter([[("sim.version", torch.tensor(self._version))]])
+
+    def close(self) -> None:
+        pass

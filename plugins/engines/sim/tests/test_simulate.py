@@ -1,0 +1,166 @@
+"""The simulated train engine's time, and whole simulated runs through the real trainer and controller: the
+figures they report checked against what the model implies, from outside."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+from areal_core.api import Context
+from areal_core.clock import VirtualClock
+from areal_core.config.allocation import parse_allocation
+from areal_sim.profile import load_profile
+from areal_sim.simulate import SimSettings, SimulationError, run_simulation, simulated_config
+from areal_sim.train import FORWARD_SHARE, SimTrainConfig, SimTrainEngine
+
+SMALL = """\
+experiment: simtest
+trial: t
+rollout: {batch_size: 8, group_size: 4, max_head_offpolicyness: 2, max_concurrent_rollouts: 32,
+          weight_sync: tensors, sampling: {max_new_tokens: 8000}}
+algorithm: {name: grpo}
+trainer: {total_steps: 6}
+"""
+
+
+def _simulate(tmp_path, *overrides, text=SMALL):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    config = tmp_path / "config.yaml"
+    config.write_text(text)
+    with contextlib.redirect_stdout(io.StringIO()):
+        return run_simulation(str(config), list(overrides), str(tmp_path / "run"))
+
+
+def test_the_train_engine_spends_the_profiles_time_on_its_layout_and_runs_the_real_loss():
+    class Placement:
+        parallel = parse_allocation("sim_train:d4t2").components[0].parallel
+
+    clock = VirtualClock(threads=1)
+    engine = SimTrainEngine(Context(options=SimTrainConfig(profile="qwen2.5-7b-h800", token_scale=10),
+                                    placement=Placement(), extras={"clock": clock}))
+    engine.initialize()
+    profile = load_profile("qwen2.5-7b-h800")
+    batch = {"input_ids": [1] * 300, "logprobs": [-0.5] * 300, "loss_mask": [1] * 300, "cu_seqlens": [0, 100, 300],
+             "seq_lens": [100, 200], "advantages": [1.0] * 300}
+    engine.forward_logprobs(batch)
+    assert clock.now() == pytest.approx(FORWARD_SHARE * 3000 * profile.train.s_per_token_per_gpu / 8)
+    seen = []
+
+    def loss_fn(logprobs, entropy, mb):
+        seen.append(len(logprobs))
+        loss = -(logprobs * 1.0).mean()
+        return loss, {"pg_loss": float(loss.detach())}
+
+    before = clock.now()
+    stats = engine.train_batch(batch, loss_fn)
+    assert seen == [300] and engine.version == 1 and stats["grad_norm"] > 0
+    # 3000 modelled tokens over 8 GPUs, and the gradient all-reduce over the 4 data-parallel ranks
+    assert clock.now() - before == pytest.approx(3000 * profile.train.s_per_token_per_gpu / 8
+                                                 + profile.train.allreduce_s(4))
+
+
+def test_the_simulated_config_keeps_the_algorithm_and_controller_and_replaces_the_hardware():
+    raw = {"allocation": "vllm:d6+fsdp:d2", "rollout": {"backend": "vllm", "batch_size": 64, "group_size": 16,
+                                                        "max_head_offpolicyness": 4, "gpu_memory_utilization": 0.9,
+                                                        "sampling": {"max_new_tokens": 20000}},
+           "actor": {"backend": "fsdp", "ppo_minibatches": 4, "shard": "full"},
+           "algorithm": {"name": "ppo", "eps_clip": 0.2}, "workflow": {"name": "rlvr", "seed_samples": True}}
+    config, facts = simulated_config(raw, SimSettings(gpus=64, profile="qwen2.5-14b-h800", token_scale=50))
+    # 3/4 of the GPUs serve, as in the config's own allocation, in servers of the profile's 2 GPUs
+    assert config["allocation"] == "sim:d24t2+sim_train:d16"
+    assert facts["inference_gpus"] == 48 and facts["train_gpus"] == 16
+    assert config["rollout"]["batch_size"] == 64 and config["rollout"]["max_head_offpolicyness"] == 4
+    assert "gpu_memory_utilization" not in config["rollout"] and "shard" not in config["actor"]
+    assert config["actor"]["ppo_minibatches"] == 4 and config["algorithm"] == raw["algorithm"]
+    assert config["rollout"]["sampling"]["max_new_tokens"] == 400  # 20,000 modelled tokens at 50 a token
+    assert config["workflow"] == {"name": "sim"} and config["dataset"]["name"] == "sim"
+
+
+@pytest.mark.parametrize("override, words", [
+    ("sim.gpu=8", "sim.gpu: not a simulation setting"),
+    ("sim.gpus=many", "sim.gpus=many: must be a whole number"),
+    ("sim.gpus=0", "must be at least 1"),
+    ("sim.profile=nope", "'nope' is neither a shipped profile nor a file"),
+])
+def test_bad_simulation_settings_are_named(tmp_path, override, words):
+    with pytest.raises(SimulationError, match=words):
+        _simulate(tmp_path, override)
+
+
+def test_inference_gpus_that_leave_nothing_to_train_on_are_refused(tmp_path):
+    with pytest.raises(SimulationError, match=r"sim.inference_gpus=8: .* leave GPUs for training"):
+        _simulate(tmp_path, "sim.gpus=8", "sim.inference_gpus=8")
+
+
+def test_a_simulated_run_reports_what_its_metrics_and_engines_say(tmp_path):
+    report = _simulate(tmp_path, "sim.gpus=8", "sim.token_scale=50")
+    assert report["allocation"] == "sim:d4+sim_train:d4" and report["steps"] == 6
+    assert report["samples_per_s"] == pytest.approx(6 * 8 * 4 / report["simulated_s"])
+    assert 0 < report["utilisation"]["train"] < 1 and 0.5 < report["utilisation"]["inference"] <= 1
+    # the staleness bound (eta = 2), read from the trained tokens' versions
+    assert set(report["staleness_tokens_by_lag"]) <= {"0", "1", "2"}
+    assert sum(report["staleness_tokens_by_lag"].values()) == pytest.approx(1.0)
+    assert report["wall_s"] < 30 and report["simulated_s"] > 100
+    written = json.loads((tmp_path / "run" / "simulation.json").read_text())
+    assert written["simulated_s"] == report["simulated_s"]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in rows if r.get("step", 0) >= 1]) == 6
+
+
+def test_the_same_config_simulates_to_the_same_figures(tmp_path):
+    """Lockstep (areal_core.clock): the trainer's and the loop's real interleaving does not change the run."""
+    first = _simulate(tmp_path / "a", "sim.gpus=8", "sim.token_scale=50")
+    second = _simulate(tmp_path / "b", "sim.gpus=8", "sim.token_scale=50")
+    assert first["simulated_s"] == second["simulated_s"]
+    assert first["staleness_tokens_by_lag"] == second["staleness_tokens_by_lag"]
+    assert (tmp_path / "a" / "run" / "samples.jsonl").read_text() == \
+        (tmp_path / "b" / "run" / "samples.jsonl").read_text()
+
+
+def test_synchronous_training_has_no_stale_tokens_and_each_step_lasts_its_parts(tmp_path):
+    """eta = 0: every trained token is of the version trained on, and a step lasts at least its slowest
+    request's generation alone (decode at batch 1 is the fastest a token can come), the training and the
+    weight transfer, one after the other."""
+    report = _simulate(tmp_path, "sim.gpus=8", "sim.token_scale=50", "rollout.max_head_offpolicyness=0")
+    assert report["staleness_tokens_by_lag"] == {"0": 1.0}
+    profile = load_profile("qwen2.5-7b-h800")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r.get("step", 0) >= 1]
+    floor = profile.weights.transfer_s()
+    for r in rows:
+        assert r["time/train_s"] > 0
+        assert r["time/wait_batch_s"] + r["time/train_s"] + r["time/weight_sync_s"] >= floor
+
+
+def test_asynchronous_training_is_faster_than_synchronous_on_long_tailed_lengths(tmp_path):
+    sync = _simulate(tmp_path / "sync", "sim.gpus=8", "sim.token_scale=50", "rollout.max_head_offpolicyness=0")
+    async_ = _simulate(tmp_path / "async", "sim.gpus=8", "sim.token_scale=50", "rollout.max_head_offpolicyness=4")
+    assert async_["samples_per_s"] > 1.2 * sync["samples_per_s"]
+    assert async_["utilisation"]["inference"] > sync["utilisation"]["inference"]
+
+
+def test_areal_simulate_runs_from_the_command_line_and_sweeps(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text(SMALL.replace("total_steps: 6", "total_steps: 3"))
+    run = subprocess.run([sys.executable, "-m", "areal_cli.app", "simulate", str(config), "sim.gpus=8",
+                          "sim.token_scale=50", "--sweep", "rollout.max_head_offpolicyness=0,2",
+                          "--out", str(tmp_path / "sweep")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "samples/s" in run.stdout
+    points = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    assert [p["point"]["rollout.max_head_offpolicyness"] for p in points] == ["0", "2"]
+    assert (tmp_path / "sweep" / "curves.png").stat().st_size > 10_000
+
+
+def test_a_bad_setting_on_the_command_line_is_one_line_and_exit_1(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text(SMALL)
+    run = subprocess.run([sys.executable, "-m", "areal_cli.app", "simulate", str(config), "sim.gpus=zero"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert "sim.gpus=zero: must be a whole number" in run.stderr
