@@ -345,6 +345,7 @@ class Trainer:
             metrics["time/generation_paused_s"] = paused_s
             metrics.update(self._rollout_metrics(groups, packed, version, waited, train_s))
             self._record_samples(groups, version)
+            metrics["time/step_s"] = now() - began  # from asking for the batch to handing the weights over
         return metrics
 
     def _pack(self, groups: list, version: int) -> PackedBatch:

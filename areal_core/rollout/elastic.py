@@ -206,6 +206,9 @@ class EnginePool:
         # the whole heap rebuilt when the set of routable members changes; pick() is O(log n), not O(n).
         self._heap: list[tuple[int, int, Member]] = []
         self._heap_dirty = True
+        self.in_flight = 0  # requests inside an engine call, over every member
+        self.idle = asyncio.Event()  # set while none is
+        self.idle.set()
 
     # -------------------------------------------------------------- routing
     @property
@@ -236,10 +239,15 @@ class EnginePool:
     def acquire(self, member: Member) -> None:
         """One more request in flight on ``member``."""
         member.in_flight += 1
+        self.in_flight += 1
+        self.idle.clear()
         heapq.heappush(self._heap, (member.in_flight, member.slot, member))
 
     def release(self, member: Member) -> None:
         member.in_flight -= 1
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.idle.set()
         heapq.heappush(self._heap, (member.in_flight, member.slot, member))
 
     @property

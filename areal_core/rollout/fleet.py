@@ -81,8 +81,7 @@ class Fleet:
         if all("pause" in e.capabilities for e in self.engines):
             await self._on_members(lambda e: e.pause(), "pause")
         else:  # no interruption: let requests in flight finish under the old weights
-            while self.engine.in_flight:
-                await asyncio.sleep(0.001)
+            await self.pool.idle.wait()
 
     async def resume(self) -> None:
         if all("pause" in e.capabilities for e in self.engines):

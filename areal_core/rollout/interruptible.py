@@ -68,7 +68,7 @@ class InterruptibleEngine(InferenceEngine):
     @property
     def in_flight(self) -> int:
         """Requests now inside an engine call."""
-        return sum(m.in_flight for m in self.pool.members)
+        return self.pool.in_flight
 
     def close_gate(self) -> None:
         self._open.clear()

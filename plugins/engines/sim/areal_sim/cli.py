@@ -41,3 +41,33 @@ def simulate(
     except (SimulationError, ProblemsError) as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(1) from None
+
+
+def plan(
+    config: Annotated[str, typer.Argument(help="the YAML run config a real run takes (its backends are planned for)")],
+    overrides: Annotated[Optional[list[str]], typer.Argument(help="dotted overrides of the run config")] = None,
+    gpus: Annotated[int, typer.Option("--gpus", min=2, help="GPUs to split between inference and training")] = 8,
+    profile: Annotated[str, typer.Option("--profile", help="the latency profile (areal_sim/profiles or a YAML)")]
+    = "qwen2.5-7b-h800",
+    eta: Annotated[str, typer.Option("--eta", help="staleness bounds to consider, comma-separated")] = "0,1,2,4,8",
+    steps: Annotated[int, typer.Option("--steps", min=3, help="simulated steps per candidate")] = 6,
+    exhaustive: Annotated[bool, typer.Option("--exhaustive", help="simulate every split, not a search")] = False,
+) -> None:
+    """Choose the inference/training split and the staleness bound by simulation; print the allocation."""
+    from areal_core.problems import ProblemsError
+
+    from areal_sim.plan import Planner
+    from areal_sim.simulate import SimulationError
+
+    try:
+        etas = tuple(int(v) for v in eta.split(","))
+    except ValueError:
+        typer.echo(f"--eta {eta!r}: write whole numbers separated by commas, e.g. --eta 0,2,4", err=True)
+        raise typer.Exit(1) from None
+    try:
+        result = Planner(config, list(overrides or []), gpus=gpus, profile=profile, steps=steps).plan(etas, exhaustive)
+    except (SimulationError, ProblemsError) as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from None
+    for line in result.lines():
+        typer.echo(line)

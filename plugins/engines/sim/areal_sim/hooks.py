@@ -25,7 +25,9 @@ def areal_declare_backends() -> list[BackendSupport]:
 
 @hookimpl
 def areal_register_commands(registrar) -> None:
-    """``areal simulate``: the command lives in :mod:`areal_sim.cli` (Typer, imported only by the CLI)."""
-    from areal_sim.cli import simulate
+    """``areal simulate`` and ``areal plan``: the commands live in :mod:`areal_sim.cli` (Typer, imported only by
+    the CLI)."""
+    from areal_sim.cli import plan, simulate
 
     registrar.add_command(simulate, "simulate")
+    registrar.add_command(plan, "plan")

@@ -48,6 +48,9 @@ class SimEngineConfig:
                          "many decode steps; prompts count len(input_ids) x this): what lets a simulated step "
                          "of millions of tokens pass through the real controller and trainer as thousands"})
     vocab_size: int = field(default=32000, metadata={"ge": 2, "help": "token ids are drawn below this"})
+    interruptible: bool = field(default=True, metadata={
+        "help": "false: the engine cannot pause, so a weight update waits for the requests in flight to finish "
+                "(drain-on-update, the baseline interruptible generation is measured against)"})
 
 
 @dataclass(eq=False)
@@ -114,6 +117,8 @@ class SimInferenceEngine(InferenceEngine):
         self.profile = load_profile(options.profile)
         self.time_scale, self.vocab_size = options.time_scale, options.vocab_size
         self.scale = options.token_scale
+        if not options.interruptible:
+            self.capabilities = type(self).capabilities - {"pause"}
         self._version = 0
         self._waiting: deque[_Request] = deque()
         # The running batch. Every running request gains a token per decode step, so the engine counts steps
@@ -146,6 +151,7 @@ class SimInferenceEngine(InferenceEngine):
         self.tokens = 0
         self.events = 0  # stretches planned: the simulator's own cost
         self.requests = 0  # generation calls answered (an interrupted request continues as a new call)
+        self.aborted = 0  # of them, answered with abort by a pause
 
     @property
     def version(self) -> int:
@@ -300,6 +306,7 @@ class SimInferenceEngine(InferenceEngine):
         self._credit(self._now())
         self._paused = True
         for r in list(self._running):
+            self.aborted += 1
             self._leave(r, "abort")
         self._ends.clear()
         self._kick()

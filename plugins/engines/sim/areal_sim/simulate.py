@@ -122,7 +122,12 @@ def simulated_config(raw: dict, settings: SimSettings) -> tuple[dict, dict]:
     train_gpus = gpus - inference_gpus
     servers = inference_gpus // tp
     k = settings.token_scale
+    from areal_sim.inference import SimEngineConfig
+
     rollout = _kept(rollout_raw, RolloutConfig)
+    # the simulated engine's own keys given with the run (rollout.interruptible=false, ...) go through
+    rollout.update({k: v for k, v in rollout_raw.items()
+                    if k in {f.name for f in dataclasses.fields(SimEngineConfig)}})
     sampling = dict(rollout.get("sampling") or {})
     modelled_max = int(sampling.get("max_new_tokens", profile.lengths.cap))
     sampling["max_new_tokens"] = max(1, math.ceil(min(modelled_max, profile.lengths.cap) / k))
@@ -210,6 +215,8 @@ def _report(trainer: Any, clock: Any, facts: dict, wall: float, run_dir: Path) -
         "max_head_offpolicyness": trainer.cfg.rollout.max_head_offpolicyness,
         "simulated_s": simulated, "s_per_step": simulated / steps if steps else None,
         "samples_per_s": trajectories / simulated if simulated else 0.0,
+        "steady_samples_per_s": steady_samples_per_s(rows, trainer.cfg.rollout.batch_size
+                                                     * trainer.cfg.rollout.group_size),
         "trained_tokens_per_s": actor.tokens / simulated if simulated else 0.0,
         "generated_tokens_per_s": sum(e.tokens for e in engines) / simulated if simulated else 0.0,
         "utilisation": {"inference": inference_busy / simulated if simulated else 0.0,
@@ -220,9 +227,20 @@ def _report(trainer: Any, clock: Any, facts: dict, wall: float, run_dir: Path) -
         "wall_s": wall, "episodes": episodes,
         "wall_ms_per_episode": 1e3 * wall / episodes if episodes else None,
         "clock_jumps": clock.jumps, "engine_events": sum(e.events for e in engines),
-        "engine_calls": sum(e.requests for e in engines),
+        "engine_calls": sum(e.requests for e in engines), "engine_aborts": sum(e.aborted for e in engines),
     }
     return report
+
+
+WARMUP_STEPS = 2  # steps while the pipeline fills, left out of the steady rate
+
+
+def steady_samples_per_s(rows: list[dict], per_step: int) -> float:
+    """Trajectories a second over the steps after the first ``WARMUP_STEPS`` (all of them when that leaves none),
+    from each step's ``time/step_s``: the rate a long run settles at."""
+    later = rows[WARMUP_STEPS:] if len(rows) > WARMUP_STEPS else rows
+    seconds = sum(r["time/step_s"] for r in later)
+    return len(later) * per_step / seconds if seconds else 0.0
 
 
 def summary_lines(r: dict) -> list[str]:
@@ -233,7 +251,7 @@ def summary_lines(r: dict) -> list[str]:
         f"eta {r['max_head_offpolicyness']}, {r['steps']} steps",
         f"simulated {r['simulated_s']:.0f} s ({r['s_per_step']:.1f} s a step) in {r['wall_s']:.1f} s of wall time "
         f"({r['wall_ms_per_episode']:.1f} ms an episode)",
-        f"samples/s {r['samples_per_s']:.2f}, trained tokens/s {r['trained_tokens_per_s']:.0f}, "
+        f"samples/s {r['samples_per_s']:.2f} (after {WARMUP_STEPS} steps: {r['steady_samples_per_s']:.2f}), trained tokens/s {r['trained_tokens_per_s']:.0f}, "
         f"generated tokens/s {r['generated_tokens_per_s']:.0f}",
         f"GPU utilisation: inference {r['utilisation']['inference']:.0%}, train {r['utilisation']['train']:.0%}; "
         f"trainer waited {r['waiting_s']['trainer_for_batches']:.0f} s for batches",

@@ -164,3 +164,13 @@ def test_a_bad_setting_on_the_command_line_is_one_line_and_exit_1(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert "sim.gpus=zero: must be a whole number" in run.stderr
+
+
+def test_drain_on_update_never_interrupts_and_is_slower_than_interruptible(tmp_path):
+    """rollout.interruptible=false: the engine cannot pause, so every update waits for the requests in flight;
+    no token is ever produced by a later version than the one its request started under."""
+    drain = _simulate(tmp_path / "drain", "sim.gpus=8", "sim.token_scale=50", "rollout.interruptible=false",
+                      "rollout.max_head_offpolicyness=4")
+    interrupted = _simulate(tmp_path / "inter", "sim.gpus=8", "sim.token_scale=50", "rollout.max_head_offpolicyness=4")
+    assert drain["steady_samples_per_s"] < interrupted["steady_samples_per_s"]
+    assert drain["engine_aborts"] == 0 and interrupted["engine_aborts"] > 0
