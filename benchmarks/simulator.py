@@ -9,17 +9,20 @@ the H800 profiles of ``areal_sim/profiles``; each point a real ``areal simulate`
 
 - ``scaling``: synchronous (eta 0) and asynchronous (eta 4) samples/s at 32 to 512 GPUs (1.5B): the async/sync
   speedup at each size, and strong scaling (throughput against 8x the 64-GPU point's, "% of linear");
+- ``weak``: asynchronous samples/s at 64 to 512 GPUs with the batch growing with the GPUs (64 groups at 64 GPUs,
+  512 at 512: the same work per GPU), against 512/64 x the 64-GPU point ("% of linear");
 - ``length``: the same speedup at 64 GPUs as the response-length cap grows (4k to 32k tokens, 7B);
 - ``eta``: samples/s and the share of trained tokens at each staleness for eta 0, 1, 2, 4, 8 and unbounded
-  (64 GPUs, 7B);
+  (64 GPUs, 7B; pacing off so that the bound is what limits, and 1,024 groups in flight at most, which is what
+  "unbounded" (eta 1000) is then held to);
 - ``interrupt``: interruptible generation against drain-on-update (the engine cannot pause, so an update waits for
   the requests in flight) at eta 4 (64 GPUs, 1.5B and 7B);
 - ``perf``: wall time of ``--steps`` steps at 512 GPUs (1.5B), and the wall ms per episode;
 - ``plan``: ``areal plan``'s search against scoring every split at eta 0, 2, 4, on the three scenarios of
   ``plugins/engines/sim/tests/test_plan.py`` (its small config), with the simulations each needed.
 
-Each point's samples/s is the report's ``steady_samples_per_s``: the trajectories of the steps after the first two
-(the pipeline is filling) over the simulated time they took. Results go to ``--out`` (JSON) and the tables
+Each point's samples/s is the report's ``steady_samples_per_s``: the trajectories of the second half of the steps
+(the first ones fill the pipeline) over the simulated time they took. Results go to ``--out`` (JSON) and the tables
 to stdout (markdown), the ones in ``benchmarks/simulator.md``.
 """
 
@@ -84,6 +87,10 @@ def points(name: str, steps: int) -> list[tuple[str, list[str]]]:
         return [(f"scaling/{gpus}/eta{eta}", base + [f"sim.gpus={gpus}", "sim.profile=qwen2.5-1.5b-h800",
                                                       f"rollout.max_head_offpolicyness={eta}"])
                 for gpus in (32, 64, 128, 256, 512) for eta in (0, 4)]
+    if name == "weak":
+        return [(f"weak/{gpus}", base + [f"sim.gpus={gpus}", "sim.profile=qwen2.5-1.5b-h800",
+                                         f"rollout.batch_size={gpus}", f"rollout.max_concurrent_rollouts={8 * gpus}"])
+                for gpus in (64, 128, 256, 512)]
     if name == "length":
         return [(f"length/{cap}/eta{eta}", base + ["sim.gpus=64", "sim.profile=qwen2.5-7b-h800",
                                                     f"rollout.sampling.max_new_tokens={cap}",
@@ -92,7 +99,7 @@ def points(name: str, steps: int) -> list[tuple[str, list[str]]]:
     if name == "eta":
         return [(f"eta/{eta}", base + ["sim.gpus=64", "sim.profile=qwen2.5-7b-h800",
                                         f"rollout.max_head_offpolicyness={eta}",
-                                        "rollout.max_concurrent_rollouts=100000", "rollout.pacing=false"])
+                                        "rollout.max_concurrent_rollouts=1024", "rollout.pacing=false"])
                 for eta in (0, 1, 2, 4, 8, 1000)]
     if name == "interrupt":
         return [(f"interrupt/{size}/{mode}", base + ["sim.gpus=64", f"sim.profile=qwen2.5-{size}-h800",
@@ -102,7 +109,7 @@ def points(name: str, steps: int) -> list[tuple[str, list[str]]]:
         return [(f"plan/{gpus}/{profile}", [str(gpus), profile, *extra]) for gpus, profile, extra in PLAN_SCENARIOS]
     if name == "perf":
         return [("perf/512", base + ["sim.gpus=512", "sim.profile=qwen2.5-1.5b-h800"])]
-    raise SystemExit(f"--only: unknown experiment {name!r}; one of scaling, length, eta, interrupt, perf")
+    raise SystemExit(f"--only: unknown experiment {name!r}; one of scaling, weak, length, eta, interrupt, plan, perf")
 
 
 def tables(results: dict[str, dict]) -> str:
@@ -120,6 +127,18 @@ def tables(results: dict[str, dict]) -> str:
             out.append(f"| {gpus} | {s['steady_samples_per_s']:.1f} | {a['steady_samples_per_s']:.1f} | "
                        f"{a['steady_samples_per_s'] / s['steady_samples_per_s']:.2f}x | {linear} | "
                        f"{s['utilisation']['inference']:.0%} / {a['utilisation']['inference']:.0%} |")
+        out.append("")
+    weak = {k: v for k, v in results.items() if k.startswith("weak/")}
+    if weak and "weak/64" in weak:
+        out += ["| GPUs | batch (groups) | async samples/s | % of linear (from 64) | inference / train util. |",
+                "|---|---|---|---|---|"]
+        base = weak["weak/64"]["steady_samples_per_s"]
+        for gpus in (64, 128, 256, 512):
+            r = weak.get(f"weak/{gpus}")
+            if r:
+                out.append(f"| {gpus} | {r['batch_size']} | {r['steady_samples_per_s']:.1f} | "
+                           f"{r['steady_samples_per_s'] / (base * gpus / 64):.0%} | "
+                           f"{r['utilisation']['inference']:.0%} / {r['utilisation']['train']:.0%} |")
         out.append("")
     length = {k: v for k, v in results.items() if k.startswith("length/")}
     if length:
@@ -173,8 +192,8 @@ def tables(results: dict[str, dict]) -> str:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", default="scaling,length,eta,interrupt")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--only", default="scaling,weak,length,eta,interrupt,plan")
+    parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", default="simulator.json")
     args = parser.parse_args(argv)

@@ -164,5 +164,5 @@ def test_a_stuck_driver_is_named_after_the_lockstep_timeout():
     loop = clock.new_event_loop()
     loop.call_soon(lambda: None)
     with pytest.raises(RuntimeError, match="waited 0 s for the trainer thread to block"):
-        loop.run_until_complete(asyncio.sleep(0))
+        loop.run_until_complete(loop.create_future())
     loop.close()

@@ -8,7 +8,7 @@ searches:
 - the staleness bound ``rollout.max_head_offpolicyness`` over ``--eta`` (default 0, 1, 2, 4, 8).
 
 Each candidate is scored by a short simulation (:func:`areal_sim.simulate.run_simulation`: the real controller
-and trainer), samples/s over the steps after the first two (``steady_samples_per_s``). For each eta the split is found by a ternary
+and trainer), samples/s over the second half of its steps (``steady_samples_per_s``). For each eta the split is found by a ternary
 search over the number of servers (throughput rises while generation is the bottleneck and falls once training is:
 one peak), refined by scoring the neighbours of the best point, so a plan costs tens of simulations, not one per
 split; ``exhaustive=True`` scores every split (what the tests compare the search with).
