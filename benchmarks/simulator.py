@@ -59,7 +59,7 @@ def plan_point(args: list[str]) -> dict:
     gpus, profile, extra = int(args[0]), args[1], args[2:]
     with tempfile.TemporaryDirectory() as folder:
         config = Path(folder, "config.yaml")
-        config.write_text(module.CONFIG)
+        config.write_text(module.CONFIG.replace("rl_pg_double", "grpo"))  # the tests' algorithm double -> GRPO
         searched = Planner(str(config), extra, gpus=gpus, profile=profile, steps=5).plan((0, 2, 4))
         grid = Planner(str(config), extra, gpus=gpus, profile=profile, steps=5).plan((0, 2, 4), exhaustive=True)
     return {"searched": searched.best.allocation, "searched_eta": searched.best.eta,

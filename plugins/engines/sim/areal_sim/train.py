@@ -83,13 +83,15 @@ class SimTrainEngine(TrainEngine):
     def train_batch(self, batch: dict, loss_fn: Any, temperature: float = 1.0, epochs: int = 1) -> dict:
         import torch
 
-        from areal_core.train_batches import merge_update_stats, update_batches
+        from areal_core.train_batches import merge_update_stats, to_tensor, update_batches
 
         steps = []
         for j, part in enumerate(update_batches(batch, epochs)):
             logprobs = torch.as_tensor(part["logprobs"], dtype=torch.float32).requires_grad_()
             entropy = torch.zeros_like(logprobs)
-            loss, stats = loss_fn(logprobs, entropy, {**part, "update_step": j})
+            # the columns as tensors, as every train engine hands its micro-batches to the loss
+            mb = {k: to_tensor(k, v) for k, v in part.items()}
+            loss, stats = loss_fn(logprobs, entropy, {**mb, "update_step": j})
             loss.backward()  # the algorithm's real loss and its gradient, on the stand-in logprobs
             tokens = len(part["input_ids"]) * self.scale
             self._spend(tokens * self.profile.train.s_per_token_per_gpu / self.gpus

@@ -11,6 +11,8 @@ import pytest
 
 from areal_sim.plan import Planner
 
+pytestmark = pytest.mark.usefixtures("algorithm_double")  # tests/conftest.py: the core's algorithm double
+
 CONFIG = """\
 experiment: plantest
 trial: t
@@ -18,7 +20,7 @@ allocation: "sim:d4+sim_train:d4"
 rollout: {backend: sim, batch_size: 16, group_size: 4, max_head_offpolicyness: 2, max_concurrent_rollouts: 64,
           weight_sync: tensors, sampling: {max_new_tokens: 6000}}
 actor: {backend: sim_train}
-algorithm: {name: grpo}
+algorithm: {name: rl_pg_double}
 workflow: {name: sim}
 reward: {name: sim}
 dataset: {name: sim}

@@ -18,12 +18,14 @@ from areal_sim.profile import load_profile
 from areal_sim.simulate import SimSettings, SimulationError, run_simulation, simulated_config
 from areal_sim.train import FORWARD_SHARE, SimTrainConfig, SimTrainEngine
 
+pytestmark = pytest.mark.usefixtures("algorithm_double")  # tests/conftest.py: the core's algorithm double
+
 SMALL = """\
 experiment: simtest
 trial: t
 rollout: {batch_size: 8, group_size: 4, max_head_offpolicyness: 2, max_concurrent_rollouts: 32,
           weight_sync: tensors, sampling: {max_new_tokens: 8000}}
-algorithm: {name: grpo}
+algorithm: {name: rl_pg_double}
 trainer: {total_steps: 6}
 """
 
