@@ -213,7 +213,6 @@ class _ClockCondition(threading.Condition):
     def __init__(self, clock: VirtualClock) -> None:
         super().__init__()
         self._clock = clock
-        self.pending: Callable[[], bool] = lambda: False  # set by the loop: whether callbacks wait to run
         self._tokens: list[_Token] = []
 
     def wait(self, timeout: float | None = None) -> bool:

@@ -24,10 +24,11 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterable
 
 from areal_core.api.inference import InferenceEngine
 
@@ -39,19 +40,16 @@ ACTIVE, JOINING, DOWN = "active", "joining", "down"
 # servers it restarted (host:port per line) in the file this variable names, and the trainer's rank 0 writes
 # every server that leaves or joins routing as a row of EVENTS_FILE in the run folder, which the launcher shows.
 LAUNCHER_DISCOVERY_ENV = "AREAL_ROLLOUT_DISCOVERY_FILE"
+EVENTS_FILE = "events.jsonl"
 
 
-def write_discovery_file(path: Any, addresses: Any) -> None:
+def write_discovery_file(path: str | Path, addresses: Iterable[str]) -> None:
     """A launcher's list of the servers it restarted and that are up (``LAUNCHER_DISCOVERY_ENV``): one
     ``host:port`` per line, replaced in one step so the trainer's monitor never reads half of it."""
-    import os
-    from pathlib import Path
-
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(f"{address}\n" for address in addresses))
     os.replace(tmp, path)
-EVENTS_FILE = "events.jsonl"
 
 
 @dataclass

@@ -92,6 +92,8 @@ def simulated_config(raw: dict, settings: SimSettings) -> tuple[dict, dict]:
     from areal_core.config.allocation import AllocationParseError, parse_allocation
     from areal_core.config.schema import ActorConfig, RolloutConfig, TrainerConfig
 
+    from areal_sim.inference import SimEngineConfig
+
     try:
         profile = load_profile(settings.profile)
     except ProfileError as exc:
@@ -121,20 +123,17 @@ def simulated_config(raw: dict, settings: SimSettings) -> tuple[dict, dict]:
             f"sim.inference_gpus={max(tp, (gpus // 2) // tp * tp)}")
     train_gpus = gpus - inference_gpus
     servers = inference_gpus // tp
-    k = settings.token_scale
-    from areal_sim.inference import SimEngineConfig
-
+    scale = settings.token_scale
     rollout = _kept(rollout_raw, RolloutConfig)
     # the simulated engine's own keys given with the run (rollout.interruptible=false, ...) go through
-    rollout.update({k: v for k, v in rollout_raw.items()
-                    if k in {f.name for f in dataclasses.fields(SimEngineConfig)}})
+    rollout.update(_kept(rollout_raw, SimEngineConfig))
     sampling = dict(rollout.get("sampling") or {})
     modelled_max = int(sampling.get("max_new_tokens", profile.lengths.cap))
-    sampling["max_new_tokens"] = max(1, math.ceil(min(modelled_max, profile.lengths.cap) / k))
+    sampling["max_new_tokens"] = max(1, math.ceil(min(modelled_max, profile.lengths.cap) / scale))
     sampling.pop("stop", None)
-    rollout.update(backend="sim", sampling=sampling, request_timeout_s=1e9, profile=settings.profile, token_scale=k)
+    rollout.update(backend="sim", sampling=sampling, request_timeout_s=1e9, profile=settings.profile, token_scale=scale)
     actor = _kept(raw.get("actor") or {}, ActorConfig)
-    actor.update(backend="sim_train", profile=settings.profile, token_scale=k)
+    actor.update(backend="sim_train", profile=settings.profile, token_scale=scale)
     trainer = _kept(raw.get("trainer") or {}, TrainerConfig)
     trainer.update(save_every=0, save_every_s=0)
     config = {
@@ -144,11 +143,11 @@ def simulated_config(raw: dict, settings: SimSettings) -> tuple[dict, dict]:
         "model": {"path": ""}, "rollout": rollout, "actor": actor,
         "algorithm": raw.get("algorithm") or {"name": "grpo"},
         "workflow": {"name": "sim"}, "reward": {"name": "sim"},
-        "dataset": {"name": "sim", "profile": settings.profile, "token_scale": k, "size": settings.dataset_size},
+        "dataset": {"name": "sim", "profile": settings.profile, "token_scale": scale, "size": settings.dataset_size},
         "trainer": trainer, "eval": {"size": 0, "before": False},
     }
     facts = {"gpus": gpus, "inference_gpus": inference_gpus, "train_gpus": train_gpus, "servers": servers,
-             "tp": tp, "profile": profile.name, "profile_source": profile.source, "token_scale": k,
+             "tp": tp, "profile": profile.name, "profile_source": profile.source, "token_scale": scale,
              "max_new_tokens": min(modelled_max, profile.lengths.cap)}
     return config, facts
 

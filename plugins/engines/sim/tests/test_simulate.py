@@ -125,9 +125,8 @@ def test_the_same_config_simulates_to_the_same_figures(tmp_path):
 
 
 def test_synchronous_training_has_no_stale_tokens_and_each_step_lasts_its_parts(tmp_path):
-    """eta = 0: every trained token is of the version trained on, and a step lasts at least its slowest
-    request's generation alone (decode at batch 1 is the fastest a token can come), the training and the
-    weight transfer, one after the other."""
+    """eta = 0: every trained token is of the version trained on, and every step trains and lasts at least the
+    weight transfer that ends it (a weak floor: the step's generation is not bounded here)."""
     report = _simulate(tmp_path, "sim.gpus=8", "sim.token_scale=50", "rollout.max_head_offpolicyness=0")
     assert report["staleness_tokens_by_lag"] == {"0": 1.0}
     profile = load_profile("qwen2.5-7b-h800")
