@@ -1,0 +1,1 @@
+"""areal agent workflow: an OpenAI-compatible proxy in front of the rollout controller's engine."""

@@ -1,0 +1,228 @@
+"""What the proxy does per call, apart from HTTP: tokenize (reusing earlier tokens), generate, record, answer.
+
+Runs on the proxy's thread; generation itself runs on the episode's event loop
+through :meth:`Session.generate`, i.e. through the engine the rollout
+controller handed the episode (staleness bound, interruption, per-token
+versions apply as to any workflow).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import replace
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from areal_core.api import GenerationRequest, SamplingParams
+from areal_agent.chat import ChatTokenizer, message_key
+from areal_agent.sessions import CallRecord, Choice, Session
+from areal_agent.tools import parse_tool_calls
+
+
+class ChatRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    messages: list[dict]
+    model: str = ""
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    n: int = 1
+    stream: bool = False
+    stream_options: dict | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    prompt: str | list[int]
+    model: str = ""
+    n: int = 1
+    stream: bool = False
+    logprobs: int | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+
+
+class BadRequest(ValueError):
+    """A request the proxy cannot serve; answered with HTTP 400 and this message."""
+
+
+class Proxy:
+    """Serves the OpenAI endpoints for every session of one workflow."""
+
+    def __init__(self, tokenizer: Any, sampling: SamplingParams, options: Any, model_name: str) -> None:
+        self.chat = ChatTokenizer(tokenizer)
+        self.sampling, self.options, self.model_name = sampling, options, model_name
+        self.stop_ids = tuple(i for i in {tokenizer.eos_token_id} if i is not None)
+
+    # ------------------------------------------------------------ sampling
+    def params(self, body: Any, k: int) -> SamplingParams:
+        base, o = self.sampling, self.options
+        wanted = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        stop = body.stop if isinstance(body.stop, list) else [body.stop] if body.stop else []
+        params = replace(base, max_new_tokens=min(wanted or base.max_new_tokens, base.max_new_tokens),
+                         stop=tuple(dict.fromkeys([*base.stop, *stop])),
+                         stop_token_ids=tuple(dict.fromkeys([*base.stop_token_ids, *self.stop_ids])))
+        if o.agent_sampling:
+            params = replace(params, temperature=base.temperature if body.temperature is None else body.temperature,
+                             top_p=base.top_p if body.top_p is None else body.top_p,
+                             seed=None if body.seed is None else body.seed + k)
+        return params
+
+    async def sample(self, session: Session, prompt_ids: list[int], body: Any, call_id: str) -> list[Any]:
+        if body.n < 1 or body.n > 16:
+            raise BadRequest(f"n is {body.n}; the proxy serves 1 to 16 choices per call")
+        requests = [GenerationRequest(list(prompt_ids), self.params(body, k),
+                                      metadata={"session": session.id, "call": call_id, "choice": k})
+                    for k in range(body.n)]
+        timeout = self.options.agent_timeout_s
+        return list(await asyncio.gather(*(session.generate(r, timeout) for r in requests)))
+
+    def choice(self, response: Any, parse_tools: bool) -> Choice:
+        ids = list(response.output_ids)
+        text = self.chat.decode(ids)
+        choice = Choice(ids, list(response.output_logprobs), list(response.output_versions), response.stop_reason,
+                        text, content=text)
+        if parse_tools:
+            raw = self.chat.decode(ids, skip_special=False)
+            if ids and ids[-1] in self.chat.special_ids:  # the end-of-turn marker is not part of the reply
+                raw = raw[:len(raw) - len(self.chat.decode(ids[-1:], skip_special=False))]
+            parsed = parse_tool_calls(raw, self.options.tool_parser)
+            if parsed.tool_calls:
+                choice.content, choice.tool_calls = parsed.content, parsed.tool_calls
+                if choice.content is not None:
+                    choice.content = self._strip_special(choice.content)
+        return choice
+
+    def _strip_special(self, text: str) -> str:
+        for token in self.chat.tokenizer.all_special_tokens:
+            text = text.replace(token, "")
+        return text
+
+    # ------------------------------------------------------------ chat
+    def prompt_for(self, session: Session, messages: list[dict], tools: list | None) -> tuple[list[int], dict, Any]:
+        """Prompt ids for ``messages``: an earlier call's exact ids + the new messages' ids where they extend it."""
+        keys = [message_key(m) for m in messages]
+        hit = session.earlier(keys)
+        if hit is None:
+            reason = "first call of the session" if not session.records else \
+                "the messages do not extend an earlier call's messages and reply"
+            return self._render_whole(messages, tools), {"reused": False, "reason": reason}, None
+        n, record, k = hit
+        choice = record.choices[k]
+        ids, why = self.chat.continuation(messages[:n - 1], messages[n:], tools,
+                                          choice.output_ids[-1] if choice.output_ids else None)
+        if ids is None:
+            return self._render_whole(messages, tools), {"reused": False, "reason": why}, None
+        prefix = [*record.prompt_ids, *choice.output_ids]
+        return prefix + ids, {"reused": True, "from_call": record.call_id, "choice": k,
+                              "reused_tokens": len(prefix), "new_tokens": len(ids)}, (record.call_id, k)
+
+    def _render_whole(self, messages: list[dict], tools: list | None) -> list[int]:
+        try:
+            return self.chat.full(messages, tools)
+        except Exception as exc:
+            raise BadRequest(f"the model's chat template cannot render these messages: "
+                             f"{type(exc).__name__}: {exc}") from None
+
+    async def chat_completion(self, session: Session, body: ChatRequest) -> tuple[CallRecord, dict]:
+        if not body.messages:
+            raise BadRequest("messages is empty; send at least one message")
+        use_tools = body.tools if body.tool_choice != "none" else None
+        call_id = f"chatcmpl-{uuid.uuid4().hex}"
+        began = time.monotonic()
+        prompt_ids, prefix, parent = self.prompt_for(session, body.messages, use_tools)
+        responses = await self.sample(session, prompt_ids, body, call_id)
+        choices = [self.choice(r, bool(use_tools)) for r in responses]
+        info = {"prefix": prefix}
+        if prefix["reused"]:
+            drift = self.chat.drift(prompt_ids, body.messages, use_tools)
+            if drift is not None:
+                info["template_drift"] = drift
+        record = CallRecord(call_id, "chat", prompt_ids, choices, parent, info=info,
+                            seconds=time.monotonic() - began)
+        keys = [message_key(m) for m in body.messages]
+        replies = [message_key({"role": "assistant", "content": c.content, "tool_calls": c.tool_calls})
+                   for c in choices]
+        session.add(record, messages=keys, texts=replies)
+        return record, self.chat_body(record, body)
+
+    def chat_body(self, record: CallRecord, body: ChatRequest) -> dict:
+        choices = []
+        for k, c in enumerate(record.choices):
+            message: dict = {"role": "assistant", "content": c.content}
+            if c.tool_calls:
+                message["tool_calls"] = c.tool_calls
+            entry = {"index": k, "message": message, "finish_reason": finish_reason(c),
+                     "logprobs": self.logprobs(c) if body.logprobs else None}
+            choices.append(entry)
+        return {"id": record.call_id, "object": "chat.completion", "created": int(time.time()),
+                "model": body.model or self.model_name, "choices": choices, "usage": usage(record)}
+
+    def logprobs(self, c: Choice) -> dict:
+        tokens = []
+        for token_id, lp in zip(c.output_ids, c.logprobs):
+            text = self.chat.decode([token_id], skip_special=False)
+            tokens.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+        return {"content": tokens}
+
+    # ------------------------------------------------------------ completions
+    async def completion(self, session: Session, body: CompletionRequest) -> tuple[CallRecord, dict]:
+        call_id = f"cmpl-{uuid.uuid4().hex}"
+        began = time.monotonic()
+        parent = None
+        if isinstance(body.prompt, list):
+            prompt_ids, prefix = list(body.prompt), {"reused": False, "reason": "token ids given"}
+        else:
+            hit = session.earlier_text(body.prompt)
+            if hit is None:
+                prompt_ids = self.chat.encode(body.prompt)
+                prefix = {"reused": False, "reason": "the prompt does not extend an earlier prompt and output"}
+            else:
+                text, record, k = hit
+                prefix_ids = [*record.prompt_ids, *record.choices[k].output_ids]
+                rest = self.chat.encode(body.prompt[len(text):])
+                prompt_ids, parent = prefix_ids + rest, (record.call_id, k)
+                prefix = {"reused": True, "from_call": record.call_id, "choice": k,
+                          "reused_tokens": len(prefix_ids), "new_tokens": len(rest)}
+        responses = await self.sample(session, prompt_ids, body, call_id)
+        choices = [self.choice(r, False) for r in responses]
+        record = CallRecord(call_id, "completions", prompt_ids, choices, parent, info={"prefix": prefix},
+                            seconds=time.monotonic() - began)
+        prompt_text = body.prompt if isinstance(body.prompt, str) else self.chat.decode(prompt_ids)
+        session.add(record, texts=[prompt_text + c.text for c in choices])
+        out = []
+        for k, c in enumerate(choices):
+            lp = None
+            if body.logprobs is not None:
+                tokens = [self.chat.decode([t], skip_special=False) for t in c.output_ids]
+                lp = {"tokens": tokens, "token_logprobs": c.logprobs, "top_logprobs": None, "text_offset": None}
+            out.append({"index": k, "text": c.text, "finish_reason": finish_reason(c), "logprobs": lp})
+        return record, {"id": call_id, "object": "text_completion", "created": int(time.time()),
+                        "model": body.model or self.model_name, "choices": out, "usage": usage(record)}
+
+
+def finish_reason(c: Choice) -> str:
+    if c.tool_calls:
+        return "tool_calls"
+    return "length" if c.stop_reason == "length" else "stop"
+
+
+def usage(record: CallRecord) -> dict:
+    completion = sum(len(c.output_ids) for c in record.choices)
+    return {"prompt_tokens": len(record.prompt_ids), "completion_tokens": completion,
+            "total_tokens": len(record.prompt_ids) + completion}

@@ -1,0 +1,261 @@
+"""The HTTP side: a FastAPI app served by uvicorn on its own thread and event loop.
+
+Endpoints: ``/v1/chat/completions`` (streamed as server-sent events when
+asked), ``/v1/completions``, ``/v1/responses`` (text in, text out),
+``/v1/models``, ``/rl/set_reward`` (also under ``/v1``), ``/health``. Every ``/v1`` and ``/rl``
+call needs ``Authorization: Bearer <the session's key>``; a missing, unknown
+or ended key gets 401. Errors come back in OpenAI's shape
+(``{"error": {"message", "type", "code"}}``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import socket
+import threading
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
+
+from areal_agent.proxy import BadRequest, ChatRequest, CompletionRequest, Proxy
+from areal_agent.sessions import Session, SessionClosed, SessionStore
+
+log = logging.getLogger("areal.agent")
+
+
+class RewardRequest(BaseModel):
+    reward: float
+    call_id: str | None = None
+
+
+def error(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def build_app(proxy: Proxy, sessions: SessionStore) -> FastAPI:
+    app = FastAPI(title="areal agent proxy", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def session_of(request: Request) -> Session | None:
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        return sessions.get(key.strip()) if scheme.lower() == "bearer" else None
+
+    def unauthorized() -> JSONResponse:
+        return error(401, "missing or invalid API key: each episode's agent gets its own key in OPENAI_API_KEY "
+                          "(or the api_key argument), valid until its episode ends", "invalid_request_error")
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error(400, f"invalid request: {exc.errors()}", "invalid_request_error")
+
+    async def serve(request: Request, work: Any) -> Any:
+        session = session_of(request)
+        if session is None:
+            return None, unauthorized()
+        try:
+            session.begin_call()
+            return await work(session), None
+        except SessionClosed:
+            return None, unauthorized()
+        except OverflowError as exc:
+            return None, error(429, str(exc), "rate_limit_error")
+        except BadRequest as exc:
+            return None, error(400, str(exc), "invalid_request_error")
+        except TimeoutError as exc:
+            return None, error(504, str(exc), "timeout")
+        except asyncio.CancelledError:
+            return None, error(409, "the session's episode ended while this call was generating", "cancelled")
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "sessions": len(sessions)}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Any:
+        if session_of(request) is None:
+            return unauthorized()
+        return {"object": "list", "data": [{"id": proxy.model_name, "object": "model", "created": 0,
+                                            "owned_by": "areal"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request) -> Any:
+        result, failure = await serve(request, lambda s: proxy.chat_completion(s, body))
+        if failure is not None:
+            return failure
+        record, answer = result
+        if not body.stream:
+            return answer
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        return StreamingResponse(chat_events(answer, include_usage), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        result, failure = await serve(request, lambda s: proxy.completion(s, body))
+        if failure is not None:
+            return failure
+        answer = result[1]
+        if not body.stream:
+            return answer
+        return StreamingResponse(completion_events(answer), media_type="text/event-stream")
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Any:
+        try:
+            data = await request.json()
+        except ValueError:
+            return error(400, "the body is not JSON", "invalid_request_error")
+        messages = responses_messages(data)
+        if isinstance(messages, str):
+            return error(400, messages, "invalid_request_error")
+        body = ChatRequest(messages=messages, model=data.get("model", ""),
+                           max_tokens=data.get("max_output_tokens"), temperature=data.get("temperature"),
+                           top_p=data.get("top_p"))
+        result, failure = await serve(request, lambda s: proxy.chat_completion(s, body))
+        if failure is not None:
+            return failure
+        record, answer = result
+        text = answer["choices"][0]["message"]["content"] or ""
+        return {"id": "resp_" + record.call_id.removeprefix("chatcmpl-"), "object": "response",
+                "created_at": answer["created"], "status": "completed", "model": answer["model"],
+                "output": [{"type": "message", "id": "msg_" + record.call_id[-24:], "status": "completed",
+                            "role": "assistant", "content": [{"type": "output_text", "text": text,
+                                                              "annotations": []}]}],
+                "usage": {"input_tokens": answer["usage"]["prompt_tokens"],
+                          "output_tokens": answer["usage"]["completion_tokens"],
+                          "total_tokens": answer["usage"]["total_tokens"]}}
+
+    @app.post("/rl/set_reward")
+    @app.post("/v1/rl/set_reward")  # under the base URL too: client.post("/rl/set_reward") from an OpenAI client
+    async def set_reward(body: RewardRequest, request: Request) -> Any:
+        session = session_of(request)
+        if session is None:
+            return unauthorized()
+        if not math.isfinite(body.reward):
+            return error(400, f"reward is {body.reward}; send a finite number", "invalid_request_error")
+        try:
+            session.set_reward(body.reward, body.call_id)
+        except KeyError as exc:
+            return error(404, str(exc.args[0]), "invalid_request_error")
+        return {"ok": True, "session": session.id}
+
+    return app
+
+
+def responses_messages(data: dict) -> list[dict] | str:
+    """The Responses API's ``instructions`` + ``input`` as chat messages, or what is wrong with them."""
+    messages = [{"role": "system", "content": data["instructions"]}] if data.get("instructions") else []
+    given = data.get("input")
+    if isinstance(given, str):
+        return [*messages, {"role": "user", "content": given}]
+    if not isinstance(given, list):
+        return "input must be a string or a list of messages"
+    for entry in given:
+        if not isinstance(entry, dict) or "role" not in entry:
+            return f"input entry {entry!r} is not a message (only messages are served, not items)"
+        content = entry.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        messages.append({"role": entry["role"], "content": content or ""})
+    return messages
+
+
+def sse(data: Any) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def chat_events(answer: dict, include_usage: bool):
+    """A finished chat completion as OpenAI's chunks: role, content, tool calls, finish, [usage], [DONE]."""
+    head = {"id": answer["id"], "object": "chat.completion.chunk", "created": answer["created"],
+            "model": answer["model"]}
+    for c in answer["choices"]:
+        message, k = c["message"], c["index"]
+        yield sse({**head, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
+                                        "finish_reason": None}]})
+        if message.get("content"):
+            yield sse({**head, "choices": [{"index": k, "delta": {"content": message["content"]},
+                                            "logprobs": c["logprobs"], "finish_reason": None}]})
+        for j, call in enumerate(message.get("tool_calls") or []):
+            yield sse({**head, "choices": [{"index": k, "delta": {"tool_calls": [{"index": j, **call}]},
+                                            "finish_reason": None}]})
+        yield sse({**head, "choices": [{"index": k, "delta": {}, "finish_reason": c["finish_reason"]}]})
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": answer["usage"]})
+    yield "data: [DONE]\n\n"
+
+
+async def completion_events(answer: dict):
+    for c in answer["choices"]:
+        yield sse({**answer, "choices": [c]})
+    yield "data: [DONE]\n\n"
+
+
+class ProxyServer:
+    """uvicorn serving :func:`build_app` on a thread of its own, on ``host``:``port`` (0 = a free port)."""
+
+    def __init__(self, proxy: Proxy, sessions: SessionStore, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.proxy, self.sessions, self.host, self.port = proxy, sessions, host, port
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def start(self, timeout_s: float) -> ProxyServer:
+        import uvicorn
+
+        if self._thread is not None:
+            return self
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as exc:
+            sock.close()
+            raise OSError(f"the agent proxy cannot listen on {self.host}:{self.port} ({exc}). Fix: set "
+                          f"workflow.port to a free port, or 0 for any free one") from None
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(build_app(self.proxy, self.sessions), log_level="warning", lifespan="off",
+                                access_log=False, timeout_graceful_shutdown=1)
+        self._server = uvicorn.Server(config)
+
+        def run() -> None:
+            try:
+                asyncio.run(self._server.serve(sockets=[sock]))
+            except BaseException as exc:  # reported by start() / noticed by the episodes
+                self._failure = exc
+            finally:
+                sock.close()
+
+        self._thread = threading.Thread(target=run, name=f"areal-agent-proxy-{self.port}", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if self._failure is not None or not self._thread.is_alive():
+                raise RuntimeError(f"the agent proxy on {self.host}:{self.port} failed to start: {self._failure!r}")
+            if time.monotonic() > deadline:
+                self.stop(1.0)
+                raise TimeoutError(f"waited {timeout_s:.0f} s for the agent proxy (uvicorn) to listen on "
+                                   f"{self.host}:{self.port}; raise workflow.start_timeout_s on a loaded machine")
+            time.sleep(0.005)
+        log.info("agent proxy listening on %s", self.base_url)
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop serving and join the thread; idempotent."""
+        if self._server is None or self._thread is None:
+            return
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("the agent proxy thread on %s:%s did not stop within %.0f s", self.host, self.port,
+                        timeout_s)
+        self._thread = None

@@ -1,0 +1,129 @@
+"""The ``agent`` workflow: any agent program written against the OpenAI API, trained unchanged.
+
+Per episode (``rollout.group_size`` per item) the workflow opens a session on
+its proxy (an id and an API key), runs the agent against
+``http://127.0.0.1:<port>/v1`` with that key, and when the agent ends (or is
+stopped at ``workflow.agent_timeout_s``) closes the session and turns its
+recorded calls into trajectories (:mod:`areal_agent.trajectories`). The proxy
+generates through the engine ``arun_episode`` was given, so agent traffic goes
+through the rollout controller like any workflow's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any
+
+from areal_core.api import InferenceEngine, Trajectory, Workflow, group_size_of, sampling_params
+from areal_agent import trajectories
+from areal_agent.config import AgentConfig, config_problems
+from areal_agent.proxy import Proxy
+from areal_agent.runner import AgentOutcome, run_in_process, run_subprocess
+from areal_agent.server import ProxyServer
+from areal_agent.sessions import SessionStore
+
+log = logging.getLogger("areal.agent")
+
+
+class AgentWorkflow(Workflow):
+    """Episodes run by an agent through the OpenAI-compatible proxy; needs the run's tokenizer."""
+
+    config_class = AgentConfig
+
+    def __init__(self, context: Any = None, tokenizer: Any = None) -> None:
+        super().__init__(context)
+        o = self.options = self.context.options if self.context.options is not None else AgentConfig()
+        problems = config_problems(o)
+        if problems:
+            raise ValueError("; ".join(f"{key}: {message}. Fix: {fix}" for key, message, fix in problems))
+        self.agent = None
+        if o.agent:
+            from areal_core.rewards import load_target
+
+            self.agent = load_target(o.agent, "workflow.agent")
+        config = self.context.config
+        self.group_size = group_size_of(config)
+        if tokenizer is None:
+            from areal_core.models import load_tokenizer
+
+            tokenizer = load_tokenizer(config)
+        self.tokenizer = tokenizer
+        model_name = config.model.path if config is not None and config.model.path else "areal-policy"
+        self.sessions = SessionStore()
+        self.proxy = Proxy(tokenizer, sampling_params(config, {}), o, model_name)
+        self.server = ProxyServer(self.proxy, self.sessions, o.host, o.port)
+        self._start_lock = threading.Lock()
+        self._started = False
+
+    # ------------------------------------------------------------ the proxy's life
+    def start(self) -> ProxyServer:
+        """Start the proxy (once); every wait has ``workflow.start_timeout_s``."""
+        with self._start_lock:
+            if not self._started:
+                self.server.start(self.options.start_timeout_s)
+                self._started = True
+        return self.server
+
+    @property
+    def base_url(self) -> str:
+        return self.start().base_url
+
+    def close(self) -> None:
+        """Stop the proxy; idempotent."""
+        with self._start_lock:
+            self.server.stop()
+            self._started = False
+            self.server = ProxyServer(self.proxy, self.sessions, self.options.host, self.options.port)
+
+    def __del__(self) -> None:
+        try:
+            self.server.stop(0.5)
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------ episodes
+    async def run_agent(self, item: Any, base_url: str, api_key: str, session_id: str) -> AgentOutcome:
+        o = self.options
+        if self.agent is not None:
+            return await run_in_process(self.agent, item, base_url, api_key, o.agent_timeout_s)
+        return await run_subprocess(list(o.agent_command), item, base_url, api_key, o.agent_timeout_s,
+                                    {"AREAL_SESSION_ID": session_id,
+                                     "AREAL_REWARD_URL": base_url.removesuffix("/v1") + "/rl/set_reward"})
+
+    async def _episode(self, engine: InferenceEngine, item: Any, k: int) -> list[Trajectory] | None:
+        if not self._started:
+            await asyncio.get_running_loop().run_in_executor(None, self.start)
+        o = self.options
+        session = self.sessions.open(item, engine, asyncio.get_running_loop(), o.max_calls)
+        try:
+            outcome = await self.run_agent(item, self.server.base_url, session.key, session.id)
+        finally:
+            records = self.sessions.close(session)
+        label = f"agent episode (item {_item_id(item)!r}, sample {k}, session {session.id})"
+        if outcome.failure is not None:
+            log.warning("%s rejected: %s", label, outcome.failure)
+            return None
+        reward = outcome.reward if outcome.reward is not None else session.reward
+        if reward is None:
+            if o.missing_reward == "reject":
+                log.warning("%s rejected: the agent returned no reward and did not call /rl/set_reward "
+                            "(workflow.missing_reward = reject)", label)
+                return None
+            reward = 0.0
+        if not records:
+            log.warning("%s rejected: the agent made no model call", label)
+            return None
+        info = {"id": _item_id(item), "sample": k, "session": session.id, "episode_reward": reward}
+        build = trajectories.concat if o.trajectory == "concat" else trajectories.per_call
+        return build(records, float(reward), o.discount, info)
+
+    async def arun_episode(self, engine: InferenceEngine, item: Any) -> list[Trajectory] | None:
+        results = await asyncio.gather(*(self._episode(engine, item, k) for k in range(self.group_size)))
+        kept = [t for group in results if group for t in group]
+        return kept or None
+
+
+def _item_id(item: Any) -> Any:
+    return item.get("id") if isinstance(item, dict) else None

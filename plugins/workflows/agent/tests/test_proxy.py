@@ -1,0 +1,333 @@
+"""The proxy through the unmodified openai client (and httpx for raw streaming): chat, tools, streaming, n > 1,
+logprobs, completions, responses, keys, isolated sessions, and the drift test (trained tokens = engine tokens)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import httpx
+import openai
+import pytest
+
+from areal_core.testing import ScriptedInferenceEngine
+
+ITEM = {"id": "q/1", "messages": [{"role": "user", "content": "What is 12 plus 30?"}], "answer": "42"}
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}}]
+
+# Agents named in config as "agent_test_doubles:<name>" (this module, registered under that name).
+sys.modules["agent_test_doubles"] = sys.modules[__name__]
+SEEN: dict = {}  # what the agent doubles observed, for the assertions
+
+
+def client(base_url, api_key, **kw):
+    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=30, **kw)
+
+
+def run(flow, engine, item=ITEM):
+    return asyncio.run(flow.arun_episode(engine, item))
+
+
+async def chat_once(item, base_url, api_key):
+    async with client(base_url, api_key) as c:
+        SEEN["chat"] = await c.chat.completions.create(model="policy", messages=item["messages"])
+        SEEN["models"] = await c.models.list()
+    return 1.0
+
+
+def test_chat_with_the_openai_client(make_flow, say, tokenizer, tiny_model_dir):
+    engine = ScriptedInferenceEngine([say("It is 42.")], version=5)
+    (t,) = run(make_flow(agent="agent_test_doubles:chat_once"), engine)
+    reply = SEEN["chat"]
+    assert reply.choices[0].message.content == "It is 42." and reply.choices[0].finish_reason == "stop"
+    assert reply.choices[0].message.tool_calls is None
+    request, response = engine.requests[0], engine.responses[0]
+    prompt = tokenizer.apply_chat_template(ITEM["messages"], tokenize=False, add_generation_prompt=True)
+    assert request.input_ids == tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    assert reply.usage.prompt_tokens == len(request.input_ids)
+    assert reply.usage.completion_tokens == len(response.output_ids)
+    assert [m.id for m in SEEN["models"].data] == [str(tiny_model_dir)]
+    assert t.tokens == request.input_ids + response.output_ids and t.reward == 1.0
+    assert t.loss_mask == [0] * len(request.input_ids) + [1] * len(response.output_ids)
+    assert t.versions[len(request.input_ids):] == [5] * len(response.output_ids)
+    assert t.logprobs[len(request.input_ids):] == response.output_logprobs
+
+
+async def stream_both_ways(item, base_url, api_key):
+    async with client(base_url, api_key) as c:
+        stream = await c.chat.completions.create(model="policy", messages=item["messages"], stream=True,
+                                                 stream_options={"include_usage": True})
+        SEEN["chunks"] = [chunk async for chunk in stream]
+    async with httpx.AsyncClient(timeout=30) as h:
+        async with h.stream("POST", f"{base_url}/chat/completions", headers={"Authorization": f"Bearer {api_key}"},
+                            json={"model": "policy", "messages": item["messages"], "stream": True}) as r:
+            SEEN["status"], SEEN["content_type"] = r.status_code, r.headers["content-type"]
+            SEEN["lines"] = [line async for line in r.aiter_lines() if line]
+    return 0.5
+
+
+def test_streaming_through_the_openai_client_and_httpx(make_flow, say):
+    engine = ScriptedInferenceEngine([say("It is 42.")])
+    (t1, t2) = run(make_flow(agent="agent_test_doubles:stream_both_ways", trajectory="per_call"), engine)
+    chunks = SEEN["chunks"]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "It is 42."
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == len(engine.responses[0].output_ids)
+    assert SEEN["status"] == 200 and SEEN["content_type"].startswith("text/event-stream")
+    assert SEEN["lines"][-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in SEEN["lines"][:-1]]
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == "It is 42."
+    assert t1.reward == t2.reward == 0.5  # per_call, discount 1: each call gets the episode's reward
+
+
+async def three_choices(item, base_url, api_key):
+    async with client(base_url, api_key) as c:
+        SEEN["n"] = await c.chat.completions.create(model="policy", messages=item["messages"], n=3, logprobs=True)
+    return 1.0
+
+
+def test_n_choices_with_logprobs(make_flow, say):
+    engine = ScriptedInferenceEngine([say("one"), say("two"), say("three")], version=2)
+    group = run(make_flow(agent="agent_test_doubles:three_choices"), engine)
+    reply = SEEN["n"]
+    assert sorted(c.message.content for c in reply.choices) == ["one", "three", "two"]
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    for c, response in zip(reply.choices, engine.responses):
+        assert [x.logprob for x in c.logprobs.content] == pytest.approx(response.output_logprobs)
+    assert len(engine.requests) == 3 and len({tuple(r.input_ids) for r in engine.requests}) == 1
+    assert len(group) == 3  # three leaves: nothing continued any choice
+    assert sorted(tuple(t.tokens[t.loss_mask.index(1):]) for t in group) == \
+        sorted(tuple(r.output_ids) for r in engine.responses)
+
+
+async def calculator(item, base_url, api_key):
+    """Uses the add tool, sends its result, then answers: two model calls, one tool turn between."""
+    async with client(base_url, api_key) as c:
+        messages = list(item["messages"])
+        first = await c.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+        SEEN["first"] = first
+        message = first.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls or []:
+            args = json.loads(call.function.arguments)
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])})
+        second = await c.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+        SEEN["second"] = second
+    return float("42" in (second.choices[0].message.content or ""))
+
+
+def test_tool_calls_hermes_format_and_the_tool_turn_is_masked(make_flow, say, tokenizer):
+    call = '<tool_call>{"name": "add", "arguments": {"a": 12, "b": 30}}</tool_call>'
+    engine = ScriptedInferenceEngine([say(call), say("The answer is 42.")], version=1)
+    group = run(make_flow(agent="agent_test_doubles:calculator"), engine)
+    (t,) = group
+    first = SEEN["first"].choices[0]
+    assert first.finish_reason == "tool_calls" and first.message.content is None
+    assert first.message.tool_calls[0].function.name == "add"
+    assert json.loads(first.message.tool_calls[0].function.arguments) == {"a": 12, "b": 30}
+    assert SEEN["second"].choices[0].message.content == "The answer is 42." and t.reward == 1.0
+    # the second prompt is the first prompt + the model's exact ids + only the tool turn, tokenized
+    (r1, r2), (o1, o2) = engine.requests, engine.responses
+    assert r2.input_ids[:len(r1.input_ids) + len(o1.output_ids)] == r1.input_ids + o1.output_ids
+    tool_turn = tokenizer.decode(r2.input_ids[len(r1.input_ids) + len(o1.output_ids):])
+    assert tool_turn == "\n<|im_start|>user\n<tool_response>42</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert "<tools>" in tokenizer.decode(r1.input_ids)  # tools reach the template
+    assert t.tokens == r2.input_ids + o2.output_ids
+    trained = [p for p, m in enumerate(t.loss_mask) if m]
+    first_out = range(len(r1.input_ids), len(r1.input_ids) + len(o1.output_ids))
+    assert trained == [*first_out, *range(len(r2.input_ids), len(t.tokens))]
+    assert t.info["calls"][1]["prefix"]["reused"] and t.info["calls"][1]["tool_calls"] == []
+    assert t.info["calls"][0]["tool_calls"] == ["add"]
+
+
+async def tool_then_stop(item, base_url, api_key):
+    async with client(base_url, api_key) as c:
+        SEEN["garbled"] = await c.chat.completions.create(model="policy", messages=item["messages"], tools=TOOLS)
+    return 0.0
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>{"name": "add", "arguments": {"a": 12,, "b"}</tool_call>',  # not JSON
+    '<tool_call>{"arguments": {"a": 1}}</tool_call>',  # no name
+    '<tool_call>{"name": "add", "arguments": {"a": 1',  # cut off by max_tokens
+    '{"name": "add", "parameters": [1, 2]}',  # Llama 3 shape, parameters not an object
+])
+def test_a_garbled_tool_call_comes_back_as_content(make_flow, say, text):
+    engine = ScriptedInferenceEngine([say(text)])
+    (t,) = run(make_flow(agent="agent_test_doubles:tool_then_stop"), engine)
+    choice = SEEN["garbled"].choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason == "stop"
+    assert choice.message.content == text
+    assert sum(t.loss_mask) == len(engine.responses[0].output_ids)
+
+
+async def key_checks(item, base_url, api_key):
+    statuses = {}
+    async with httpx.AsyncClient(timeout=30) as h:
+        body = {"model": "policy", "messages": item["messages"]}
+        statuses["none"] = (await h.post(f"{base_url}/chat/completions", json=body)).status_code
+        statuses["wrong"] = (await h.post(f"{base_url}/chat/completions", json=body,
+                                          headers={"Authorization": "Bearer sk-areal-guess"})).status_code
+        statuses["models_none"] = (await h.get(f"{base_url}/models")).status_code
+        statuses["reward_none"] = (await h.post(base_url.removesuffix("/v1") + "/rl/set_reward",
+                                                json={"reward": 1.0})).status_code
+        statuses["empty"] = (await h.post(f"{base_url}/chat/completions", json={**body, "messages": []},
+                                          headers={"Authorization": f"Bearer {api_key}"})).status_code
+    async with client(base_url, "sk-areal-guess") as c:
+        try:
+            await c.chat.completions.create(model="policy", messages=item["messages"])
+        except openai.AuthenticationError as exc:
+            statuses["openai"] = exc.status_code
+    async with client(base_url, api_key) as c:
+        await c.chat.completions.create(model="policy", messages=item["messages"])
+    SEEN["keys"], SEEN["old_key"], SEEN["base_url"] = statuses, api_key, base_url
+    return 1.0
+
+
+def test_a_missing_wrong_or_ended_key_gets_401(make_flow, say):
+    flow = make_flow(agent="agent_test_doubles:key_checks")
+    engine = ScriptedInferenceEngine([say("ok")])
+    assert run(flow, engine) is not None
+    assert SEEN["keys"] == {"none": 401, "wrong": 401, "models_none": 401, "reward_none": 401, "empty": 400,
+                            "openai": 401}
+    assert len(engine.requests) == 1  # only the authorised call reached the engine
+    after = httpx.post(f"{SEEN['base_url']}/chat/completions", headers={"Authorization": f"Bearer {SEEN['old_key']}"},
+                       json={"model": "policy", "messages": ITEM["messages"]}, timeout=30)
+    assert after.status_code == 401 and "invalid API key" in after.json()["error"]["message"]  # the episode ended
+
+
+async def echo_my_item(item, base_url, api_key):
+    """Three turns quoting the item's own word; the sessions of two items run at the same time."""
+    async with client(base_url, api_key) as c:
+        messages = list(item["messages"])
+        for turn in range(3):
+            reply = await c.chat.completions.create(model="policy", messages=messages)
+            await asyncio.sleep(0.01 * (turn + 1))  # interleave with the other session
+            messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "user", "content": f"{item['word']} again {turn}"}]
+    return float(item["reward"])
+
+
+def test_two_concurrent_sessions_never_mix(make_flow, say, tokenizer):
+    flow = make_flow(agent="agent_test_doubles:echo_my_item", group_size=2)
+    engine = ScriptedInferenceEngine([say("a"), say("b"), say("c")])
+    items = [{"id": f"w/{w}", "word": w, "reward": r, "messages": [{"role": "user", "content": f"say {w}"}]}
+             for w, r in (("apple", 1.0), ("melon", 0.0))]
+
+    async def both():
+        return await asyncio.gather(*(flow.arun_episode(engine, item) for item in items))
+
+    groups = asyncio.run(both())
+    assert len(engine.requests) == 12  # 2 items x 2 samples x 3 calls, interleaved
+    for item, group, other in zip(items, groups, reversed(items)):
+        assert len(group) == 2 and len({t.info["session"] for t in group}) == 2
+        for t in group:
+            text = tokenizer.decode(t.tokens)
+            assert text.count(item["word"]) == 3 and other["word"] not in text
+            assert t.reward == item["reward"] and t.info["num_calls"] == 3
+            assert all(c["prefix"]["reused"] for c in t.info["calls"][1:])
+    assert len({t.info["session"] for g in groups for t in g}) == 4
+    assert len(flow.sessions) == 0  # every session closed with its episode
+
+
+async def three_turns(item, base_url, api_key):
+    async with client(base_url, api_key) as c:
+        messages = list(item["messages"])
+        for turn in range(3):
+            reply = await c.chat.completions.create(model="policy", messages=messages)
+            messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "user", "content": f"And then? ({turn})"}]
+    SEEN["messages"] = messages[:-1]
+    return 1.0
+
+
+def test_drift_three_turns_train_exactly_the_engine_tokens(make_flow, tokenizer):
+    """The engine samples a tokenization of its text that re-tokenizing would not give (one token per letter);
+    the trained trajectory holds exactly the sampled ids, turn after turn."""
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def letters(text):
+        return [i for ch in text for i in tokenizer(ch, add_special_tokens=False)["input_ids"]] + [end]
+
+    outputs = [letters("hello world"), letters("hello there"), letters("world hello")]
+    assert all(o[:-1] != tokenizer(tokenizer.decode(o[:-1]), add_special_tokens=False)["input_ids"]
+               for o in outputs)  # a re-tokenizing proxy would drift on each of them
+    engine = ScriptedInferenceEngine(outputs, version=7)
+    (t,) = run(make_flow(agent="agent_test_doubles:three_turns"), engine)
+    requests, responses = engine.requests, engine.responses
+    for before, after, response in zip(requests, requests[1:], responses):
+        assert after.input_ids[:len(before.input_ids) + len(response.output_ids)] == \
+            before.input_ids + response.output_ids
+    assert t.tokens == requests[-1].input_ids + responses[-1].output_ids
+    trained = [t.tokens[p] for p, m in enumerate(t.loss_mask) if m]
+    assert trained == [i for r in responses for i in r.output_ids]  # token for token
+    assert [t.logprobs[p] for p, m in enumerate(t.loss_mask) if m] == [x for r in responses for x in
+                                                                      r.output_logprobs]
+    assert {t.versions[p] for p, m in enumerate(t.loss_mask) if m} == {7}
+    assert all(t.versions[p] == -1 and t.logprobs[p] == 0.0 for p, m in enumerate(t.loss_mask) if not m)
+    # the template renders the same text here, yet re-tokenizing it gives other ids: the drift avoided
+    text = tokenizer.decode(t.tokens)
+    assert tokenizer.apply_chat_template(SEEN["messages"], tokenize=False) == text + "\n"
+    assert tokenizer(text, add_special_tokens=False)["input_ids"] != t.tokens
+    assert [c["prefix"]["reused"] for c in t.info["calls"]] == [False, True, True]
+
+
+async def edits_history(item, base_url, api_key):
+    async with client(base_url, api_key) as c:
+        first = await c.chat.completions.create(model="policy", messages=item["messages"])
+        edited = [*item["messages"], {"role": "assistant", "content": first.choices[0].message.content + "!"},
+                  {"role": "user", "content": "go on"}]
+        await c.chat.completions.create(model="policy", messages=edited)
+        await c.post("/rl/set_reward", body={"reward": 0.25}, cast_to=object)
+    return None
+
+
+def test_an_edited_history_is_tokenized_whole_and_says_why(make_flow, say):
+    engine = ScriptedInferenceEngine([say("fine"), say("ok")])
+    group = run(make_flow(agent="agent_test_doubles:edits_history"), engine)
+    assert len(group) == 2  # two chains: the second call did not continue the first
+    second = next(t for t in group if t.info["calls"][0]["prefix"]["reused"] is False and
+                  t.info["calls"][0]["call_id"] != group[0].info["calls"][0]["call_id"])
+    assert "do not extend" in second.info["calls"][0]["prefix"]["reason"]
+    assert all(t.reward == 0.25 for t in group)  # from /rl/set_reward
+
+
+async def completions_agent(item, base_url, api_key):
+    async with client(base_url, api_key) as c:
+        first = await c.completions.create(model="policy", prompt="12+30=", max_tokens=8, logprobs=1)
+        prompt = "12+30=" + first.choices[0].text + "\nCheck:"
+        SEEN["completion"] = first
+        SEEN["second"] = await c.completions.create(model="policy", prompt=prompt, max_tokens=8)
+        SEEN["response"] = await c.responses.create(model="policy", input="Say hi")
+    return 1.0
+
+
+def test_completions_reuse_tokens_and_responses_answer(make_flow, tokenizer):
+    outputs = [[i for ch in "42" for i in tokenizer(ch, add_special_tokens=False)["input_ids"]],
+               tokenizer(" ok", add_special_tokens=False)["input_ids"], tokenizer("hi", add_special_tokens=False)
+               ["input_ids"]]
+    engine = ScriptedInferenceEngine(outputs)
+    group = run(make_flow(agent="agent_test_doubles:completions_agent"), engine)
+    assert SEEN["completion"].choices[0].text == "42"
+    assert SEEN["completion"].choices[0].logprobs.token_logprobs == pytest.approx(engine.responses[0].output_logprobs)
+    r1, r2 = engine.requests[:2]
+    assert r2.input_ids[:len(r1.input_ids) + 2] == r1.input_ids + outputs[0]
+    assert SEEN["response"].output_text == "hi"
+    assert len(group) == 2 and group[0].info["num_calls"] == 2  # the completions chain, and the response call
+
+
+async def slow_tokens(item, base_url, api_key):
+    async with client(base_url, api_key) as c:
+        await c.chat.completions.create(model="policy", messages=item["messages"], max_tokens=2, stop=["!"])
+    return 1.0
+
+
+def test_max_tokens_and_stop_reach_the_engine_capped_by_the_run(make_flow, say):
+    engine = ScriptedInferenceEngine([say("a b c d")])
+    (t,) = run(make_flow(agent="agent_test_doubles:slow_tokens", max_new_tokens=16), engine)
+    sampling = engine.requests[0].sampling
+    assert sampling.max_new_tokens == 2 and "!" in sampling.stop and t.info["calls"][0]["stop_reason"] == "length"
