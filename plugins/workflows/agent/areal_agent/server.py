@@ -214,7 +214,9 @@ class ProxyServer:
 
         if self._thread is not None:
             return self
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on such sockets, and without it every response
+        # (headers, then body) waits ~40 ms for the client's delayed ACK.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((self.host, self.port))
