@@ -9,8 +9,11 @@
       HTTP, recording); the difference is the proxy's absolute cost per call.
    b. sessions per second: ``--sessions`` episodes of one call each, 64 in
       flight, each its own session (key, recording, trajectory), the agent
-      using one shared ``httpx`` client (the proxy's capacity) or a fresh
-      ``openai`` client per session (what a typical agent pays).
+      using one shared ``httpx`` client with 8 connections (httpcore's pool
+      costs O(connections x queued requests) per request, so more connections
+      measure the client, not the proxy) or a fresh ``openai`` client per
+      session (what a typical agent pays). Agents, proxy and controller share
+      this one process (and its GIL), as in-process agents do.
 2. Embedded engine (``areal_local``, SmolLM2-135M-Instruct, float32, on CPU):
    ``--calls`` short calls (``--tokens`` new tokens each) of one user message,
    one at a time, direct and through the proxy in alternating blocks of 50 so
@@ -67,7 +70,7 @@ SHARED: dict[str, Any] = {}
 async def httpx_agent(item: dict, base_url: str, api_key: str) -> float:
     client = SHARED.get("client")
     if client is None:
-        client = SHARED["client"] = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64))
+        client = SHARED["client"] = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=8))
     r = await client.post(f"{base_url}/chat/completions", headers={"Authorization": f"Bearer {api_key}"},
                           json={"model": "policy", "messages": MESSAGES})
     r.raise_for_status()

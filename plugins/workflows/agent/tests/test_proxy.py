@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import sys
+import time
 
 import httpx
 import openai
@@ -331,3 +333,60 @@ def test_max_tokens_and_stop_reach_the_engine_capped_by_the_run(make_flow, say):
     (t,) = run(make_flow(agent="agent_test_doubles:slow_tokens", max_new_tokens=16), engine)
     sampling = engine.requests[0].sampling
     assert sampling.max_new_tokens == 2 and "!" in sampling.stop and t.info["calls"][0]["stop_reason"] == "length"
+
+
+def test_template_drift_on_a_tool_call_is_reported_and_the_model_tokens_kept(make_flow, say, tokenizer):
+    """The model writes its tool call compactly, keys in its own order; the template would re-serialise it. The
+    second call keeps the model's ids and its info shows where the template would have differed."""
+    call = '<tool_call>{"arguments":{"b":30,"a":12},"name":"add"}</tool_call>'
+    engine = ScriptedInferenceEngine([say(call), say("The answer is 42.")])
+    (t,) = run(make_flow(agent="agent_test_doubles:calculator"), engine)
+    (r1, r2), o1 = engine.requests, engine.responses[0]
+    assert r2.input_ids[:len(r1.input_ids) + len(o1.output_ids)] == r1.input_ids + o1.output_ids
+    drift = t.info["calls"][1]["template_drift"]
+    assert call[:20] in drift["kept"] and '{"name": "add", "arguments": {"b": 30' in drift["template"]
+    assert "template_drift" not in t.info["calls"][0] and t.reward == 1.0
+
+
+def test_llama3_tool_calls_through_the_proxy(make_flow, say):
+    engine = ScriptedInferenceEngine([say('<|python_tag|>{"name": "add", "parameters": {"a": 12, "b": 30}}'),
+                                      say("42")])
+    (t,) = run(make_flow(agent="agent_test_doubles:calculator", tool_parser="llama3"), engine)
+    first = SEEN["first"].choices[0]
+    assert first.finish_reason == "tool_calls" and first.message.tool_calls[0].function.name == "add"
+    assert t.reward == 1.0 and t.info["num_calls"] == 2
+
+
+async def rewards_per_call(item, base_url, api_key):
+    async with client(base_url, api_key) as c:
+        messages = list(item["messages"])
+        for turn in range(3):
+            reply = await c.chat.completions.create(model="policy", messages=messages)
+            messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "go"}]
+            if turn == 0:
+                await c.post("/rl/set_reward", body={"reward": 0.5, "call_id": reply.id}, cast_to=object)
+        try:
+            await c.post("/rl/set_reward", body={"reward": 1.0, "call_id": "chatcmpl-unknown"}, cast_to=object)
+        except openai.NotFoundError:
+            SEEN["unknown_call"] = 404
+    return 2.0
+
+
+@pytest.mark.parametrize("mode, expected", [("per_call", [0.5 + 2.0 * 0.25, 2.0 * 0.5, 2.0]),
+                                            ("concat", [2.0 * 0.25 + 0.5])])
+def test_per_call_rewards_and_per_turn_discount(make_flow, say, mode, expected):
+    engine = ScriptedInferenceEngine([say("a"), say("b"), say("c")])
+    group = run(make_flow(agent="agent_test_doubles:rewards_per_call", trajectory=mode, discount=0.5), engine)
+    assert [t.reward for t in group] == pytest.approx(expected) and SEEN["unknown_call"] == 404
+
+
+def test_responses_go_out_without_waiting_for_delayed_acks(make_flow):
+    """Each response leaves at once (TCP_NODELAY): without it every call paid ~40 ms for the client's delayed ACK."""
+    base = make_flow(agent_command=["true"]).base_url.removesuffix("/v1")
+    times = []
+    with httpx.Client(timeout=30) as h:
+        for _ in range(15):
+            began = time.perf_counter()
+            assert h.get(f"{base}/health").status_code == 200
+            times.append(time.perf_counter() - began)
+    assert statistics.median(times) < 0.03, times
