@@ -37,6 +37,15 @@ class AgentConfig:
     missing_reward: str = spec("reject", choices=["reject", "zero"],
                                help="an episode whose agent neither returned a reward nor called /rl/set_reward: "
                                     "reject it, or give it 0")
+    online: bool = spec(False, help="serve agents deployed elsewhere instead of running one per episode: clients "
+                                     "open sessions with a key of online_keys, episodes train their finished "
+                                     "sessions (see docs/workflows.md)")
+    online_keys: list = spec(factory=list, help="online mode: the client keys allowed to open sessions, one per client "
+                                                "(16 characters or more)")
+    online_wait_s: float = spec(60.0, gt=0.0, help="online mode: how long an episode waits for a finished session "
+                                                   "before its item is rejected")
+    online_reward_timeout_s: float = spec(600.0, gt=0.0, help="online mode: an ended session whose reward has not "
+                                                              "come after this is dropped")
     max_calls: int = spec(64, ge=1, help="model calls per episode at most; later calls get HTTP 429")
     start_timeout_s: float = spec(30.0, gt=0.0, help="how long the proxy may take to start listening")
 
@@ -44,13 +53,23 @@ class AgentConfig:
 def config_problems(options: Any) -> list[tuple[str, str, str]]:
     """(key, message, fix) for each problem spanning several keys (field types and ranges the core checks)."""
     problems = []
-    agent, command = options.agent, options.agent_command
-    if bool(agent) == bool(command):
+    agent, command, online = options.agent, options.agent_command, options.online
+    if bool(agent) + bool(command) + bool(online) != 1:
         problems.append((
             "workflow.agent",
-            f"workflow.agent is {agent!r} and workflow.agent_command is {command!r}: exactly one must be set",
-            "name an in-process agent (workflow.agent=my_pkg.agents:run) or a program "
-            "(workflow.agent_command='[python, my_agent.py]'), not both"))
+            f"workflow.agent is {agent!r}, workflow.agent_command is {command!r} and workflow.online is {online!r}: "
+            f"exactly one must be set",
+            "name an in-process agent (workflow.agent=my_pkg.agents:run), or a program "
+            "(workflow.agent_command='[python, my_agent.py]'), or serve agents deployed elsewhere "
+            "(workflow.online=true with workflow.online_keys)"))
+    keys = options.online_keys
+    if online and (not isinstance(keys, list) or not keys
+                   or not all(isinstance(k, str) and len(k) >= 16 for k in keys)):
+        problems.append(("workflow.online_keys", f"workflow.online is true but workflow.online_keys is "
+                         f"{['<hidden>'] * len(keys) if isinstance(keys, list) else keys!r} (each needs 16 "
+                         f"characters or more)", "give each client a key of its own: "
+                         "workflow.online_keys='[a-long-random-key-1, ...]' (python -c 'import secrets; "
+                         "print(secrets.token_urlsafe(24))')"))
     if command and (not isinstance(command, list) or not all(isinstance(a, str) and a for a in command)):
         problems.append(("workflow.agent_command", f"workflow.agent_command is {command!r}, not a list of "
                          f"non-empty strings", "write it as a list: [python, my_agent.py, --flag]"))

@@ -2,8 +2,9 @@
 
 Endpoints: ``/v1/chat/completions`` (streamed as server-sent events when
 asked), ``/v1/completions``, ``/v1/responses`` (text in, text out),
-``/v1/models``, ``/rl/set_reward`` (also under ``/v1``), ``/health``. Every ``/v1`` and ``/rl``
-call needs ``Authorization: Bearer <the session's key>``; a missing, unknown
+``/v1/models``, ``/rl/set_reward`` (also under ``/v1``), ``/health``; in online
+mode also ``/rl/sessions`` and ``/rl/end_session`` (:mod:`areal_agent.online`). Every other call needs
+``Authorization: Bearer <the session's key>`` (``/rl/sessions``: a client key); a missing, unknown
 or ended key gets 401. Errors come back in OpenAI's shape
 (``{"error": {"message", "type", "code"}}``).
 """
@@ -24,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
+from areal_agent.online import NotReady, OnlineHub
 from areal_agent.proxy import BadRequest, ChatRequest, CompletionRequest, Proxy
 from areal_agent.sessions import Session, SessionClosed, SessionStore
 
@@ -35,17 +37,28 @@ class RewardRequest(BaseModel):
     call_id: str | None = None
 
 
+class OpenRequest(BaseModel):
+    item: dict | None = None  # what the client says the session is about; kept in the trajectories' info
+
+
+class EndRequest(BaseModel):
+    reward: float | None = None
+
+
 def error(status: int, message: str, kind: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
-def build_app(proxy: Proxy, sessions: SessionStore) -> FastAPI:
+def bearer(request: Request) -> str | None:
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    return key.strip() if scheme.lower() == "bearer" else None
+
+
+def build_app(proxy: Proxy, sessions: SessionStore, hub: OnlineHub | None = None) -> FastAPI:
     app = FastAPI(title="areal agent proxy", docs_url=None, redoc_url=None, openapi_url=None)
 
     def session_of(request: Request) -> Session | None:
-        header = request.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        return sessions.get(key.strip()) if scheme.lower() == "bearer" else None
+        return sessions.get(bearer(request))
 
     def unauthorized() -> JSONResponse:
         return error(401, "missing or invalid API key: each episode's agent gets its own key in OPENAI_API_KEY "
@@ -134,16 +147,43 @@ def build_app(proxy: Proxy, sessions: SessionStore) -> FastAPI:
     @app.post("/rl/set_reward")
     @app.post("/v1/rl/set_reward")  # under the base URL too: client.post("/rl/set_reward") from an OpenAI client
     async def set_reward(body: RewardRequest, request: Request) -> Any:
-        session = session_of(request)
-        if session is None:
-            return unauthorized()
         if not math.isfinite(body.reward):
             return error(400, f"reward is {body.reward}; send a finite number", "invalid_request_error")
+        session = session_of(request)
+        if session is None:
+            if hub is not None and body.call_id is None and hub.set_reward(bearer(request) or "", body.reward):
+                return {"ok": True}  # an online session that ended without its reward
+            return unauthorized()
         try:
             session.set_reward(body.reward, body.call_id)
         except KeyError as exc:
             return error(404, str(exc.args[0]), "invalid_request_error")
         return {"ok": True, "session": session.id}
+
+    if hub is not None:
+        @app.post("/rl/sessions")
+        @app.post("/v1/rl/sessions")
+        async def open_session(request: Request, body: OpenRequest | None = None) -> Any:
+            try:
+                session = hub.open(bearer(request), (body.item if body else None) or {})
+            except PermissionError as exc:
+                return error(401, str(exc), "invalid_request_error")
+            except NotReady as exc:
+                return JSONResponse({"error": {"message": str(exc), "type": "unavailable", "code": 503}},
+                                    status_code=503, headers={"Retry-After": "1"})
+            return {"session_id": session.id, "api_key": session.key}
+
+        @app.post("/rl/end_session")
+        @app.post("/v1/rl/end_session")
+        async def end_session(request: Request, body: EndRequest | None = None) -> Any:
+            session = session_of(request)
+            if session is None:
+                return unauthorized()
+            reward = body.reward if body else None
+            if reward is not None and not math.isfinite(reward):
+                return error(400, f"reward is {reward}; send a finite number", "invalid_request_error")
+            hub.end(session, reward)
+            return {"ok": True, "session": session.id, "rewarded": reward is not None}
 
     return app
 
@@ -199,8 +239,9 @@ async def completion_events(answer: dict):
 class ProxyServer:
     """uvicorn serving :func:`build_app` on a thread of its own, on ``host``:``port`` (0 = a free port)."""
 
-    def __init__(self, proxy: Proxy, sessions: SessionStore, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.proxy, self.sessions, self.host, self.port = proxy, sessions, host, port
+    def __init__(self, proxy: Proxy, sessions: SessionStore, host: str = "127.0.0.1", port: int = 0,
+                 hub: OnlineHub | None = None) -> None:
+        self.proxy, self.sessions, self.host, self.port, self.hub = proxy, sessions, host, port, hub
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
@@ -225,7 +266,7 @@ class ProxyServer:
             raise OSError(f"the agent proxy cannot listen on {self.host}:{self.port} ({exc}). Fix: set "
                           f"workflow.port to a free port, or 0 for any free one") from None
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(build_app(self.proxy, self.sessions), log_level="warning", lifespan="off",
+        config = uvicorn.Config(build_app(self.proxy, self.sessions, self.hub), log_level="warning", lifespan="off",
                                 access_log=False, timeout_graceful_shutdown=1)
         self._server = uvicorn.Server(config)
 

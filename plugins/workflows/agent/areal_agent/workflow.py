@@ -6,7 +6,9 @@ its proxy (an id and an API key), runs the agent against
 stopped at ``workflow.agent_timeout_s``) closes the session and turns its
 recorded calls into trajectories (:mod:`areal_agent.trajectories`). The proxy
 generates through the engine ``arun_episode`` was given, so agent traffic goes
-through the rollout controller like any workflow's.
+through the rollout controller like any workflow's. In online mode
+(``workflow.online``) no agent is run: each episode trains the next session
+an agent deployed elsewhere finished (:mod:`areal_agent.online`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 from areal_core.api import InferenceEngine, Trajectory, Workflow, group_size_of, sampling_params
 from areal_agent import trajectories
 from areal_agent.config import AgentConfig, config_problems
+from areal_agent.online import OnlineHub
 from areal_agent.proxy import Proxy
 from areal_agent.runner import AgentOutcome, run_in_process, run_subprocess
 from areal_agent.server import ProxyServer
@@ -53,7 +56,9 @@ class AgentWorkflow(Workflow):
         model_name = config.model.path if config is not None and config.model.path else "areal-policy"
         self.sessions = SessionStore()
         self.proxy = Proxy(tokenizer, sampling_params(config, {}), o, model_name)
-        self.server = ProxyServer(self.proxy, self.sessions, o.host, o.port)
+        self.hub = OnlineHub(self.sessions, list(o.online_keys), o.max_calls, o.online_reward_timeout_s) \
+            if o.online else None
+        self.server = ProxyServer(self.proxy, self.sessions, o.host, o.port, self.hub)
         self._start_lock = threading.Lock()
         self._started = False
 
@@ -75,7 +80,7 @@ class AgentWorkflow(Workflow):
         with self._start_lock:
             self.server.stop()
             self._started = False
-            self.server = ProxyServer(self.proxy, self.sessions, self.options.host, self.options.port)
+            self.server = ProxyServer(self.proxy, self.sessions, self.options.host, self.options.port, self.hub)
 
     def __del__(self) -> None:
         try:
@@ -92,9 +97,31 @@ class AgentWorkflow(Workflow):
                                     {"AREAL_SESSION_ID": session_id,
                                      "AREAL_REWARD_URL": base_url.removesuffix("/v1") + "/rl/set_reward"})
 
-    async def _episode(self, engine: InferenceEngine, item: Any, k: int) -> list[Trajectory] | None:
+    async def _ensure_started(self) -> None:
         if not self._started:
             await asyncio.get_running_loop().run_in_executor(None, self.start)
+
+    async def _online_episode(self, engine: InferenceEngine, item: Any) -> list[Trajectory] | None:
+        """Train the next finished online session (see :mod:`areal_agent.online`), or reject ``item``."""
+        await self._ensure_started()
+        self.hub.attach(engine, asyncio.get_running_loop())
+        done, dropped = await self.hub.next_finished(self.options.online_wait_s, engine.version)
+        for line in dropped:
+            log.warning("%s", line)
+        if done is None:
+            log.info("no online session finished within workflow.online_wait_s = %g s; item %r rejected",
+                     self.options.online_wait_s, _item_id(item))
+            return None
+        if not done.records:
+            log.warning("online session %s rejected: it made no model call", done.session.id)
+            return None
+        info = {"id": done.session.id, "online": True, "session": done.session.id, "client_item": done.session.item,
+                "episode_reward": done.reward}
+        build = trajectories.concat if self.options.trajectory == "concat" else trajectories.per_call
+        return build(done.records, float(done.reward), self.options.discount, info)
+
+    async def _episode(self, engine: InferenceEngine, item: Any, k: int) -> list[Trajectory] | None:
+        await self._ensure_started()
         o = self.options
         session = self.sessions.open(item, engine, asyncio.get_running_loop(), o.max_calls)
         try:
@@ -120,6 +147,8 @@ class AgentWorkflow(Workflow):
         return build(records, float(reward), o.discount, info)
 
     async def arun_episode(self, engine: InferenceEngine, item: Any) -> list[Trajectory] | None:
+        if self.hub is not None:
+            return await self._online_episode(engine, item)
         results = await asyncio.gather(*(self._episode(engine, item, k) for k in range(self.group_size)))
         kept = [t for group in results if group for t in group]
         return kept or None

@@ -134,6 +134,8 @@ def test_hung_or_failing_in_process_agents_are_rejected_with_the_reason(make_flo
     ({}, "workflow.agent", "exactly one must be set"),
     ({"agent": "m:f", "agent_command": ["python"]}, "workflow.agent", "exactly one must be set"),
     ({"agent_command": ["python", ""]}, "workflow.agent_command", "not a list of non-empty strings"),
+    ({"online": True, "agent": "m:f", "online_keys": ["k" * 16]}, "workflow.agent", "exactly one must be set"),
+    ({"online": True, "online_keys": ["short"]}, "workflow.online_keys", "16 characters or more"),
 ])
 def test_bad_config_names_the_key_the_value_and_the_fix(tiny_model_dir, tokenizer, options, key, says):
     from areal_agent import hooks
