@@ -305,6 +305,8 @@ async def completions_agent(item, base_url, api_key):
         SEEN["completion"] = first
         SEEN["second"] = await c.completions.create(model="policy", prompt=prompt, max_tokens=8)
         SEEN["response"] = await c.responses.create(model="policy", input="Say hi")
+        stream = await c.completions.create(model="policy", prompt="Hello", max_tokens=8, stream=True)
+        SEEN["streamed"] = "".join([chunk.choices[0].text async for chunk in stream])
     return 1.0
 
 
@@ -319,7 +321,9 @@ def test_completions_reuse_tokens_and_responses_answer(make_flow, tokenizer):
     r1, r2 = engine.requests[:2]
     assert r2.input_ids[:len(r1.input_ids) + 2] == r1.input_ids + outputs[0]
     assert SEEN["response"].output_text == "hi"
-    assert len(group) == 2 and group[0].info["num_calls"] == 2  # the completions chain, and the response call
+    assert SEEN["streamed"] == tokenizer.decode(engine.responses[3].output_ids)
+    # the completions chain, the response call, the streamed completion
+    assert len(group) == 3 and group[0].info["num_calls"] == 2
 
 
 async def slow_tokens(item, base_url, api_key):
