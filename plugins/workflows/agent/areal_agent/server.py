@@ -104,7 +104,7 @@ def build_app(proxy: Proxy, sessions: SessionStore, hub: OnlineHub | None = None
             return failure
         record, answer = result
         if not body.stream:
-            return answer
+            return JSONResponse(answer)  # as built: no jsonable_encoder pass over every logprob
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         return StreamingResponse(chat_events(answer, include_usage), media_type="text/event-stream")
 
@@ -115,7 +115,7 @@ def build_app(proxy: Proxy, sessions: SessionStore, hub: OnlineHub | None = None
             return failure
         answer = result[1]
         if not body.stream:
-            return answer
+            return JSONResponse(answer)
         return StreamingResponse(completion_events(answer), media_type="text/event-stream")
 
     @app.post("/v1/responses")

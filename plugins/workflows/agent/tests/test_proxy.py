@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import statistics
 import sys
 import time
 
@@ -393,4 +392,4 @@ def test_responses_go_out_without_waiting_for_delayed_acks(make_flow):
             began = time.perf_counter()
             assert h.get(f"{base}/health").status_code == 200
             times.append(time.perf_counter() - began)
-    assert statistics.median(times) < 0.03, times
+    assert min(times) < 0.03, times  # with the delay, every call takes 40 ms or more, however idle the machine
