@@ -64,6 +64,18 @@ async def openai_agent(item: dict, base_url: str, api_key: str) -> float:
     return 1.0
 
 
+async def httpx_sequential_agent(item: dict, base_url: str, api_key: str) -> float:
+    """The same calls over plain httpx: the proxy's cost without the openai client's own."""
+    async with httpx.AsyncClient(timeout=600) as client:
+        for _ in range(item["calls"]):
+            began = time.perf_counter()
+            r = await client.post(f"{base_url}/chat/completions", headers={"Authorization": f"Bearer {api_key}"},
+                                  json={"model": "policy", "messages": MESSAGES})
+            TIMES["proxy"].append(time.perf_counter() - began)
+            TOKENS["proxy"] += r.json()["usage"]["completion_tokens"]
+    return 1.0
+
+
 SHARED: dict[str, Any] = {}
 
 
@@ -138,12 +150,17 @@ def per_call(label: str, arm: str) -> float:
 
 def null_engine(args: argparse.Namespace, model_dir: str) -> None:
     print(f"1a) null engine, {args.calls} sequential calls of {args.null_tokens} tokens, direct vs proxy")
-    flow = agent_flow(model_dir, "agent_proxy_bench:openai_agent", args.null_tokens, args.calls)
-    with RolloutController([NullEngine()], BenchWorkflow(flow), batch_size=1, max_head_offpolicyness=64) as ctrl:
-        run_blocks(ctrl, args.calls, 50)
-    direct, proxy = per_call("direct (controller's engine)", "direct"), per_call("through the proxy", "proxy")
-    print(f"   proxy cost per call: {(proxy - direct) * 1e3:.3f} ms")
-    flow.close()
+    for client, agent in (("openai client", "openai_agent"), ("plain httpx", "httpx_sequential_agent")):
+        TIMES["direct"].clear(), TIMES["proxy"].clear()
+        TOKENS.update(direct=0, proxy=0)
+        flow = agent_flow(model_dir, f"agent_proxy_bench:{agent}", args.null_tokens, args.calls)
+        with RolloutController([NullEngine()], BenchWorkflow(flow), batch_size=1, max_head_offpolicyness=64) as ctrl:
+            run_blocks(ctrl, args.calls, 50)
+        direct = per_call("direct (controller's engine)", "direct")
+        proxy = per_call(f"through the proxy, {client}", "proxy")
+        print(f"   proxy cost per call ({client}): {(proxy - direct) * 1e3:.3f} ms mean, "
+              f"{(statistics.median(TIMES['proxy']) - statistics.median(TIMES['direct'])) * 1e3:.3f} ms median")
+        flow.close()
     for name, agent in (("shared httpx client", "httpx_agent"), ("fresh openai client each", "fresh_openai_agent")):
         flow = agent_flow(model_dir, f"agent_proxy_bench:{agent}", args.null_tokens, 1)
         n = args.sessions
