@@ -5,8 +5,10 @@
 1. Null engine (answers at once), through a RolloutController:
    a. per call: one episode making ``--calls`` sequential calls, directly
       (``engine.agenerate`` on prompt ids tokenized once) and through the proxy
-      (an in-process agent with the official ``openai`` client: chat template,
-      HTTP, recording); the difference is the proxy's absolute cost per call.
+      (an in-process agent: chat template, HTTP, recording), once with the
+      official ``openai`` client and once with plain ``httpx``; the difference
+      is the proxy's absolute cost per call (with the httpx agent, the least
+      client cost in it).
    b. sessions per second: ``--sessions`` episodes of one call each, 64 in
       flight, each its own session (key, recording, trajectory), the agent
       using one shared ``httpx`` client with 8 connections (httpcore's pool
