@@ -234,3 +234,46 @@ class TestAgentWorkflowConformance(WorkflowConformance):
         config = RunConfig()
         config.model.path, config.rollout.group_size = str(folder), 2
         return cls.create(Context(config=config, options=AgentConfig(agent="agent_conformance_doubles:two_turn_agent")))
+
+
+class StuckEngineDouble(ScriptedInferenceEngine):
+    """Test double: every generation takes a minute unless cancelled; records the cancellations."""
+
+    def __init__(self):
+        super().__init__()
+        self.started = self.cancelled = 0
+
+    async def agenerate(self, request):
+        self.started += 1
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        return await super().agenerate(request)
+
+
+async def waits_on_the_model(item, base_url, api_key):
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120) as client:
+        await client.chat.completions.create(model="policy", messages=item["messages"])
+    return 1.0
+
+
+def test_a_timed_out_agents_calls_in_flight_are_cancelled(make_flow, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "agent_run_doubles", sys.modules[__name__])
+    engine = StuckEngineDouble()
+    flow = make_flow(agent="agent_run_doubles:waits_on_the_model", agent_timeout_s=1.0)
+
+    async def episode():
+        result = await flow.arun_episode(engine, ITEM)
+        deadline = time.monotonic() + 10
+        while not engine.cancelled and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return result
+
+    began = time.monotonic()
+    assert asyncio.run(episode()) is None
+    assert engine.started == 1 and engine.cancelled == 1  # the engine stopped generating for the ended session
+    assert time.monotonic() - began < 15 and "agent_timeout_s = 1 s" in caplog.text
