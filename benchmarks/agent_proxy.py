@@ -1,6 +1,7 @@
 """What the agent workflow's OpenAI-compatible proxy costs, against calling the rollout controller's engine directly.
 
     .venv/bin/python benchmarks/agent_proxy.py [--calls 1000] [--sessions 2000] [--skip-embedded]
+    .venv/bin/python benchmarks/agent_proxy.py --calls 200 --null-ms-per-token 10 --skip-sessions --skip-embedded
 
 1. Null engine (answers at once), through a RolloutController:
    a. per call: one episode making ``--calls`` sequential calls, directly
@@ -151,18 +152,23 @@ def per_call(label: str, arm: str) -> float:
 
 
 def null_engine(args: argparse.Namespace, model_dir: str) -> None:
-    print(f"1a) null engine, {args.calls} sequential calls of {args.null_tokens} tokens, direct vs proxy")
+    per_token_s = args.null_ms_per_token / 1e3
+    print(f"1a) null engine ({args.null_ms_per_token:g} ms a token), {args.calls} sequential calls of "
+          f"{args.null_tokens} tokens, direct vs proxy")
     for client, agent in (("openai client", "openai_agent"), ("plain httpx", "httpx_sequential_agent")):
         TIMES["direct"].clear(), TIMES["proxy"].clear()
         TOKENS.update(direct=0, proxy=0)
         flow = agent_flow(model_dir, f"agent_proxy_bench:{agent}", args.null_tokens, args.calls)
-        with RolloutController([NullEngine()], BenchWorkflow(flow), batch_size=1, max_head_offpolicyness=64) as ctrl:
+        with RolloutController([NullEngine(per_token_s)], BenchWorkflow(flow), batch_size=1,
+                               max_head_offpolicyness=64) as ctrl:
             run_blocks(ctrl, args.calls, 50)
         direct = per_call("direct (controller's engine)", "direct")
         proxy = per_call(f"through the proxy, {client}", "proxy")
         print(f"   proxy cost per call ({client}): {(proxy - direct) * 1e3:.3f} ms mean, "
               f"{(statistics.median(TIMES['proxy']) - statistics.median(TIMES['direct'])) * 1e3:.3f} ms median")
         flow.close()
+    if args.skip_sessions:
+        return
     for name, agent in (("shared httpx client", "httpx_agent"), ("fresh openai client each", "fresh_openai_agent")):
         flow = agent_flow(model_dir, f"agent_proxy_bench:{agent}", args.null_tokens, 1)
         n = args.sessions
@@ -220,6 +226,9 @@ def main() -> int:
     parser.add_argument("--sessions", type=int, default=2000)
     parser.add_argument("--tokens", type=int, default=8, help="new tokens per call on the embedded engine")
     parser.add_argument("--null-tokens", type=int, default=8)
+    parser.add_argument("--null-ms-per-token", type=float, default=0.0,
+                        help="1a's engine takes this long a token (e.g. 10: an 80 ms call, like a small model's)")
+    parser.add_argument("--skip-sessions", action="store_true", help="leave out 1b")
     parser.add_argument("--skip-embedded", action="store_true")
     parser.add_argument("--skip-null", action="store_true")
     args = parser.parse_args()
