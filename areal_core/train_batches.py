@@ -25,8 +25,19 @@ def to_tensor(key: str, value: Any) -> Any:
 
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu()
-    elif isinstance(value, (list, tuple)) and all(isinstance(v, (int, float, bool)) for v in value):
-        t = torch.tensor(value)
+    elif isinstance(value, (list, tuple)) and (not value or isinstance(value[0], (int, float, bool))):
+        # A flat list of numbers, through numpy: 4x faster than torch.tensor on a list (0.08 against 0.35 s for
+        # 2M ints), and numpy's dtype says whether every element was a number (checking each one in Python first
+        # cost more than the conversion, on batches of millions of tokens).
+        import numpy
+
+        try:
+            array = numpy.array(value)
+        except (TypeError, ValueError):  # ragged
+            return value
+        if array.ndim != 1 or array.dtype.kind not in "biuf":
+            return value
+        t = torch.from_numpy(array) if len(value) else torch.tensor([])
     else:
         return value
     if key == "loss_mask":

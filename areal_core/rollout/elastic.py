@@ -26,6 +26,8 @@ import heapq
 import logging
 import os
 import time
+import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable
@@ -122,6 +124,9 @@ class Member:
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     slot: int = 0  # its position in the pool's list: who comes first on ties
     _lost_future: asyncio.Future | None = None
+    # what mark_lost ends: one callback per call in watched() (a set: adding and removing one is O(1), where
+    # callbacks on a future are a list scanned on every removal)
+    watchers: set = field(default_factory=set)
 
     def lost_future(self) -> asyncio.Future:
         """A future done once it leaves routing, shared by every request on it (a task per request waiting on
@@ -136,6 +141,71 @@ class Member:
         self.lost.set()
         if self._lost_future is not None and not self._lost_future.done():
             self._lost_future.set_result(None)
+        for end in list(self.watchers):
+            end()
+
+
+class _Deadlines:
+    """The timeouts of many waits that share one length, on one loop: their deadlines in arrival order (a FIFO,
+    since the length is the same) and one loop timer, for the earliest.
+
+    Written by hand because asyncio has no cheaper form: ``loop.call_later`` per wait is a heap entry each, left
+    in the loop's heap when cancelled, and it was a tenth of the controller's own cost at hundreds of servers
+    (every request of every server waits here, again after each pause)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+        self.loop, self.timeout_s = loop, timeout_s
+        self.queue: deque[list] = deque()  # [deadline, wake or None once the wait is over]
+        self.timer: asyncio.TimerHandle | None = None
+
+    def add(self, wake: Callable[[], None]) -> list:
+        entry = [self.loop.time() + self.timeout_s, wake]
+        self.queue.append(entry)
+        if self.timer is None:
+            self.timer = self.loop.call_at(entry[0], self._fire)
+        return entry
+
+    def done(self, entry: list) -> None:
+        entry[1] = None
+        queue = self.queue
+        while queue and queue[0][1] is None:  # waits mostly end in order: the queue stays short
+            queue.popleft()
+        if not queue and self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _fire(self) -> None:
+        self.timer = None
+        now, queue = self.loop.time(), self.queue
+        while queue and (queue[0][1] is None or queue[0][0] <= now):
+            wake = queue.popleft()[1]
+            if wake is not None:
+                wake()
+        if queue:
+            self.timer = self.loop.call_at(queue[0][0], self._fire)
+
+
+_deadlines: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[float, _Deadlines]]" = \
+    weakref.WeakKeyDictionary()
+
+
+_last_deadlines: _Deadlines | None = None  # the one asked for last: nearly always the one asked for next
+
+
+def _deadlines_for(timeout_s: float) -> _Deadlines:
+    global _last_deadlines
+    loop = asyncio.get_running_loop()
+    last = _last_deadlines
+    if last is not None and last.loop is loop and last.timeout_s == timeout_s:
+        return last
+    by_length = _deadlines.get(loop)
+    if by_length is None:
+        by_length = _deadlines[loop] = {}
+    queue = by_length.get(timeout_s)
+    if queue is None:
+        queue = by_length[timeout_s] = _Deadlines(loop, timeout_s)
+    _last_deadlines = queue
+    return queue
 
 
 async def settle(member: Member, call: asyncio.Future, timeout_s: float | None = None) -> bool:
@@ -148,9 +218,8 @@ async def settle(member: Member, call: asyncio.Future, timeout_s: float | None =
     lost = member.lost_future()
     if not call.done() and not lost.done():
         # asyncio.wait(FIRST_COMPLETED, timeout) written out: one waiter and two callbacks, without the sets and
-        # copies it makes per call (every request of every server passes here, and again after each pause)
-        loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
+        # copies it makes per call, and the timeout in a shared FIFO (_Deadlines) instead of a timer per call
+        waiter = asyncio.get_running_loop().create_future()
 
         def wake(_: Any = None) -> None:
             if not waiter.done():
@@ -158,7 +227,8 @@ async def settle(member: Member, call: asyncio.Future, timeout_s: float | None =
 
         call.add_done_callback(wake)
         lost.add_done_callback(wake)
-        timer = loop.call_later(timeout_s, wake) if timeout_s is not None else None
+        deadlines = _deadlines_for(timeout_s) if timeout_s is not None else None
+        entry = deadlines.add(wake) if deadlines is not None else None
         try:
             await waiter
         except BaseException:
@@ -168,13 +238,70 @@ async def settle(member: Member, call: asyncio.Future, timeout_s: float | None =
         finally:
             call.remove_done_callback(wake)
             lost.remove_done_callback(wake)
-            if timer is not None:
-                timer.cancel()
+            if deadlines is not None:
+                deadlines.done(entry)
     if call.done():
         return True
     call.cancel()
     await asyncio.gather(call, return_exceptions=True)
     return False
+
+
+class WatchEnded(Exception):
+    """What :func:`watched` raises when the server left routing (``reason`` "lost") or the time ran out
+    ("timeout") before the call finished; the call was cancelled and has ended."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+# Task.uncancel (3.11) tells our own cancellation from a caller's; without it, calls run in a task of their own
+INLINE_CALLS = hasattr(asyncio.Task, "uncancel")
+
+
+async def watched(member: Member, call: Awaitable[Any], timeout_s: float | None = None) -> Any:
+    """``await call`` (a call on ``member``'s engine) in the calling task, cancelled in place when ``member`` leaves
+    routing or ``timeout_s`` pass (then :class:`WatchEnded`): what :func:`settle` does without a task per call (on
+    Python 3.11+; every request of every server passes here, and a task each was the largest single cost of the
+    controller at hundreds of servers). A cancellation from outside still arrives as ``CancelledError``."""
+    task = asyncio.current_task()
+    if member.lost.is_set():
+        if asyncio.iscoroutine(call):
+            call.close()
+        raise WatchEnded("lost")
+    why: list[str] = []
+    watching = [True]  # a timer already due when the call ended must not cancel what the task does next
+
+    def end(reason: str) -> None:
+        if watching[0] and not why:
+            why.append(reason)
+            task.cancel()
+
+    def on_lost() -> None:
+        end("lost")
+
+    member.watchers.add(on_lost)
+    deadlines = _deadlines_for(timeout_s) if timeout_s is not None else None
+    entry = deadlines.add(lambda: end("timeout")) if deadlines is not None else None
+    try:
+        result = await call
+    except asyncio.CancelledError:
+        if why and task.uncancel() == 0:  # ours alone: the call is over, say why
+            raise WatchEnded(why[0]) from None
+        raise
+    except BaseException:
+        if why:  # the call turned our cancellation into an error of its own: that error stands, ours is spent
+            task.uncancel()
+        raise
+    finally:
+        watching[0] = False
+        member.watchers.discard(on_lost)
+        if deadlines is not None:
+            deadlines.done(entry)
+    if why:  # the call finished before our cancellation reached it: its answer stands
+        task.uncancel()
+    return result
 
 
 def engine_name(engine: InferenceEngine, index: int) -> str:

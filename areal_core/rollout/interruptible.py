@@ -35,7 +35,7 @@ from dataclasses import replace
 
 from areal_core.api.inference import GenerationRequest, GenerationResponse, InferenceEngine
 from areal_core.remote import RemoteError
-from areal_core.rollout.elastic import EngineLost, EnginePool, Member, settle
+from areal_core.rollout.elastic import INLINE_CALLS, EngineLost, EnginePool, Member, WatchEnded, settle, watched
 
 # An engine answering "abort" while generation is open, with no new token,
 # this many times in a row is broken rather than interrupted.
@@ -85,8 +85,15 @@ class InterruptibleEngine(InferenceEngine):
             self.pool.release(member)
 
     async def _call_on(self, member: Member, request: GenerationRequest) -> GenerationResponse:
-        call = asyncio.ensure_future(member.engine.agenerate(request))
-        if not await settle(member, call, self.request_timeout_s):
+        try:
+            response = await self._answer(member, request)
+        except ENGINE_FAILURES as exc:
+            if not self.pool.elastic:
+                raise
+            self.pool.report_failure(member, f"{type(exc).__name__}: {exc}", request=True)
+            member.moved += 1
+            raise EngineLost(member.name) from exc
+        if response is None:
             if member.lost.is_set():
                 member.moved += 1
                 raise EngineLost(member.name)
@@ -95,16 +102,18 @@ class InterruptibleEngine(InferenceEngine):
                 f"engine {member.name} ({type(member.engine).__name__}) to answer request "
                 f"{request.rid} ({len(request.input_ids)} prompt tokens)"
             )
-        try:
-            response = call.result()
-        except ENGINE_FAILURES as exc:
-            if not self.pool.elastic:
-                raise
-            self.pool.report_failure(member, f"{type(exc).__name__}: {exc}", request=True)
-            member.moved += 1
-            raise EngineLost(member.name) from exc
         member.served += 1
         return response
+
+    async def _answer(self, member: Member, request: GenerationRequest) -> GenerationResponse | None:
+        """The engine's answer, or None when ``member`` left routing or the request timed out first."""
+        if INLINE_CALLS:
+            try:
+                return await watched(member, member.engine.agenerate(request), self.request_timeout_s)
+            except WatchEnded:
+                return None
+        call = asyncio.ensure_future(member.engine.agenerate(request))
+        return call.result() if await settle(member, call, self.request_timeout_s) else None
 
     async def agenerate(self, request: GenerationRequest) -> GenerationResponse:
         budget = request.sampling.max_new_tokens
