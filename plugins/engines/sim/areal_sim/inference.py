@@ -48,6 +48,13 @@ class SimEngineConfig:
                          "many decode steps; prompts count len(input_ids) x this): what lets a simulated step "
                          "of millions of tokens pass through the real controller and trainer as thousands"})
     vocab_size: int = field(default=32000, metadata={"ge": 2, "help": "token ids are drawn below this"})
+    threads: int = field(default=0, metadata={
+        "ge": 0, "help": "threads of this server, for a profile of roles that share a CPU (its cpu section): "
+                         "times scale by the profile's measured speedup; 0 = one (areal simulate sets it from "
+                         "the local launcher's thread plan)"})
+    contended: bool = field(default=False, metadata={
+        "help": "the other role runs at once on the same CPU: times scale by the profile's cpu.contention "
+                "(areal simulate sets it at eta > 0)"})
     interruptible: bool = field(default=True, metadata={
         "help": "false: the engine cannot pause, so a weight update waits for the requests in flight to finish "
                 "(drain-on-update, the baseline interruptible generation is measured against)"})
@@ -82,6 +89,21 @@ class _Request:
 POOL = 1 << 12  # random tokens drawn per engine, handed out as slices to unseeded requests
 
 
+_pools: dict[tuple[int, int], tuple[list[int], list[float]]] = {}
+
+
+def _pool(seed: int, vocab_size: int) -> tuple[list[int], list[float]]:
+    """The random tokens and logprobs unseeded requests take slices of: drawn once per run seed and vocabulary and
+    shared by every simulated server of the process (each starts its slices where its own generator says;
+    drawing a pool per server took seconds at hundreds of servers)."""
+    pool = _pools.get((seed, vocab_size))
+    if pool is None:
+        rng = random.Random(stable_seed("sim-pool", seed, vocab_size))
+        pool = _pools[(seed, vocab_size)] = ([rng.randrange(vocab_size) for _ in range(POOL)],
+                                             [-rng.expovariate(1.0) for _ in range(POOL)])
+    return pool
+
+
 def _cycle(pool: list, start: int, n: int) -> list:
     """``n`` items of ``pool`` from ``start``, wrapping around."""
     if start + n <= len(pool):
@@ -114,7 +136,7 @@ class SimInferenceEngine(InferenceEngine):
     def __init__(self, context: Any = None) -> None:
         super().__init__(context)
         options = self.context.options or SimEngineConfig()
-        self.profile = load_profile(options.profile)
+        self.profile = load_profile(options.profile).on_threads(max(options.threads, 1), 1, options.contended)
         self.time_scale, self.vocab_size = options.time_scale, options.vocab_size
         self.scale = options.token_scale
         if not options.interruptible:
@@ -140,8 +162,8 @@ class SimInferenceEngine(InferenceEngine):
         config, index = self.context.config, self.context.extras.get("server_index", 0)
         self._rng = random.Random(stable_seed("sim-engine", int(config.trainer.seed) if config is not None else 0,
                                               index))
-        self._pool_ids = [self._rng.randrange(self.vocab_size) for _ in range(POOL)]
-        self._pool_logprobs = [-self._rng.expovariate(1.0) for _ in range(POOL)]
+        self._pool_ids, self._pool_logprobs = _pool(int(config.trainer.seed) if config is not None else 0,
+                                                    self.vocab_size)
         # the stretch of decode steps under way: when it began (loop time), its batch and mean context
         # (began, batch, context, prefill_s, modelled seconds to its planned end)
         self._stretch: tuple[float, int, float, float, float] | None = None
@@ -165,7 +187,8 @@ class SimInferenceEngine(InferenceEngine):
             self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-inference")
 
     async def agenerate(self, request: GenerationRequest) -> GenerationResponse:
-        await self.start()
+        if self._task is None:
+            await self.start()
         self.requests += 1
         seed = request.sampling.seed
         rng = random.Random(_mix(seed, len(request.input_ids))) if seed is not None else self._rng
@@ -275,9 +298,16 @@ class SimInferenceEngine(InferenceEngine):
                 await self._wait(None)
                 continue
             joined_prompt = 0
+            shared = set() if self.profile.inference.shared_prompts else None
             while self._waiting and (not self._running or self._used + self._waiting[0].reserved <= capacity):
                 item = self._waiting.popleft()
-                joined_prompt += item.prompt
+                if shared is None:
+                    joined_prompt += item.prompt
+                else:  # identical prompts joining together are prefilled once
+                    key = tuple(item.request.input_ids)
+                    if key not in shared:
+                        shared.add(key)
+                        joined_prompt += item.prompt
                 self._join(item)
             batch = len(self._running)
             context = self._context()

@@ -15,6 +15,7 @@ any other path works too. Units: seconds, bytes, Gbit/s.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import random
 from dataclasses import dataclass, field
@@ -105,9 +106,11 @@ class InferenceModel:
     decode_step_s: DecodeTable
     prefill_s_per_token: float
     kv_capacity_tokens: int  # KV-cache tokens one server holds (prompt + output of every running request)
+    prefill_s_fixed: float = 0.0  # per prefill, whatever its tokens (reading the weights once)
+    shared_prompts: bool = False  # identical prompts joining together are prefilled once (the embedded engine)
 
     def prefill_s(self, tokens: int) -> float:
-        return tokens * self.prefill_s_per_token
+        return self.prefill_s_fixed + tokens * self.prefill_s_per_token if tokens else 0.0
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,9 @@ class TrainModel:
     grad_bytes: float  # what the all-reduce moves per optimizer step
     allreduce_gbps: float  # the bus bandwidth the all-reduce runs at (Gbit/s)
     allreduce_latency_s: float  # per hop
+    s_per_step: float = 0.0  # per optimizer step whatever its tokens (the optimizer's update of every weight)
+    forward_share: float = 0.25  # a logprob forward's time per token / a training step's (2 of 8 x params FLOPs)
+    shared_prompts: bool = False  # a group's prompt is computed once, not once per sample (the fsdp engine)
 
     def allreduce_s(self, d: int) -> float:
         """A ring all-reduce over ``d`` ranks: 2 (d - 1) / d of the gradient bytes over the bus, 2 (d - 1) hops."""
@@ -125,7 +131,7 @@ class TrainModel:
 
     def step_s(self, tokens: int, d: int) -> float:
         """One optimizer step over ``tokens`` tokens split across ``d`` data-parallel ranks."""
-        return tokens * self.s_per_token_per_gpu / max(d, 1) + self.allreduce_s(d)
+        return tokens * self.s_per_token_per_gpu / max(d, 1) + self.s_per_step + self.allreduce_s(d)
 
 
 @dataclass(frozen=True)
@@ -133,6 +139,7 @@ class WeightModel:
     bytes: float  # the weights the trainer sends per update
     link_gbps: float  # trainer -> inference servers
     latency_s: float
+    export_s: float = 0.0  # the trainer's own time to hand the weights out (it waits; the transfer it does not)
 
     def transfer_s(self, nbytes: float | None = None) -> float:
         return (self.bytes if nbytes is None else nbytes) / (self.link_gbps * 1e9 / 8) + self.latency_s
@@ -157,6 +164,34 @@ class Lengths:
 
 
 @dataclass(frozen=True)
+class SharedCores:
+    """Inference servers and train ranks on one machine's cores, shared as the ``local`` launcher shares them
+    (``areal_core.launch.local.thread_plan``): at eta 0 the two sides take turns and each gets every core;
+    otherwise every process gets its share at once. The profile's times are for one thread; a role on n threads
+    runs ``speedup[n - 1]`` times faster (measured: more threads do not scale linearly)."""
+
+    cores: int
+    inference_speedup: tuple[float, ...]  # n = 1 .. cores
+    train_speedup: tuple[float, ...]
+    # time of each role while the other runs at once on the other cores / time alone (shared memory bandwidth and
+    # caches, the trainer process's own threads): what eta > 0 costs on one machine
+    inference_contention: float = 1.0
+    train_contention: float = 1.0
+
+    def threads(self, servers: int, train_ranks: int, eta: int) -> tuple[int, int]:
+        """Threads of one server and of one train rank under the local launcher's plan."""
+        from areal_core.launch.local import thread_plan
+
+        per_server, per_rank = thread_plan(max(servers, 1), max(train_ranks, 1), eta, self.cores)
+        return per_server[0], per_rank[0]
+
+    @staticmethod
+    def factor(speedup: tuple[float, ...], threads: int) -> float:
+        """Time on ``threads`` threads / time on one."""
+        return 1.0 / speedup[min(max(threads, 1), len(speedup)) - 1]
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     source: str
@@ -166,6 +201,30 @@ class Profile:
     train: TrainModel
     weights: WeightModel
     lengths: Lengths
+    cpu: SharedCores | None = None  # None: every role on its own GPUs
+
+    def on_threads(self, inference: int, train: int, contended: bool = False) -> Profile:
+        """This profile with every time as it is on ``inference`` threads per server and ``train`` per train rank,
+        and with ``contended`` as it is while the other role runs at once (a profile without ``cpu`` is returned as
+        it is)."""
+        if self.cpu is None:
+            return self
+        fi = SharedCores.factor(self.cpu.inference_speedup, inference)
+        ft = SharedCores.factor(self.cpu.train_speedup, train)
+        if contended:
+            fi, ft = fi * self.cpu.inference_contention, ft * self.cpu.train_contention
+        table = self.inference.decode_step_s
+        return dataclasses.replace(
+            self,
+            inference=dataclasses.replace(
+                self.inference, prefill_s_per_token=self.inference.prefill_s_per_token * fi,
+                prefill_s_fixed=self.inference.prefill_s_fixed * fi,
+                decode_step_s=DecodeTable(table.batch, table.context,
+                                          tuple(tuple(x * fi for x in row) for row in table.seconds))),
+            train=dataclasses.replace(self.train, s_per_token_per_gpu=self.train.s_per_token_per_gpu * ft,
+                                      s_per_step=self.train.s_per_step * ft),
+            weights=dataclasses.replace(self.weights, latency_s=self.weights.latency_s * fi,
+                                        link_gbps=self.weights.link_gbps / fi, export_s=self.weights.export_s * ft))
 
 
 def load_profile(name_or_path: str | Path) -> Profile:
@@ -216,14 +275,42 @@ def parse_profile(data: Any, where: str = "the profile") -> Profile:
         inference=InferenceModel(tp=int(inference.positive_number("tp")),
                                  decode_step_s=DecodeTable(tuple(batch), tuple(context), rows),
                                  prefill_s_per_token=inference.positive_number("prefill_s_per_token"),
-                                 kv_capacity_tokens=int(inference.positive_number("kv_capacity_tokens"))),
+                                 kv_capacity_tokens=int(inference.positive_number("kv_capacity_tokens")),
+                                 prefill_s_fixed=inference.optional("prefill_s_fixed", 0.0, minimum=0.0),
+                                 shared_prompts=inference.flag("shared_prompts")),
         train=TrainModel(s_per_token_per_gpu=train.positive_number("s_per_token_per_gpu"),
                          grad_bytes=train.positive_number("grad_bytes"),
                          allreduce_gbps=train.positive_number("allreduce_gbps"),
-                         allreduce_latency_s=train.number("allreduce_latency_s", minimum=0.0)),
+                         allreduce_latency_s=train.number("allreduce_latency_s", minimum=0.0),
+                         s_per_step=train.optional("s_per_step", 0.0, minimum=0.0),
+                         forward_share=train.optional("forward_share", 0.25, minimum=0.0),
+                         shared_prompts=train.flag("shared_prompts")),
         weights=WeightModel(bytes=weights.positive_number("bytes"), link_gbps=weights.positive_number("link_gbps"),
-                            latency_s=weights.number("latency_s", minimum=0.0)),
-        lengths=lengths_profile)
+                            latency_s=weights.number("latency_s", minimum=0.0),
+                            export_s=weights.optional("export_s", 0.0, minimum=0.0)),
+        lengths=lengths_profile, cpu=_shared_cores(reader))
+
+
+def _shared_cores(reader: _Reader) -> SharedCores | None:
+    if "cpu" not in reader.data:
+        return None
+    cpu = reader.section("cpu")
+    cores = cpu.positive_number("cores")
+    if cores != int(cores):
+        raise ProfileError(f"{reader.where}: cpu.cores must be a whole number, got {cores!r}")
+    speedups = {}
+    for role in ("inference", "train"):
+        values = cpu.numbers(f"{role}_speedup")
+        if len(values) != int(cores) or values[0] != 1.0:
+            raise ProfileError(f"{reader.where}: cpu.{role}_speedup must list {int(cores)} numbers (time on 1 "
+                               f"thread / time on n threads, n = 1..cores), the first 1.0; got {values!r}")
+        speedups[role] = tuple(values)
+    contention = {"inference": 1.0, "train": 1.0}
+    if "contention" in cpu.data:
+        section = cpu.section("contention")
+        contention = {role: section.positive_number(role) for role in ("inference", "train")}
+    return SharedCores(int(cores), speedups["inference"], speedups["train"], contention["inference"],
+                       contention["train"])
 
 
 class _Reader:
@@ -256,6 +343,15 @@ class _Reader:
             raise ProfileError(f"{self.where}: {self.prefix}{key} must be a finite number >= {minimum:g}, "
                                f"got {value!r}")
         return float(value)
+
+    def flag(self, key: str) -> bool:
+        value = self.data.get(key, False)
+        if not isinstance(value, bool):
+            raise ProfileError(f"{self.where}: {self.prefix}{key} must be true or false, got {value!r}")
+        return value
+
+    def optional(self, key: str, default: float, minimum: float) -> float:
+        return self.number(key, minimum) if key in self.data else default
 
     def positive(self, label: str, value: Any) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:

@@ -6,14 +6,16 @@ algorithm's real loss on each optimizer step's sub-batch (behaviour logprobs
 standing in for the model's, so every ratio is 1), then spends what the profile
 says a step of that many tokens costs on the modelled layout:
 
-- ``forward_logprobs``: a quarter of a recomputed forward + backward per token
-  (2 of its 8 x params FLOPs per token), over the d x t x p GPUs of the actor's
-  placement;
-- ``train_batch``: per optimizer step (``actor.ppo_minibatches`` x
-  ``ppo_epochs``), the step's tokens x ``train.s_per_token_per_gpu`` over the
-  GPUs, plus the gradient all-reduce over d ranks (``TrainModel.step_s``). Tensor
-  and pipeline parallelism are taken as an ideal split of the compute; their own
-  communication and bubbles are not modelled.
+- ``forward_logprobs``: ``train.forward_share`` of a training step's time per token (a quarter by default: 2 of
+  a recomputed forward + backward's 8 x params FLOPs per token), over the d x t x p GPUs of the actor's placement;
+- ``train_batch``: per optimizer step (``actor.ppo_minibatches`` x ``ppo_epochs``), the step's tokens x
+  ``train.s_per_token_per_gpu`` over the GPUs, plus ``train.s_per_step`` and the gradient all-reduce over d
+  ranks (``TrainModel.step_s``). Tensor and pipeline parallelism are taken as an ideal split of the compute;
+  their own communication and bubbles are not modelled;
+- handing the weights out (``export_tensors`` / ``export_to_disk``): ``weights.export_s``.
+
+A profile of roles that share one CPU (its ``cpu`` section) scales these by the threads each role gets
+(``SimTrainConfig.threads``).
 
 Tokens count ``token_scale`` times over, as in the simulated inference engine
 (each returned token stands for that many). Time passes through the clock the
@@ -36,8 +38,6 @@ from areal_core.clock import REAL_CLOCK
 
 from areal_sim.profile import load_profile
 
-FORWARD_SHARE = 0.25  # forward pass / (forward + recomputed forward + backward): 2 of 8 x params FLOPs per token
-
 
 @dataclass
 class SimTrainConfig:
@@ -47,6 +47,12 @@ class SimTrainConfig:
         "help": "a shipped latency profile (areal_sim/profiles) or the path of a profile YAML"})
     token_scale: int = field(default=1, metadata={
         "ge": 1, "help": "modelled tokens per token in a batch (the same as rollout.token_scale)"})
+    threads: int = field(default=0, metadata={
+        "ge": 0, "help": "threads of each train rank, for a profile of roles that share a CPU (its cpu section); "
+                         "0 = one (areal simulate sets it from the local launcher's thread plan)"})
+    contended: bool = field(default=False, metadata={
+        "help": "the other role runs at once on the same CPU: times scale by the profile's cpu.contention "
+                "(areal simulate sets it at eta > 0)"})
     time_scale: float = field(default=1.0, metadata={
         "gt": 0.0, "help": "modelled seconds per wall-clock second on a real clock (a virtual clock ignores it)"})
 
@@ -57,7 +63,7 @@ class SimTrainEngine(TrainEngine):
 
     def initialize(self) -> None:
         options = self.context.options or SimTrainConfig()
-        self.profile = load_profile(options.profile)
+        self.profile = load_profile(options.profile).on_threads(1, max(options.threads, 1), options.contended)
         self.scale, self.time_scale = options.token_scale, options.time_scale
         self.clock = self.context.extras.get("clock") or REAL_CLOCK
         parallel = getattr(self.context.placement, "parallel", None)
@@ -75,9 +81,28 @@ class SimTrainEngine(TrainEngine):
         self.busy_s += modelled_s
         self.clock.sleep(modelled_s if self.clock.virtual else modelled_s / self.time_scale)
 
+    def _computed(self, batch: dict) -> int:
+        """Modelled tokens the engine computes for ``batch``: all of them, or with ``train.shared_prompts`` each
+        group's prompt once (the prompt is the sequence's tokens before its first trained one)."""
+        from areal_core.train_batches import as_list
+
+        total = len(batch["input_ids"])
+        if not (self.profile.train.shared_prompts and "group_index" in batch and "seq_lens" in batch):
+            return total * self.scale
+        mask, offset, seen = as_list(batch["loss_mask"]), 0, set()
+        for n, group in zip(as_list(batch["seq_lens"]), as_list(batch["group_index"])):
+            if group in seen:
+                try:
+                    total -= mask.index(1, offset, offset + n) - offset
+                except ValueError:  # nothing trained in it: all prompt
+                    total -= n
+            seen.add(group)
+            offset += n
+        return total * self.scale
+
     def forward_logprobs(self, batch: dict, temperature: float = 1.0) -> dict:
-        tokens = len(batch["input_ids"]) * self.scale
-        self._spend(FORWARD_SHARE * tokens * self.profile.train.s_per_token_per_gpu / self.gpus)
+        tokens = self._computed(batch)
+        self._spend(self.profile.train.forward_share * tokens * self.profile.train.s_per_token_per_gpu / self.gpus)
         return {"logprobs": list(batch["logprobs"])}
 
     def train_batch(self, batch: dict, loss_fn: Any, temperature: float = 1.0, epochs: int = 1) -> dict:
@@ -93,8 +118,8 @@ class SimTrainEngine(TrainEngine):
             mb = {k: to_tensor(k, v) for k, v in part.items()}
             loss, stats = loss_fn(logprobs, entropy, {**mb, "update_step": j})
             loss.backward()  # the algorithm's real loss and its gradient, on the stand-in logprobs
-            tokens = len(part["input_ids"]) * self.scale
-            self._spend(tokens * self.profile.train.s_per_token_per_gpu / self.gpus
+            tokens = self._computed(part)
+            self._spend(tokens * self.profile.train.s_per_token_per_gpu / self.gpus + self.profile.train.s_per_step
                         + self.profile.train.allreduce_s(self.d))
             self.tokens += tokens
             steps.append({"loss": float(loss.detach()), **{k: float(v) for k, v in stats.items()},
@@ -120,11 +145,13 @@ class SimTrainEngine(TrainEngine):
         self._version, self.tokens, self.busy_s = state["version"], state["tokens"], state["busy_s"]
 
     def export_to_disk(self, path: str) -> None:
+        self._spend(self.profile.weights.export_s)
         self.save(path)
 
     def export_tensors(self, bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
         import torch
 
+        self._spend(self.profile.weights.export_s)
         return iter([[("sim.version", torch.tensor(self._version))]])
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ token out as the ``rlvr`` workflow does, and asks the run's reward for each;
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -34,6 +35,11 @@ class SimDatasetConfig:
     profile: str = field(default="qwen2.5-7b-h800", metadata={
         "help": "the latency profile whose lengths.prompt sets the prompt length"})
     token_scale: int = field(default=1, metadata={"ge": 1, "help": "modelled tokens per token id (as rollout's)"})
+    success_mean: float = field(default=0.5, metadata={
+        "gt": 0.0, "lt": 1.0, "help": "the mean of the items' success rates (drawn from a Beta distribution)"})
+    success_concentration: float = field(default=1.4, metadata={
+        "gt": 0.0, "help": "the Beta's a + b: below 2 most items are nearly always or nearly never solved (whole "
+                           "groups agree, and dynamic filtering drops them); above, most are in between"})
 
 
 class SimDataset(Dataset):
@@ -45,6 +51,8 @@ class SimDataset(Dataset):
         self.size = options.size if self.split == "train" else max(1, options.size // 100)
         prompt = load_profile(options.profile).lengths.prompt
         self.prompt_len = max(1, round(prompt / options.token_scale))
+        self.beta = (options.success_mean * options.success_concentration,
+                     (1 - options.success_mean) * options.success_concentration)
 
     def __len__(self) -> int:
         return self.size
@@ -53,12 +61,19 @@ class SimDataset(Dataset):
         for i in range(self.size):
             rng = random.Random(stable_seed("sim-item", self.split, self.seed, i))
             yield {"id": f"{self.split}-{i}", "prompt_ids": [rng.randrange(1, 30000) for _ in range(self.prompt_len)],
-                   "success": rng.betavariate(0.7, 0.7)}
+                   "success": rng.betavariate(*self.beta)}
 
 
 async def sim_reward(prompt: str, completion: str, item: dict) -> float:
     """1 with the item's success rate, seeded by (item, sample): ``completion`` carries the sample's index."""
-    return float(random.Random(stable_seed("sim-reward", item["id"], completion)).random() < item["success"])
+    # the seed's digest is itself uniform in [0, 2**31): no generator needed (one per sample cost more than the
+    # rest of the simulated reward)
+    return float(stable_seed("sim-reward", item["id"], completion) / 2**31 < item["success"])
+
+
+# request ids from a counter: unique in the process, and cheaper than the uuid4 a request draws by default (a
+# system call for random bytes, millions of times a simulation)
+_request_ids = itertools.count()
 
 
 class SimWorkflow(Workflow):
@@ -71,8 +86,9 @@ class SimWorkflow(Workflow):
 
     async def arun_episode(self, engine: InferenceEngine, item: Any) -> list[Trajectory] | None:
         prompt = list(item["prompt_ids"])
-        requests = [GenerationRequest(list(prompt), sampling_params(self.context.config, item))
-                    for _ in range(self.group_size)]
+        sampling = sampling_params(self.context.config, item)  # frozen: the group's requests share it
+        first = next(_request_ids)
+        requests = [GenerationRequest(list(prompt), sampling, rid=f"sim-{first}-{k}") for k in range(self.group_size)]
         responses = await asyncio.gather(*(engine.agenerate(r) for r in requests))
         # one after another: the simulated reward answers at once, and a task each would cost more than it
         results = [await call_reward(self.reward, "", str(k), item) for k in range(self.group_size)]

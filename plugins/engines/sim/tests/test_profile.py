@@ -14,11 +14,13 @@ import yaml
 
 from areal_sim.profile import PROFILES, DecodeTable, Lengths, ProfileError, TrainModel, load_profile, parse_profile
 
-SHIPPED = sorted(p.stem for p in PROFILES.glob("*.yaml"))
+SHIPPED = sorted(p.stem for p in PROFILES.glob("*-h800.yaml"))
+CPU = "smollm2-135m-cpu"  # written by benchmarks/calibrate_cpu.py
 
 
 def test_the_shipped_profiles_are_the_ones_their_derivation_writes():
     assert SHIPPED == [f"qwen2.5-{size}-h800" for size in ("1.5b", "14b", "32b", "7b")]
+    assert sorted(p.stem for p in PROFILES.glob("*.yaml")) == sorted([*SHIPPED, CPU])
     check = subprocess.run([sys.executable, "-m", "areal_sim.profiles.derive_h800", "--check"],
                            capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
@@ -154,3 +156,55 @@ def test_an_unknown_profile_lists_the_shipped_ones(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text(yaml.safe_dump({**_data(), "name": "mine"}))
     assert load_profile(path).name == "mine"
+
+
+def test_the_cpu_profile_shares_two_cores_as_the_local_launcher_does():
+    """eta 0: generation and training take turns, each on both cores; eta > 0: one core each, at once."""
+    p = load_profile(CPU)
+    assert p.cpu is not None and p.cpu.cores == 2 and "calibrate_cpu.py" in p.source
+    assert p.cpu.threads(servers=1, train_ranks=1, eta=0) == (2, 2)
+    assert p.cpu.threads(servers=1, train_ranks=1, eta=4) == (1, 1)
+    assert 1.0 < p.cpu.inference_speedup[1] <= 2.0 and 1.0 < p.cpu.train_speedup[1] <= 2.0
+    both = p.on_threads(2, 2)
+    assert both.inference.decode_step_s(8, 40) == pytest.approx(
+        p.inference.decode_step_s(8, 40) / p.cpu.inference_speedup[1])
+    assert both.train.step_s(1000, 1) == pytest.approx(p.train.step_s(1000, 1) / p.cpu.train_speedup[1])
+    assert both.weights.export_s == pytest.approx(p.weights.export_s / p.cpu.train_speedup[1])
+    assert both.weights.transfer_s() == pytest.approx(p.weights.transfer_s() / p.cpu.inference_speedup[1])
+    assert p.on_threads(1, 1) == p
+    # at eta > 0 each role runs beside the other: slower by the measured contention
+    assert p.cpu.inference_contention >= 1.0 and p.cpu.train_contention >= 1.0
+    beside = p.on_threads(1, 1, contended=True)
+    assert beside.inference.decode_step_s(8, 40) == pytest.approx(
+        p.inference.decode_step_s(8, 40) * p.cpu.inference_contention)
+    assert beside.train.step_s(1000, 1) == pytest.approx(p.train.step_s(1000, 1) * p.cpu.train_contention)
+    gpu = load_profile("qwen2.5-7b-h800")
+    assert gpu.cpu is None and gpu.on_threads(2, 2) is gpu  # GPUs are not shared
+
+
+def test_a_training_step_has_a_fixed_part_and_a_share_for_the_logprob_forward():
+    model = TrainModel(s_per_token_per_gpu=1e-3, grad_bytes=1e6, allreduce_gbps=8.0, allreduce_latency_s=0.0,
+                       s_per_step=0.5)
+    assert model.step_s(100, 1) == pytest.approx(0.6)
+    data = _data()
+    assert parse_profile(data).train.s_per_step == 0.0 and parse_profile(data).train.forward_share == 0.25
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda d: d.update(cpu={"cores": 2, "inference_speedup": [1.0], "train_speedup": [1.0, 1.5]}),
+     "cpu.inference_speedup must list 2 numbers"),
+    (lambda d: d.update(cpu={"cores": 2, "inference_speedup": [1.2, 1.5], "train_speedup": [1.0, 1.5]}),
+     "cpu.inference_speedup must list 2 numbers .* the first 1.0"),
+    (lambda d: d.update(cpu={"cores": 1.5, "inference_speedup": [1.0], "train_speedup": [1.0]}),
+     "cpu.cores must be a whole number"),
+    (lambda d: d.update(cpu={"cores": 1, "inference_speedup": [1.0], "train_speedup": [1.0],
+                             "contention": {"inference": 1.2}}), "cpu.contention.train is missing"),
+    (lambda d: d["train"].update(shared_prompts="yes"), "train.shared_prompts must be true or false"),
+    (lambda d: d["train"].update(s_per_step=-1), "train.s_per_step must be a finite number >= 0, got -1"),
+    (lambda d: d["weights"].update(export_s="soon"), "weights.export_s must be a finite number >= 0"),
+])
+def test_a_bad_shared_cpu_or_fixed_cost_field_is_named(edit, field):
+    data = _data()
+    edit(data)
+    with pytest.raises(ProfileError, match="my.yaml: " + field):
+        parse_profile(data, "my.yaml")

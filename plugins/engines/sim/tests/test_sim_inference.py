@@ -180,3 +180,21 @@ def test_a_pause_returns_the_tokens_of_the_steps_already_done_and_resumes_exactl
     loop.close()
     assert partial.stop_reason == "abort" and len(partial.output_ids) == expected > 10
     assert partial.output_ids + rest.output_ids == whole.output_ids
+
+
+def test_with_shared_prompts_a_groups_identical_prompts_are_prefilled_once():
+    """The embedded engine runs identical sequences joining together once (a group's samples share the prompt): a
+    profile that says so charges one prefill (its fixed part plus the tokens) for the group."""
+    import dataclasses
+
+    async def body(engine, shared: bool):
+        inference = dataclasses.replace(engine.profile.inference, shared_prompts=shared, prefill_s_fixed=0.5)
+        object.__setattr__(engine.profile, "inference", inference)
+        group = [GenerationRequest([7] * 100, SamplingParams(max_new_tokens=1, seed=s)) for s in range(8)]
+        await asyncio.gather(*(engine.agenerate(r) for r in group))
+        return engine.busy_s - engine.profile.inference.decode_step_s(8, 100)  # one decode step after it
+
+    for shared, prompts in ((True, 1), (False, 8)):
+        prefill = _run(lambda e: body(e, shared), time_scale=1e6)
+        per_token = SimInferenceEngine(Context(options=SimEngineConfig())).profile.inference.prefill_s_per_token
+        assert prefill == pytest.approx(0.5 + prompts * 100 * per_token, rel=1e-6)

@@ -4,6 +4,7 @@ figures they report checked against what the model implies, from outside."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import io
 import json
 import subprocess
@@ -16,7 +17,7 @@ from areal_core.clock import VirtualClock
 from areal_core.config.allocation import parse_allocation
 from areal_sim.profile import load_profile
 from areal_sim.simulate import SimSettings, SimulationError, run_simulation, simulated_config
-from areal_sim.train import FORWARD_SHARE, SimTrainConfig, SimTrainEngine
+from areal_sim.train import SimTrainConfig, SimTrainEngine
 
 pytestmark = pytest.mark.usefixtures("algorithm_double")  # tests/conftest.py: the core's algorithm double
 
@@ -50,7 +51,7 @@ def test_the_train_engine_spends_the_profiles_time_on_its_layout_and_runs_the_re
     batch = {"input_ids": [1] * 300, "logprobs": [-0.5] * 300, "loss_mask": [1] * 300, "cu_seqlens": [0, 100, 300],
              "seq_lens": [100, 200], "advantages": [1.0] * 300}
     engine.forward_logprobs(batch)
-    assert clock.now() == pytest.approx(FORWARD_SHARE * 3000 * profile.train.s_per_token_per_gpu / 8)
+    assert clock.now() == pytest.approx(profile.train.forward_share * 3000 * profile.train.s_per_token_per_gpu / 8)
     seen = []
 
     def loss_fn(logprobs, entropy, mb):
@@ -64,6 +65,34 @@ def test_the_train_engine_spends_the_profiles_time_on_its_layout_and_runs_the_re
     # 3000 modelled tokens over 8 GPUs, and the gradient all-reduce over the 4 data-parallel ranks
     assert clock.now() - before == pytest.approx(3000 * profile.train.s_per_token_per_gpu / 8
                                                  + profile.train.allreduce_s(4))
+
+
+def test_with_shared_prompts_the_train_engine_computes_each_groups_prompt_once(tmp_path):
+    import yaml
+
+    from areal_sim.profile import PROFILES
+
+    data = yaml.safe_load((PROFILES / "qwen2.5-7b-h800.yaml").read_text())
+    data["train"].update(shared_prompts=True, s_per_step=0.25)
+    path = tmp_path / "shared.yaml"
+    path.write_text(yaml.safe_dump(data))
+    clock = VirtualClock(threads=1)
+    engine = SimTrainEngine(Context(options=SimTrainConfig(profile=str(path)), extras={"clock": clock}))
+    engine.initialize()
+    # two groups: prompts of 10 and 20 tokens, three samples of 5 trained tokens each
+    seqs = [(g, p) for g, p in ((0, 10), (0, 10), (0, 10), (1, 20), (1, 20), (1, 20))]
+    batch = {"input_ids": [], "loss_mask": [], "logprobs": [], "advantages": [], "seq_lens": [], "group_index": []}
+    for g, p in seqs:
+        batch["input_ids"] += [1] * (p + 5)
+        batch["loss_mask"] += [0] * p + [1] * 5
+        batch["logprobs"] += [-0.5] * (p + 5)
+        batch["advantages"] += [1.0] * (p + 5)
+        batch["seq_lens"].append(p + 5)
+        batch["group_index"].append(g)
+    batch["cu_seqlens"] = [0, *itertools.accumulate(batch["seq_lens"])]
+    assert engine._computed(batch) == 10 + 20 + 6 * 5  # not the 120 tokens in the batch
+    engine.train_batch(batch, lambda lp, ent, mb: (-(lp.mean()), {}))
+    assert clock.now() == pytest.approx(60 * engine.profile.train.s_per_token_per_gpu + 0.25)
 
 
 def test_the_simulated_config_keeps_the_algorithm_and_controller_and_replaces_the_hardware():
@@ -83,11 +112,45 @@ def test_the_simulated_config_keeps_the_algorithm_and_controller_and_replaces_th
     assert config["workflow"] == {"name": "sim"} and config["dataset"]["name"] == "sim"
 
 
+@pytest.mark.parametrize("eta, threads", [(0, 2), (4, 1)])
+def test_on_a_shared_cpu_each_role_gets_the_threads_the_local_launcher_gives_it(eta, threads):
+    """The demo's layout (one server, one train rank, two cores): at eta 0 each side in turn on both cores, else
+    one core each; the engines then spend the profile's time at that many threads."""
+    raw = {"allocation": "local:d1+fsdp:d1", "rollout": {"backend": "local", "max_head_offpolicyness": eta},
+           "actor": {"backend": "fsdp"}}
+    config, facts = simulated_config(raw, SimSettings(profile="smollm2-135m-cpu", token_scale=1,
+                                                      success_mean=0.4, success_concentration=3.0))
+    assert config["allocation"] == "sim:d1+sim_train:d1"
+    assert config["rollout"]["threads"] == config["actor"]["threads"] == threads
+    assert facts["threads"] == {"inference": threads, "train": threads, "cores": 2, "contended": eta > 0}
+    assert config["rollout"]["contended"] == config["actor"]["contended"] == (eta > 0)
+    assert config["dataset"]["success_mean"] == 0.4 and config["dataset"]["success_concentration"] == 3.0
+    gpu_config, gpu_facts = simulated_config(raw, SimSettings(profile="qwen2.5-7b-h800"))
+    assert "threads" not in gpu_config["rollout"] and "threads" not in gpu_facts
+
+
+def test_the_items_success_rates_have_the_mean_asked_for():
+    from areal_core.api import Context
+
+    from areal_sim.workload import SimDataset, SimDatasetConfig
+
+    for mean, concentration in ((0.3, 2.0), (0.7, 20.0)):
+        data = SimDataset(Context(options=SimDatasetConfig(size=4000, success_mean=mean,
+                                                           success_concentration=concentration)))
+        rates = [item["success"] for item in data]
+        assert sum(rates) / len(rates) == pytest.approx(mean, abs=0.02)
+        # variance of a Beta: m (1 - m) / (c + 1)
+        var = sum((r - mean) ** 2 for r in rates) / len(rates)
+        assert var == pytest.approx(mean * (1 - mean) / (concentration + 1), rel=0.15)
+
+
 @pytest.mark.parametrize("override, words", [
     ("sim.gpu=8", "sim.gpu: not a simulation setting"),
     ("sim.gpus=many", "sim.gpus=many: must be a whole number"),
     ("sim.gpus=0", "must be at least 1"),
     ("sim.profile=nope", "'nope' is neither a shipped profile nor a file"),
+    ("sim.success_mean=1.5", r"sim.success_mean=1.5: must be above 0 and below 1"),
+    ("sim.success_concentration=lots", "sim.success_concentration=lots: must be a number"),
 ])
 def test_bad_simulation_settings_are_named(tmp_path, override, words):
     with pytest.raises(SimulationError, match=words):
