@@ -349,5 +349,11 @@ def summarize(values: Sequence[float], prefix: str) -> dict[str, float]:
 
 
 def histogram(values: Iterable[int]) -> dict[int, int]:
-    """Count of each value, keys ascending (e.g. staleness lag -> number of samples)."""
+    """Count of each value, keys ascending (e.g. staleness lag -> number of samples). A numpy array is counted by
+    numpy (a batch's hundreds of thousands of token lags)."""
+    if hasattr(values, "dtype"):
+        import numpy
+
+        keys, counts = numpy.unique(values, return_counts=True)
+        return {int(k): int(n) for k, n in zip(keys, counts)}
     return dict(sorted(Counter(int(v) for v in values).items()))

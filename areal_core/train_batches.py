@@ -37,7 +37,7 @@ def to_tensor(key: str, value: Any) -> Any:
             return value
         if array.ndim != 1 or array.dtype.kind not in "biuf":
             return value
-        t = torch.from_numpy(array) if len(value) else torch.tensor([])
+        t = torch.from_numpy(array)
     else:
         return value
     if key == "loss_mask":

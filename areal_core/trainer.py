@@ -47,7 +47,7 @@ from areal_core.checkpoint import (
 from areal_core.clock import REAL_CLOCK, Clock
 from areal_core.config.validate import ValidatedRun, minibatch_problem, validate_run
 from areal_core.launch.nodes import rollout_node_env, same_node_as_trainer
-from areal_core.metrics import MetricsLogger, summarize, truncate_jsonl
+from areal_core.metrics import MetricsLogger, histogram, summarize, truncate_jsonl
 from areal_core.problems import ProblemsError, format_problems
 from areal_core.rollout import RolloutController, RolloutError, StallError, has_reward_variance, pack_groups
 from areal_core.rollout.elastic import EVENTS_FILE, LAUNCHER_DISCOVERY_ENV
@@ -387,12 +387,9 @@ class Trainer:
         m.update(summarize([version - g.start_version for g in groups], "staleness/episode_lag"))
         m.update(summarize([g.finished_at - g.admitted_at for g in groups], "rollout/episode_latency_s"))
         if lags.size:
-            import numpy
-
             m["staleness/token_lag_max"] = float(lags.max())
             m["staleness/token_lag_mean"] = float(lags.mean())
-            values, counts = numpy.unique(lags, return_counts=True)
-            m.update({f"staleness/tokens_at_lag_{int(lag)}": float(n) for lag, n in zip(values, counts)})
+            m.update({f"staleness/tokens_at_lag_{lag}": float(n) for lag, n in histogram(lags).items()})
         stats = self.controller.stats()
         m.update({f"rollout/{k}": float(v) for k, v in stats.items()})
         for transport, n in Counter(e.weight_transport(self.cfg.rollout.weight_sync)

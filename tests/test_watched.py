@@ -8,13 +8,18 @@ import asyncio
 
 import pytest
 
-from areal_core.rollout.elastic import INLINE_CALLS, Member, WatchEnded, watched
+from areal_core.rollout.elastic import INLINE_CALLS, Deadlines, Member, WatchEnded, watched
 
 pytestmark = pytest.mark.skipif(not INLINE_CALLS, reason="Python < 3.11: calls run in a task of their own (settle)")
 
 
 class _EngineDouble:
     """Test double: nothing but a name; the calls below are plain coroutines."""
+
+
+def within(seconds: float) -> Deadlines:
+    """The timeouts of calls of this length, on the running loop (what the InterruptibleEngine keeps)."""
+    return Deadlines(asyncio.get_running_loop(), seconds)
 
 
 def member() -> Member:
@@ -29,7 +34,7 @@ async def answer(value, delay: float = 0.0):
 def test_the_answer_comes_back_and_nothing_is_left_to_cancel():
     async def main():
         m = member()
-        assert await watched(m, answer(7, 0.01), timeout_s=5) == 7
+        assert await watched(m, answer(7, 0.01), within(5)) == 7
         assert asyncio.current_task().cancelling() == 0
         await asyncio.sleep(0.02)  # nothing of ours fires later
 
@@ -49,7 +54,7 @@ def test_a_server_leaving_routing_ends_the_call_in_place():
 
         asyncio.get_running_loop().call_later(0.01, m.mark_lost)
         with pytest.raises(WatchEnded) as info:
-            await watched(m, slow(), timeout_s=5)
+            await watched(m, slow(), within(5))
         assert info.value.reason == "lost" and ended.is_set()
         assert asyncio.current_task().cancelling() == 0
         await asyncio.sleep(0.01)  # the task goes on uncancelled
@@ -60,7 +65,7 @@ def test_a_server_leaving_routing_ends_the_call_in_place():
 def test_the_timeout_ends_the_call():
     async def main():
         with pytest.raises(WatchEnded) as info:
-            await watched(member(), answer(1, 10), timeout_s=0.02)
+            await watched(member(), answer(1, 10), within(0.02))
         assert info.value.reason == "timeout" and asyncio.current_task().cancelling() == 0
 
     asyncio.run(main())
@@ -68,7 +73,7 @@ def test_the_timeout_ends_the_call():
 
 def test_a_callers_cancellation_still_arrives():
     async def main():
-        task = asyncio.create_task(watched(member(), answer(1, 10), timeout_s=5))
+        task = asyncio.create_task(watched(member(), answer(1, 10), within(5)))
         await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -89,11 +94,11 @@ def test_a_call_that_turns_our_cancellation_into_its_own_error_leaves_no_cancell
 
         asyncio.get_running_loop().call_later(0.01, m.mark_lost)
         with pytest.raises(ConnectionError):
-            await watched(m, converting(), timeout_s=5)
+            await watched(m, converting(), within(5))
         assert asyncio.current_task().cancelling() == 0
         await asyncio.sleep(0.01)  # and the next await is not cancelled
         # the next call on another server runs to its end
-        assert await watched(member(), answer(3, 0.01), timeout_s=5) == 3
+        assert await watched(member(), answer(3, 0.01), within(5)) == 3
 
     asyncio.run(main())
 
@@ -118,7 +123,7 @@ def test_a_loss_as_the_call_finishes_or_after_it_never_cancels_what_the_task_doe
 
             loop.call_soon(finish)
             try:
-                outcome = await watched(m, call(), timeout_s=5)
+                outcome = await watched(m, call(), within(5))
             except WatchEnded as ended:
                 outcome = ended.reason
             assert outcome in ("answer", "lost")
@@ -134,12 +139,9 @@ def test_a_loss_as_the_call_finishes_or_after_it_never_cancels_what_the_task_doe
 def test_waits_that_share_a_timeout_each_time_out_at_their_own_deadline_on_one_timer():
     """``settle``'s timeouts: one FIFO per timeout length and one loop timer for its head. Waits that end early
     never fire; the others fire no sooner than their own deadline, in order."""
-    from areal_core.rollout.elastic import _deadlines_for
-
     async def main():
         loop = asyncio.get_running_loop()
-        queue = _deadlines_for(0.05)
-        assert _deadlines_for(0.05) is queue and _deadlines_for(0.5) is not queue
+        queue = within(0.05)
         fired: list[tuple[int, float]] = []
         began = loop.time()
         entries, added = [], {}

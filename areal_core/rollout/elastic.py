@@ -26,7 +26,6 @@ import heapq
 import logging
 import os
 import time
-import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,9 +144,10 @@ class Member:
             end()
 
 
-class _Deadlines:
+class Deadlines:
     """The timeouts of many waits that share one length, on one loop: their deadlines in arrival order (a FIFO,
-    since the length is the same) and one loop timer, for the earliest.
+    since the length is the same) and one loop timer, for the earliest. Whoever sets the length owns one (the
+    :class:`~areal_core.rollout.interruptible.InterruptibleEngine`, for ``rollout.request_timeout_s``).
 
     Written by hand because asyncio has no cheaper form: ``loop.call_later`` per wait is a heap entry each, left
     in the loop's heap when cancelled, and it was a tenth of the controller's own cost at hundreds of servers
@@ -185,32 +185,9 @@ class _Deadlines:
             self.timer = self.loop.call_at(queue[0][0], self._fire)
 
 
-_deadlines: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[float, _Deadlines]]" = \
-    weakref.WeakKeyDictionary()
-
-
-_last_deadlines: _Deadlines | None = None  # the one asked for last: nearly always the one asked for next
-
-
-def _deadlines_for(timeout_s: float) -> _Deadlines:
-    global _last_deadlines
-    loop = asyncio.get_running_loop()
-    last = _last_deadlines
-    if last is not None and last.loop is loop and last.timeout_s == timeout_s:
-        return last
-    by_length = _deadlines.get(loop)
-    if by_length is None:
-        by_length = _deadlines[loop] = {}
-    queue = by_length.get(timeout_s)
-    if queue is None:
-        queue = by_length[timeout_s] = _Deadlines(loop, timeout_s)
-    _last_deadlines = queue
-    return queue
-
-
-async def settle(member: Member, call: asyncio.Future, timeout_s: float | None = None) -> bool:
+async def settle(member: Member, call: asyncio.Future, deadlines: Deadlines | None = None) -> bool:
     """Wait for ``call`` (a call on ``member``'s engine) until it is done, ``member`` leaves routing, or
-    ``timeout_s`` pass; True when it is done.
+    ``deadlines``' length passes; True when it is done.
 
     Otherwise, and when the waiter is itself cancelled, ``call`` is cancelled and has ended before this
     returns: a call to a server that left routing (a hung one fails its probes) never holds its caller.
@@ -218,7 +195,7 @@ async def settle(member: Member, call: asyncio.Future, timeout_s: float | None =
     lost = member.lost_future()
     if not call.done() and not lost.done():
         # asyncio.wait(FIRST_COMPLETED, timeout) written out: one waiter and two callbacks, without the sets and
-        # copies it makes per call, and the timeout in a shared FIFO (_Deadlines) instead of a timer per call
+        # copies it makes per call, and the timeout in a shared FIFO (Deadlines) instead of a timer per call
         waiter = asyncio.get_running_loop().create_future()
 
         def wake(_: Any = None) -> None:
@@ -227,7 +204,6 @@ async def settle(member: Member, call: asyncio.Future, timeout_s: float | None =
 
         call.add_done_callback(wake)
         lost.add_done_callback(wake)
-        deadlines = _deadlines_for(timeout_s) if timeout_s is not None else None
         entry = deadlines.add(wake) if deadlines is not None else None
         try:
             await waiter
@@ -260,9 +236,9 @@ class WatchEnded(Exception):
 INLINE_CALLS = hasattr(asyncio.Task, "uncancel")
 
 
-async def watched(member: Member, call: Awaitable[Any], timeout_s: float | None = None) -> Any:
+async def watched(member: Member, call: Awaitable[Any], deadlines: Deadlines | None = None) -> Any:
     """``await call`` (a call on ``member``'s engine) in the calling task, cancelled in place when ``member`` leaves
-    routing or ``timeout_s`` pass (then :class:`WatchEnded`): what :func:`settle` does without a task per call (on
+    routing or ``deadlines``' length passes (then :class:`WatchEnded`): what :func:`settle` does without a task per call (on
     Python 3.11+; every request of every server passes here, and a task each was the largest single cost of the
     controller at hundreds of servers). A cancellation from outside still arrives as ``CancelledError``."""
     task = asyncio.current_task()
@@ -271,10 +247,9 @@ async def watched(member: Member, call: Awaitable[Any], timeout_s: float | None 
             call.close()
         raise WatchEnded("lost")
     why: list[str] = []
-    watching = [True]  # a timer already due when the call ended must not cancel what the task does next
 
-    def end(reason: str) -> None:
-        if watching[0] and not why:
+    def end(reason: str) -> None:  # called only while the call runs: finally below takes both triggers away
+        if not why:
             why.append(reason)
             task.cancel()
 
@@ -282,7 +257,6 @@ async def watched(member: Member, call: Awaitable[Any], timeout_s: float | None 
         end("lost")
 
     member.watchers.add(on_lost)
-    deadlines = _deadlines_for(timeout_s) if timeout_s is not None else None
     entry = deadlines.add(lambda: end("timeout")) if deadlines is not None else None
     try:
         result = await call
@@ -295,7 +269,6 @@ async def watched(member: Member, call: Awaitable[Any], timeout_s: float | None 
             task.uncancel()
         raise
     finally:
-        watching[0] = False
         member.watchers.discard(on_lost)
         if deadlines is not None:
             deadlines.done(entry)

@@ -35,7 +35,9 @@ from dataclasses import replace
 
 from areal_core.api.inference import GenerationRequest, GenerationResponse, InferenceEngine
 from areal_core.remote import RemoteError
-from areal_core.rollout.elastic import INLINE_CALLS, EngineLost, EnginePool, Member, WatchEnded, settle, watched
+from areal_core.rollout.elastic import (
+    INLINE_CALLS, Deadlines, EngineLost, EnginePool, Member, WatchEnded, settle, watched,
+)
 
 # An engine answering "abort" while generation is open, with no new token,
 # this many times in a row is broken rather than interrupted.
@@ -53,6 +55,7 @@ class InterruptibleEngine(InferenceEngine):
         super().__init__()
         self.pool = engines if isinstance(engines, EnginePool) else EnginePool(list(engines))
         self.request_timeout_s = request_timeout_s
+        self._deadlines: Deadlines | None = None  # every call's request_timeout_s, made on the loop at first use
         self._open = asyncio.Event()
         self._open.set()
 
@@ -107,13 +110,15 @@ class InterruptibleEngine(InferenceEngine):
 
     async def _answer(self, member: Member, request: GenerationRequest) -> GenerationResponse | None:
         """The engine's answer, or None when ``member`` left routing or the request timed out first."""
+        if self._deadlines is None:
+            self._deadlines = Deadlines(asyncio.get_running_loop(), self.request_timeout_s)
         if INLINE_CALLS:
             try:
-                return await watched(member, member.engine.agenerate(request), self.request_timeout_s)
+                return await watched(member, member.engine.agenerate(request), self._deadlines)
             except WatchEnded:
                 return None
         call = asyncio.ensure_future(member.engine.agenerate(request))
-        return call.result() if await settle(member, call, self.request_timeout_s) else None
+        return call.result() if await settle(member, call, self._deadlines) else None
 
     async def agenerate(self, request: GenerationRequest) -> GenerationResponse:
         budget = request.sampling.max_new_tokens

@@ -165,18 +165,13 @@ def simulated_config(raw: dict, settings: SimSettings) -> tuple[dict, dict]:
              "max_new_tokens": min(modelled_max, profile.lengths.cap)}
     if profile.cpu is not None:
         # the roles share one machine's cores, as the local launcher shares them (eta 0: in turns, all cores each)
-        eta = int(rollout.get("max_head_offpolicyness", _default(RolloutConfig, "max_head_offpolicyness")))
+        eta = int(rollout.get("max_head_offpolicyness", RolloutConfig().max_head_offpolicyness))
         server_threads, rank_threads = profile.cpu.threads(servers, train_gpus, eta)
         rollout["threads"], actor["threads"] = server_threads, rank_threads
         rollout["contended"] = actor["contended"] = eta > 0  # at once, each beside the other
         facts["threads"] = {"inference": server_threads, "train": rank_threads, "cores": profile.cpu.cores,
                             "contended": eta > 0}
     return config, facts
-
-
-def _default(schema: type, name: str) -> Any:
-    field = {f.name: f for f in dataclasses.fields(schema)}[name]
-    return field.default if field.default is not dataclasses.MISSING else field.default_factory()
 
 
 @contextlib.contextmanager

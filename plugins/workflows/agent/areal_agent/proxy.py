@@ -22,39 +22,34 @@ from areal_agent.sessions import CallRecord, Choice, Session
 from areal_agent.tools import parse_tool_calls
 
 
-class ChatRequest(BaseModel):
+class _Sampled(BaseModel):
+    """The fields the chat and completion requests share: how many, how long, how sampled."""
+
     model_config = ConfigDict(extra="allow")
 
-    messages: list[dict]
     model: str = ""
-    tools: list[dict] | None = None
-    tool_choice: Any = None
     n: int = 1
     stream: bool = False
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+
+
+class ChatRequest(_Sampled):
+    messages: list[dict]
+    tools: list[dict] | None = None
+    tool_choice: Any = None
     stream_options: dict | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
 
 
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class CompletionRequest(_Sampled):
     prompt: str | list[int]
-    model: str = ""
-    n: int = 1
-    stream: bool = False
     logprobs: int | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
 
 
 class BadRequest(ValueError):
