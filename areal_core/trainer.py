@@ -97,7 +97,7 @@ class Trainer:
         self.store = CheckpointStore(self.run_dir / "checkpoints")
         self.step = 0
         self._filtered_in_a_row = 0  # groups dynamic filtering dropped since the last one it kept
-        self.weights = WeightHandOver(self.cfg, self.actor, self.run_dir, rank, world_size)
+        self.weights = WeightHandOver(self.cfg, self.actor, self.run_dir, rank, world_size, self._broadcast)
         self.evaluation: Evaluation | None = None  # rank 0's, built with the rollout side
 
     def _should_accept(self, group: Any) -> bool:
@@ -343,6 +343,9 @@ class Trainer:
         if self.rank == 0:
             metrics["time/weight_sync_s"] = now() - sync_began
             metrics["time/generation_paused_s"] = paused_s
+            if self.cfg.rollout.weight_check != "off":  # the integrity gate: the trainer's digest, the engines'
+                metrics["time/weight_digest_s"] = self.weights.digest_s
+                metrics["time/weight_digest_engines_s"] = self.controller.fleet.digest_s
             metrics.update(self._rollout_metrics(groups, packed, version, waited, train_s))
             self._record_samples(groups, version)
             metrics["time/step_s"] = now() - began  # from asking for the batch to handing the weights over

@@ -6,6 +6,11 @@ tensors in memory), whether the trainer waits for them to load or goes on
 beside the load (eta > 0), and the hand-over of restored weights at resume.
 Every train rank takes part (the export is collective); rank 0, which owns
 the rollout controller, hands them over.
+
+It also feeds the integrity gate (``rollout.weight_check``,
+:mod:`areal_core.weight_check`): rank 0 digests what it sends, which the
+controller matches against each engine's digest of what it holds, and at
+probe updates every rank scores the parity probe the engines sampled.
 """
 
 from __future__ import annotations
@@ -13,11 +18,12 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from areal_core.pending import PendingCall
 from areal_core.rollout import RolloutController
 from areal_core.threads import serial_torch
+from areal_core.weight_check import SentDigests, WeightCheckError, compare_probe, digest_folder, digest_named, probe_due
 
 WEIGHT_BUCKET_BYTES = 256 * 1024**2  # rollout.weight_sync=tensors: the most bytes gathered at once
 # A weight export beside training, then the engines' update: each waits 600 s at most on its own
@@ -39,11 +45,16 @@ def check_weight_sync(cfg: Any, actor: Any, engines: list[Any]) -> None:
 
 
 class WeightHandOver:
-    def __init__(self, cfg: Any, actor: Any, run_dir: Path, rank: int, world_size: int) -> None:
+    def __init__(self, cfg: Any, actor: Any, run_dir: Path, rank: int, world_size: int,
+                 broadcast: Callable[[Any], Any] | None = None) -> None:
         self.cfg, self.actor, self.run_dir = cfg, actor, Path(run_dir)
         self.rank, self.world_size = rank, world_size
+        self.broadcast = broadcast or (lambda obj: obj)  # rank 0's object to every rank (the parity probe)
         self.controller: RolloutController | None = None  # rank 0's, once it is built
         self._pending: PendingCall | None = None  # a weight update the engines are still applying (eta > 0)
+        self.updates = 0  # hand-overs in this process: the parity probe runs at the first and every N-th
+        self.digest_s = 0.0  # rank 0's time to digest the last weights it sent
+        self.probe_s = 0.0  # the last parity probe's scoring on this rank
 
     def sync(self, version: int, wait: bool | None = None) -> float:
         """Hand the new weights to the inference engines (collective); rank 0 returns the seconds paused.
@@ -69,7 +80,11 @@ class WeightHandOver:
         end. ``time/weight_sync_s`` is then only the hand-off.
         """
         paused_s = self.finish()
-        wait = self.cfg.rollout.max_head_offpolicyness == 0 if wait is None else wait
+        self.updates += 1
+        check = self.cfg.rollout.weight_check
+        # The parity probe is judged before generation resumes: a probe update is always waited for
+        probe = check != "off" and probe_due(self.updates, self.cfg.rollout.weight_probe_every)
+        wait = (self.cfg.rollout.max_head_offpolicyness == 0 or probe) if wait is None else (wait or probe)
         beside = not wait and self.world_size == 1 and "export_beside_training" in self.actor.capabilities
         if self.cfg.rollout.weight_sync == "tensors":
             buckets = self.actor.export_tensors(WEIGHT_BUCKET_BYTES)
@@ -80,29 +95,86 @@ class WeightHandOver:
                 def export_and_send() -> float:
                     serial_torch()  # see areal_core.threads: a helper thread's torch ops run on one thread
                     named = [pair for bucket in buckets for pair in bucket]
-                    return self.controller.update_weights_from_tensors(named, version, wait=False).result()
+                    sent = self._digests(version, lambda mode: digest_named(named, mode))
+                    return self.controller.update_weights_from_tensors(named, version, wait=False,
+                                                                       sent=sent).result()
 
                 self._pending = PendingCall.on_thread(
                     export_and_send, BACKGROUND_SYNC_TIMEOUT_S,
                     f"a background call to hand the weights of version {version} to the inference engines")
                 return paused_s
             named = [pair for bucket in buckets for pair in bucket]
-            if self.rank != 0:
-                return 0.0
-            # export_tensors hands out copies (its contract), so the next optimizer step cannot change what the
-            # engines are still reading at eta > 0
-            pending = self.controller.update_weights_from_tensors(named, version, wait=wait)
+            if self.rank == 0:
+                # export_tensors hands out copies (its contract), so the next optimizer step cannot change what the
+                # engines are still reading at eta > 0
+                sent = self._digests(version, lambda mode: digest_named(named, mode))
+                pending = self.controller.update_weights_from_tensors(named, version, wait=wait, sent=sent,
+                                                                      probe=probe)
         else:
             weights = self.run_dir / "weights" / f"v{version:06d}"
             self.actor.export_to_disk(str(weights))  # collective: every rank takes part in the gather
-            if self.rank != 0:
-                return 0.0
-            pending = self.controller.update_weights_from_disk(str(weights), version, wait=wait)
-            _prune_weights(self.run_dir / "weights", keep=2)  # the two newest: the one loading now is kept
+            if self.rank == 0:
+                sent = self._digests(version, lambda mode: digest_folder(weights, mode))
+                pending = self.controller.update_weights_from_disk(str(weights), version, wait=wait, sent=sent,
+                                                                   probe=probe)
+                _prune_weights(self.run_dir / "weights", keep=2)  # the two newest: the one loading now is kept
+        if probe:
+            self._probe(version)  # collective: every rank scores the probe
+        if self.rank != 0:
+            return 0.0
         if wait:
             return pending
         self._pending = pending
         return paused_s
+
+    def _digests(self, version: int, digest: Callable[[str], dict]) -> SentDigests | None:
+        """Rank 0's digests of what it sends (``rollout.weight_check``), or None when the check is off."""
+        mode = self.cfg.rollout.weight_check
+        if mode == "off":
+            return None
+        began = time.monotonic()
+        digests = digest(mode)
+        self.digest_s = time.monotonic() - began
+        return SentDigests(version, mode, digests, self.digest_s)
+
+    def _probe(self, version: int) -> None:
+        """Score the parity probe the engines sampled after loading ``version`` (generation is held meanwhile)
+        with the train engine's ``forward_logprobs`` on every rank; rank 0 compares per token and resumes
+        generation, the servers whose logprobs differ out of routing (the run stops naming them, or elastic,
+        they are reloaded)."""
+        from areal_core.api.workflow import Trajectory
+        from areal_core.config.dtype import resolve_dtype
+        from areal_core.rollout.batch import EpisodeGroup, pack_groups
+        from areal_core.train_batches import POLICY_VERSION_KEY, as_list
+
+        failed: dict[str, WeightCheckError] = {}
+        try:
+            answers = None
+            if self.rank == 0:
+                answers = {name: (list(r.input_ids), list(r.output_ids), list(r.output_logprobs))
+                           for name, r in self.controller.probe_results.items() if r.output_ids}
+            answers = self.broadcast(answers)
+            if not answers:
+                return
+            began = time.monotonic()
+            trajectories = [Trajectory(tokens=p + o, loss_mask=[0] * len(p) + [1] * len(o),
+                                       logprobs=[0.0] * len(p) + lp, versions=[-1] * len(p) + [version] * len(o),
+                                       reward=0.0) for p, o, lp in answers.values()]
+            packed = pack_groups([EpisodeGroup(0, None, version, trajectories, 0.0, 0.0)])
+            packed[POLICY_VERSION_KEY] = version
+            scored = as_list(self.actor.forward_logprobs(packed, 1.0)["logprobs"])
+            self.probe_s = time.monotonic() - began
+            dtype = resolve_dtype(self.cfg.model.dtype)
+            for (name, (prompt, out, engine_lp)), start in zip(answers.items(), packed.cu_seqlens):
+                mine = [float(x) for x in scored[start + len(prompt):start + len(prompt) + len(out)]]
+                differences = compare_probe(out, engine_lp, mine, dtype)
+                if differences:
+                    failed[name] = WeightCheckError(name, version, f"the parity probe: {len(out)} tokens sampled at "
+                                                    "temperature 1 from a fixed prompt, scored by the trainer",
+                                                    differences)
+        finally:
+            if self.rank == 0:
+                self.controller.release(failed)
 
     def hand_over_restored(self) -> None:
         """Resume: the engines started from the base model; send them the restored weights (collective) before

@@ -51,6 +51,7 @@ KIT_ENTRY_POINTS = {
         "stale_version_engine_double": "echo_engine_double:StaleVersionEngineDouble",
         "waiting_pause_engine_double": "echo_engine_double:WaitingPauseEngineDouble",
         "misspelt_capability_engine_double": "echo_engine_double:MisspeltCapabilityEngineDouble",
+        "permuting_loader_engine_double": "echo_engine_double:PermutingLoaderEngineDouble",
     },
     "areal.rewards": {
         "toy_reward_double": "reward_doubles:ToyRewardDouble",
@@ -298,8 +299,15 @@ ENGINE_SUITE = """
         prompt_ids = [11, 12, 13]
         long_max_new_tokens = 400
 
-        def weights_path_for_update(self):
-            return os.path.dirname(__file__)
+        def weights_path_for_update(self):  # one small safetensors file
+            import torch
+            from safetensors.torch import save_file
+
+            folder = os.path.join(os.path.dirname(__file__), "weights")
+            os.makedirs(folder, exist_ok=True)
+            save_file({"layer.weight": torch.arange(12.0).reshape(3, 4), "layer.bias": torch.ones(3)},
+                      os.path.join(folder, "model.safetensors"))
+            return folder
 """
 
 
@@ -325,6 +333,9 @@ def test_inference_engine_suite_passes_the_echo_double_and_fails_broken_engines(
 
             def diagnostics(self, engine):
                 return "server log tail of the waiting double"
+
+        class TestPermutingLoaderEngine(EngineSuite):
+            component_name = "permuting_loader_engine_double"
     """)
     every = set(public_tests(InferenceEngineConformance))
     assert outcomes(results, "TestEchoEngine") == {"passed": every, "skipped": set(), "failed": set()}
@@ -349,6 +360,11 @@ def test_inference_engine_suite_passes_the_echo_double_and_fails_broken_engines(
     assert "server log tail of the waiting double" in waiting  # what the suite's diagnostics() adds
     assert waiting.count("came back complete (400 tokens, stop_reason 'length')") == 5  # every attempt, each seed
 
+    assert failed(results, "TestPermutingLoaderEngine") == {"test_weight_digest_matches_the_weights_loaded"}
+    assert "differs from the digests of the folder (areal_core.weight_check.digest_folder) for 1 of 2 tensors, " \
+           "e.g. ['layer.weight: sent float32[3,4]:" in message(
+               results, "TestPermutingLoaderEngine::test_weight_digest_matches_the_weights_loaded")
+
     assert failed(results, "TestStaleVersionEngine") == {"test_update_weights_from_disk_sets_the_version"}
     assert "tokens generated after the update to version 1 carry [0, 0" in message(
         results, "TestStaleVersionEngine::test_update_weights_from_disk_sets_the_version")
@@ -368,7 +384,8 @@ def test_undeclared_capabilities_are_skipped_with_their_name(pytester, kit_doubl
             component_name = "misspelt_capability_engine_double"
     """)
     assert outcomes(results, "TestEchoSeedOnly")["skipped"] == {
-        "test_pause_returns_partial_output_and_resume_continues", "test_update_weights_from_disk_sets_the_version"}
+        "test_pause_returns_partial_output_and_resume_continues", "test_update_weights_from_disk_sets_the_version",
+        "test_weight_digest_matches_the_weights_loaded"}
     assert message(results, "TestEchoSeedOnly::test_pause_returns_partial_output_and_resume_continues") == (
         "Skipped: echo_engine_double does not declare capability 'pause'")
     assert message(results, "TestEchoSeedOnly::test_update_weights_from_disk_sets_the_version") == (

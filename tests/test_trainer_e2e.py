@@ -305,11 +305,15 @@ def test_fsdp_trains_against_the_embedded_engine(rl_run, tmp_path, placement, st
                  "actor.backend=fsdp", "algorithm.name=rl_pg_double", f"model.path={model}", "model.dtype=float32",
                  "actor.optimizer.lr=1e-3", "rollout.max_head_offpolicyness=1", f"trainer.total_steps={steps}",
                  # every group carries reward signal, so no step has all-zero advantages (and gradient)
-                 "rollout.dynamic_filtering=true", "trainer.save_every=1"), timeout=600)
+                 "rollout.dynamic_filtering=true", "trainer.save_every=1",
+                 # the integrity gate: digests (on by default) and the parity probe at every update, which
+                 # must pass with a real trainer and a real engine
+                 "rollout.weight_probe_every=1"), timeout=600)
     run_dir = runs / trial
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     assert all(m["train/grad_norm"] > 0 for m in metrics)
+    assert all(m["time/weight_digest_s"] > 0 and m["time/weight_digest_engines_s"] > 0 for m in metrics)
     latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     assert (latest / "actor" / "model.safetensors").exists()
     assert f"weights v{steps}" in (run_dir / "logs" / "rollout-0.log").read_text()

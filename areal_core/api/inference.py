@@ -82,7 +82,9 @@ class InferenceEngine(Component):
 
     Capabilities: ``"pause"`` (pause / resume with partial outputs returned as
     ``abort``), ``"update_weights_from_disk"``, ``"update_weights_from_tensors"``,
-    ``"seed"`` (same seed, same tokens).
+    ``"seed"`` (same seed, same tokens), ``"weight_digest"`` (:meth:`weight_digest`: the
+    integrity gate of ``rollout.weight_check`` compares what the engine holds with what the
+    trainer sent after every update; engines without it get the parity probe only).
     """
 
     @classmethod
@@ -129,6 +131,14 @@ class InferenceEngine(Component):
     async def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
         """Load weights handed over in memory (buckets of (name, tensor))."""
         raise NotImplementedError(f"{type(self).__name__} does not declare 'update_weights_from_tensors'")
+
+    async def weight_digest(self, mode: str = "on") -> dict[str, str]:
+        """Per tensor name, :func:`areal_core.weight_check.tensor_digest` of the weights now loaded, computed where
+        they landed, after any layout change the engine made: each in the name, shape and dtype the trainer
+        sends (HF names), so a fused or transposed weight is mapped back before it is hashed. ``mode`` is
+        ``"on"`` (every byte) or ``"sample"`` (the blocks ``tensor_digest`` picks). Declare ``"weight_digest"``
+        when implemented; tensors beyond those the trainer sends may be reported and are ignored."""
+        raise NotImplementedError(f"{type(self).__name__} does not declare 'weight_digest'")
 
     def weight_transport(self, weight_sync: str) -> str:
         """How this engine's new weights travel under ``rollout.weight_sync`` (logged, and counted in the

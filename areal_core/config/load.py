@@ -268,6 +268,8 @@ def build(cls: type, raw: dict, prefix: str, problems: list[Problem], extras_ok:
             sub_extras = prefix == "" and key in COMPONENT_SECTIONS
             values[key] = build(typ, value, f"{path}.", problems, extras_ok=sub_extras)
             continue
+        if isinstance(value, bool) and "bool_words" in field.metadata:  # YAML reads on / off as true / false
+            value = field.metadata["bool_words"][value]
         converted, problem = coerce(value, typ, path)
         if problem is None:
             problem = range_problem(converted, dict(field.metadata), path)

@@ -95,6 +95,15 @@ class RolloutConfig:
                             help="how new weights reach the inference engines: a safetensors folder per version, "
                                  "or full tensors gathered in memory (needs export_tensors / "
                                  "update_weights_from_tensors)")
+    weight_check: str = spec("on", choices=["on", "sample", "off"], bool_words=("off", "on"),
+                             help="the integrity gate on weight updates: after each update every engine that can "
+                                  "digests what it holds and must match the trainer's digest of what it sent (on: "
+                                  "every byte; sample: 16 blocks of 4 KiB per tensor), and the parity probe runs "
+                                  "(weight_probe_every); a server that differs leaves routing and the run stops "
+                                  "naming it (elastic: it is reloaded); off: no check")
+    weight_probe_every: int = spec(10, ge=0, help="the parity probe (a fixed prompt sampled by each engine, its "
+                                   "tokens scored by the trainer, logprobs compared) at the first update and every "
+                                   "this many; 0 = never (digests only). Off when weight_check is off")
     sampling: SamplingConfig = spec(factory=SamplingConfig)
     elastic: ElasticConfig = spec(factory=ElasticConfig)
     extra: dict = spec(factory=dict)

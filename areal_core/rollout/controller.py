@@ -41,6 +41,7 @@ from areal_core.rollout.evaluation import run_evaluation
 from areal_core.rollout.fleet import Fleet
 from areal_core.rollout.staleness import StalenessManager
 from areal_core.threads import serial_torch
+from areal_core.weight_check import SentDigests
 
 __all__ = ["PendingCall", "RolloutController", "RolloutError", "ShouldAccept", "StallError", "has_reward_variance"]
 
@@ -216,7 +217,7 @@ class RolloutController:
         self._call(self.fleet.resume(), "resume generation")
 
     def update_weights(self, apply: Callable[[], Awaitable[Any]], version: int,
-                       wait: bool = True) -> "float | PendingCall":
+                       wait: bool = True, probe: bool = False) -> "float | PendingCall":
         """Pause, run ``apply()`` on the loop, set ``version``, resume; nothing else inside the pause.
 
         Returns the seconds generation was paused; with ``wait=False`` at once,
@@ -225,17 +226,36 @@ class RolloutController:
         have loaded; a batch taken meanwhile is decided by ``version`` (recorded
         here before the call returns), so a caller going on while the servers
         load (the trainer at eta > 0) never gets a sample staler than the bound.
+
+        ``probe``: after the load, every routed engine samples the parity probe
+        (:mod:`areal_core.weight_check`; the answers in :attr:`probe_results`) and
+        generation stays paused until :meth:`release`.
         """
         self.admission.aim(version)
         what = f"update weights to version {version}"
-        swap = self.fleet.swap(apply, version)
+        swap = self.fleet.swap(apply, version, probe)
         return self._call(swap, what) if wait else self._begin(swap, what)
 
-    def update_weights_from_disk(self, path: str, version: int, wait: bool = True) -> "float | PendingCall":
-        return self.update_weights(lambda: self.fleet.load_from_disk(path, version), version, wait)
+    def update_weights_from_disk(self, path: str, version: int, wait: bool = True,
+                                 sent: SentDigests | None = None, probe: bool = False) -> "float | PendingCall":
+        """Every routed engine loads the safetensors folder ``path``; see :meth:`update_weights`. ``sent``: the
+        trainer's digests of the folder, which every engine declaring ``weight_digest`` must match before it
+        takes traffic again (:meth:`Fleet.check_weights <areal_core.rollout.fleet.Fleet.check_weights>`)."""
+        return self.update_weights(lambda: self.fleet.load_from_disk(path, version, sent), version, wait, probe)
 
-    def update_weights_from_tensors(self, named_tensors: list, version: int,
-                                    wait: bool = True) -> "float | PendingCall":
+    @property
+    def probe_results(self) -> dict:
+        """The parity probe of the last update that asked for it: per server name, its GenerationResponse."""
+        return dict(self.fleet.probe_results)
+
+    def release(self, failed: dict | None = None) -> None:
+        """Resume generation after an update held for the parity probe; the servers in ``failed`` (name ->
+        :class:`~areal_core.weight_check.WeightCheckError`) leave routing first (elastic: and are reloaded;
+        otherwise the first error is raised and generation stays paused)."""
+        self._call(self.fleet.release(dict(failed or {})), "resume generation after the parity probe")
+
+    def update_weights_from_tensors(self, named_tensors: list, version: int, wait: bool = True,
+                                    sent: SentDigests | None = None, probe: bool = False) -> "float | PendingCall":
         """Hand ``named_tensors`` ((name, tensor) pairs, full weights) to every routed engine; see
         :meth:`update_weights` (with ``wait=False`` the tensors must stay unchanged until the call is done).
 
@@ -243,9 +263,11 @@ class RolloutController:
         group, rebuilt at each topology version (:mod:`areal_core.rollout.weight_group`): each bucket is
         broadcast once for all. Others take the tensors one engine at a time. Elastic: an engine that fails
         leaves routing, as with disk updates; over a shared group the update then starts again over the
-        group of the servers left, never waiting for the one that failed.
+        group of the servers left, never waiting for the one that failed. ``sent``: the trainer's digests of
+        the tensors, checked as with disk updates.
         """
-        return self.update_weights(lambda: self.fleet.load_tensors(named_tensors, version), version, wait)
+        return self.update_weights(lambda: self.fleet.load_tensors(named_tensors, version, sent), version, wait,
+                                   probe)
 
     # ------------------------------------------------------------ elastic topology
     @property

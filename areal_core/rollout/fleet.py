@@ -18,13 +18,18 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Awaitable, Callable
 
-from areal_core.api.inference import InferenceEngine
+from areal_core.api.inference import GenerationRequest, GenerationResponse, InferenceEngine, SamplingParams
 from areal_core.clock import REAL_CLOCK, Clock
 from areal_core.rollout.admission import Admission
 from areal_core.rollout.elastic import (DOWN, JOINING, ElasticConfig, EngineLost, EnginePool, HealthMonitor, Member,
                                          NoEngineError, Topology, settle)
 from areal_core.rollout.interruptible import ENGINE_FAILURES, InterruptibleEngine
 from areal_core.rollout.weight_group import FleetWeightGroup, GroupMemberFailed
+from areal_core.weight_check import (PROBE_NEW_TOKENS, PROBE_PROMPT_IDS, PROBE_SEED, SentDigests, WeightCheckError,
+                                     compare_digests)
+
+# A server dropped for serving weights other than those sent is reloaded (elastic) at most this many times.
+WEIGHT_CHECK_RELOADS = 1
 
 
 class Fleet:
@@ -49,6 +54,14 @@ class Fleet:
         self.weights_tensors: list | None = None
         self.started_engines: set[int] = set()  # ids of engines whose start() ran (discovered ones start late)
         self.weight_group: FleetWeightGroup | None = None  # one group over every routed server, when they share one
+        # The integrity gate (areal_core.weight_check): the trainer's digests of the weights now served (joiners are
+        # checked against them), servers reloaded after failing it, and the failures seen (for logs and tests).
+        self.sent_digests: SentDigests | None = None
+        self.weight_reloads: dict[str, int] = {}
+        self.weight_failures: list[WeightCheckError] = []
+        self.digest_s = 0.0  # the engines' share of the last check (the slowest engine's digest), seconds
+        self.held = False  # generation stays paused after an update until release() (the parity probe is judged)
+        self.probe_results: dict[str, GenerationResponse] = {}  # the last parity probe, per server
 
     # ------------------------------------------------------------ lifecycle (on the loop)
     def open(self) -> None:
@@ -95,7 +108,7 @@ class Fleet:
         (it would serve stale weights); otherwise the first failure is raised."""
         async def on(member: Member) -> Any:
             if self.elastic is None:
-                return await call(member.engine)
+                return await self.within(member, call(member.engine), what)
             # A server that hangs here is removed by its failed probes; the others go on without it.
             task = asyncio.ensure_future(call(member.engine))
             if await settle(member, task):
@@ -112,23 +125,80 @@ class Fleet:
                     raise result
                 self.pool.remove(member, f"{what} failed: {type(result).__name__}: {result}")
 
-    async def swap(self, apply: Callable[[], Awaitable[Any]], version: int) -> float:
-        """Pause, run ``apply()``, serve ``version``, resume; nothing else inside the pause. The seconds paused."""
+    async def within(self, member: Member, call: Awaitable[Any], what: str) -> Any:
+        """``await call`` on ``member``'s engine for at most ``request_timeout_s``; past it a TimeoutError naming
+        the server and the phase (every phase of a weight update has one: a hung server never hangs the run)."""
+        try:
+            return await asyncio.wait_for(call, self.request_timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"inference server {member.name}: {what} did not finish within "
+                               f"{self.request_timeout_s:g} s (rollout.request_timeout_s)") from None
+
+    async def swap(self, apply: Callable[[], Awaitable[Any]], version: int, probe: bool = False) -> float:
+        """Pause, run ``apply()``, serve ``version``, resume; nothing else inside the pause. The seconds paused.
+
+        ``probe``: then sample the parity probe on every routed engine (:meth:`probe_engines`) and keep
+        generation paused (``held``) until :meth:`release`, once the trainer has judged the probe."""
         began = self.clock.now()
         async with self.pool.lock:  # never beside a rebuild of the server set
             await self.pause()
+            hold = False
             try:
                 await apply()
                 self.admission.serve(version)
+                if probe:
+                    self.probe_results = await self.probe_engines(version)
+                    hold = True
             finally:
-                await self.resume()
+                if hold:
+                    self.held = True
+                else:
+                    await self.resume()
         return self.clock.now() - began
 
-    async def load_from_disk(self, path: str, version: int) -> None:
+    async def probe_engines(self, version: int) -> dict[str, GenerationResponse]:
+        """The parity probe (:mod:`areal_core.weight_check`) on every routed engine, straight to each engine (no
+        routing: generation is still paused for everything else). Engines that pause are resumed first."""
+        if all("pause" in e.capabilities for e in self.engines):
+            await self._on_members(lambda e: e.resume(), "resume")
+        request = GenerationRequest(list(PROBE_PROMPT_IDS), SamplingParams(
+            max_new_tokens=PROBE_NEW_TOKENS, temperature=1.0, seed=PROBE_SEED), rid=f"areal-weight-probe-v{version}")
+        answers = await self._ask_each(self.pool.active(), lambda e: e.agenerate(request),
+                                       f"the parity probe of version {version}")
+        return {member.name: answer for member, answer in answers}
+
+    async def _ask_each(self, members: list[Member], call: Callable[[InferenceEngine], Awaitable[Any]],
+                        what: str) -> list[tuple[Member, Any]]:
+        """``call`` on each of ``members`` at once, each within its timeout (:meth:`within`); (member, answer) of
+        those that answered. One that failed: raised, or (elastic) it leaves routing."""
+        results = await asyncio.gather(*(self.within(m, call(m.engine), what) for m in members),
+                                       return_exceptions=True)
+        answered = []
+        for member, result in zip(members, results):
+            if isinstance(result, BaseException):
+                if self.elastic is None or not isinstance(result, (*ENGINE_FAILURES, TimeoutError)):
+                    raise result
+                self.pool.remove(member, f"{what} failed: {type(result).__name__}: {result}")
+                continue
+            answered.append((member, result))
+        return answered
+
+    async def release(self, failed: dict[str, WeightCheckError]) -> None:
+        """End a held update: servers whose probe ``failed`` leave routing (elastic: they are reloaded; otherwise
+        the first failure is raised, generation staying paused), then generation resumes for the others."""
+        for member in [m for m in self.pool.active() if m.name in failed]:
+            self._failed_check(member, failed[member.name])
+        self.held = False
+        self.admission.set_paused(False)
+        self.engine.open_gate()
+        self.admission.admit()
+
+    async def load_from_disk(self, path: str, version: int, sent: SentDigests | None = None) -> None:
         await self._on_members(lambda e: e.update_weights_from_disk(path, version), "update_weights_from_disk")
         self.weights_path, self.weights_tensors = str(path), None
+        await self.check_weights(sent)
 
-    async def load_tensors(self, named_tensors: list, version: int) -> None:
+    async def load_tensors(self, named_tensors: list, version: int, sent: SentDigests | None = None) -> None:
         group = self._shared_weight_group()
         if group is None:
             await self._on_members(lambda e: e.update_weights_from_tensors(named_tensors, version),
@@ -138,6 +208,40 @@ class Fleet:
         self.weights_path = None  # the weights now loaded are on no disk
         # A joiner (a restarted server) takes these; kept only when servers may join (one model's copy)
         self.weights_tensors = list(named_tensors) if self.elastic is not None else None
+        await self.check_weights(sent)
+
+    # ------------------------------------------------------------ the integrity gate
+    async def check_weights(self, sent: SentDigests | None) -> None:
+        """Every routed engine that declares ``weight_digest`` reports the digests of what it now holds; one
+        that differs from ``sent`` (the trainer's) leaves routing before generation resumes: the run stops
+        naming it and the tensors that differ, or (elastic) it is reloaded with the current weights."""
+        self.sent_digests = sent
+        if sent is None:
+            return
+        members = [m for m in self.pool.active() if "weight_digest" in m.engine.capabilities]
+        began = self.clock.now()
+        held = await self._ask_each(members, lambda e: e.weight_digest(sent.mode),
+                                    f"the weight digest of version {sent.version}")
+        self.digest_s = self.clock.now() - began
+        for member, result in held:
+            differences = compare_digests(sent.digests, result)
+            if differences:
+                self._failed_check(member, WeightCheckError(member.name, sent.version, f"the digests of "
+                                                            f"{len(differences)} of {len(sent.digests)} tensors "
+                                                            "differ", differences))
+
+    def _failed_check(self, member: Member, error: WeightCheckError) -> None:
+        """``member`` serves other weights than those sent: out of routing now; elastic, reloaded once (a fresh
+        client for its address joins at the next rebuild, checked again); otherwise ``error`` is raised."""
+        self.weight_failures.append(error)
+        self.pool.remove(member, str(error))
+        if self.elastic is None:
+            raise error
+        address = getattr(member.engine, "address", None)
+        if self.engine_factory is None or not address or self.weight_reloads.get(address, 0) >= WEIGHT_CHECK_RELOADS:
+            return
+        self.weight_reloads[address] = self.weight_reloads.get(address, 0) + 1
+        self.pool.add(self.engine_factory(address))
 
     def _shared_weight_group(self) -> FleetWeightGroup | None:
         """The fleet's weight-update group when every routed engine is of one class that offers the hook."""
@@ -204,6 +308,15 @@ class Fleet:
             raise RuntimeError(f"a server joining at version {version} (it has {engine.version}) needs the "
                                "current weights, but they are on no disk and no tensors of them are kept (no "
                                "update yet, or the engine does not take tensors); use rollout.weight_sync=disk")
+        sent = self.sent_digests
+        if sent is not None and sent.version == version and "weight_digest" in engine.capabilities:
+            differences = compare_digests(sent.digests, await engine.weight_digest(sent.mode))
+            if differences:  # the joiner is refused (it never takes traffic)
+                name = getattr(engine, "address", None) or type(engine).__name__
+                error = WeightCheckError(name, version, f"joining: the digests of {len(differences)} of "
+                                         f"{len(sent.digests)} tensors differ", differences)
+                self.weight_failures.append(error)
+                raise error
 
     async def join(self, engine: InferenceEngine, timeout_s: float) -> Topology:
         """Start ``engine``, bring it to the current weights at the next rebuild (after the cooldown), route to

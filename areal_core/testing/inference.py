@@ -33,7 +33,9 @@ class InferenceEngineConformance(ComponentConformance):
     ``timeout_s`` (every await on the engine). Override :meth:`diagnostics`
     to add what a failure message should show (a server's log tail).
 
-    Capabilities tested: ``seed``, ``pause``, ``update_weights_from_disk``.
+    Capabilities tested: ``seed``, ``pause``, ``update_weights_from_disk``,
+    ``weight_digest`` (after loading :meth:`weights_path_for_update`, the engine's digests of what it holds
+    equal :func:`areal_core.weight_check.digest_folder` of that folder, in both modes).
     """
 
     kind: ClassVar[str] = "inference_engine"
@@ -207,6 +209,28 @@ class InferenceEngineConformance(ComponentConformance):
             r = await self.generate(engine, self.request())
             assert set(r.output_versions) <= {version}, (
                 f"tokens generated after the update to version {version} carry {r.output_versions}")
+
+        self.run_engine(body)
+
+    @requires("weight_digest")
+    @requires("update_weights_from_disk")
+    def test_weight_digest_matches_the_weights_loaded(self) -> None:
+        from areal_core.weight_check import compare_digests, digest_folder
+
+        path = self.weights_path_for_update()
+        sent = {mode: digest_folder(path, mode) for mode in ("on", "sample")}
+        assert sent["on"], f"{path} holds no tensor in *.safetensors files"
+
+        async def body(engine: Any) -> None:
+            await self.within(engine.update_weights_from_disk(path, engine.version + 1), "update_weights_from_disk()")
+            for mode, digests in sent.items():
+                held = await self.within(engine.weight_digest(mode), f"weight_digest({mode!r})")
+                differences = compare_digests(digests, held)
+                assert not differences, (
+                    f"{self.component_name}.weight_digest({mode!r}) after loading {path} differs from the digests "
+                    f"of the folder (areal_core.weight_check.digest_folder) for {len(differences)} of "
+                    f"{len(digests)} tensors, e.g. {differences[:3]}; digest each tensor where it landed, mapped "
+                    "back to the name, shape and dtype it was sent in")
 
         self.run_engine(body)
 

@@ -278,7 +278,8 @@ ENTRY_POINTS = {
 CONFIG = """\
 allocation: rl_infer_double:d2@cpu+rl_train_double:cpu
 actor: {backend: rl_train_double}
-rollout: {backend: rl_infer_double, group_size: 2, batch_size: 3, max_head_offpolicyness: 0}
+rollout: {backend: rl_infer_double, group_size: 2, batch_size: 3, max_head_offpolicyness: 0,
+          weight_probe_every: 0}  # the doubles' logprobs are no model's: the parity probe would fail
 algorithm: {name: rl_algo_double}
 workflow: {name: rl_workflow_double}
 reward: {name: mod3_double}

@@ -27,7 +27,7 @@ class EchoEngineDoubleConfig:
 
 class EchoInferenceEngineDouble(InferenceEngine):
     config_class = EchoEngineDoubleConfig
-    capabilities = frozenset({"pause", "seed", "update_weights_from_disk"})
+    capabilities = frozenset({"pause", "seed", "update_weights_from_disk", "weight_digest"})
 
     def __init__(self, context=None) -> None:
         super().__init__(context)
@@ -38,6 +38,7 @@ class EchoInferenceEngineDouble(InferenceEngine):
         self._resumed: asyncio.Event | None = None
         self._in_flight = 0
         self.closed = 0
+        self.held: dict = {}  # the tensors of the last folder loaded (its *.safetensors files), for weight_digest
 
     @property
     def version(self) -> int:
@@ -94,7 +95,16 @@ class EchoInferenceEngineDouble(InferenceEngine):
     async def update_weights_from_disk(self, path: str, version: int) -> None:
         if not Path(path).exists():
             raise FileNotFoundError(f"no weights at {path}")
+        from safetensors.torch import load_file
+
+        self.held = {name: t for file in sorted(Path(path).glob("*.safetensors")) for name, t in
+                     load_file(str(file)).items()}
         self._version = version
+
+    async def weight_digest(self, mode: str = "on") -> dict[str, str]:
+        from areal_core.weight_check import digest_named
+
+        return digest_named(self.held.items(), mode)
 
     async def aclose(self) -> None:
         self.closed += 1
@@ -140,6 +150,14 @@ class StaleVersionEngineDouble(EchoInferenceEngineDouble):
 
     def respond(self, request, out, logprobs, reason):
         return GenerationResponse(request.rid, list(request.input_ids), out, logprobs, [0] * len(out), reason)
+
+
+class PermutingLoaderEngineDouble(EchoInferenceEngineDouble):
+    """Broken: its loader reverses the rows of every matrix it loads (a layout bug); its digests tell."""
+
+    async def update_weights_from_disk(self, path: str, version: int) -> None:
+        await super().update_weights_from_disk(path, version)
+        self.held = {name: t.flip(0) if t.dim() > 1 else t for name, t in self.held.items()}
 
 
 class MisspeltCapabilityEngineDouble(EchoInferenceEngineDouble):

@@ -31,7 +31,8 @@ class LocalEngine(RemoteEngine):
     (:class:`areal_core.remote.RemoteEngine`: timeouts naming the wait, retries on connection errors where a
     call may run twice, keep-alive shorter than the server's, errors quoting the server's log)."""
 
-    capabilities = frozenset({"pause", "seed", "update_weights_from_disk", "update_weights_from_tensors"})
+    capabilities = frozenset({"pause", "seed", "update_weights_from_disk", "update_weights_from_tensors",
+                              "weight_digest"})
     config_class = LocalEngineConfig
 
     @classmethod
@@ -90,6 +91,10 @@ class LocalEngine(RemoteEngine):
     async def update_weights_from_disk(self, path: str, version: int) -> None:
         health = await self.request("POST", "/update_weights_from_disk", json={"path": str(path), "version": version})
         self._version = health["version"]
+
+    async def weight_digest(self, mode: str = "on") -> dict[str, str]:
+        """The server's digests of the weights its model holds (``GET /weight_digest``, on its engine thread)."""
+        return (await self.request("GET", "/weight_digest", params={"mode": mode}))["digests"]
 
     def weight_transport(self, weight_sync: str) -> str:
         if weight_sync == "disk":

@@ -19,6 +19,12 @@ touches the model happens between two decode steps of one thread:
   independent of those before.
   ``update_weights_from_tensors`` on the client hands tensors over through
   shared memory (a safetensors folder in /dev/shm) and uses the same route.
+- ``GET /weight_digest?mode=on|sample``: the version and, per tensor name, the
+  digest (:func:`areal_core.weight_check.tensor_digest`) of the weights the
+  model holds now, taken on the engine thread between decode steps (the
+  integrity gate, ``rollout.weight_check``). The model's own tensors are
+  hashed: the copies derived from them for speed (oneDNN-packed linears, the
+  lean decoder's fused projections) are checked by the parity probe.
 - ``GET /health``: version, running / waiting counts, paused.
 """
 
@@ -161,6 +167,9 @@ class EngineLoop:
                 self.paused = False
             elif name == "update":
                 self._update(*args)
+            elif name == "digest":
+                self._reply(future, loop, {"version": self.version, "digests": self._digest(*args)})
+                return
             else:
                 raise ValueError(f"unknown command {name!r}")
             self._reply(future, loop, self.health())
@@ -200,6 +209,13 @@ class EngineLoop:
                          replace(pending.sampling, max_new_tokens=left))
         log.info("weights v%d from %s in %.3f s (%d requests continued)", version, path,
                  time.monotonic() - began, len(interrupted))
+
+
+    def _digest(self, mode: str) -> dict[str, str]:
+        """Digests of the weights the model holds (its state dict, in HF names), on this thread."""
+        from areal_core.weight_check import digest_named
+
+        return digest_named(self.gen.model.state_dict().items(), mode)
 
 
 def _torch_threads() -> int:
@@ -258,6 +274,12 @@ def build_app(engine: EngineLoop) -> Any:
     @app.post("/resume")
     async def resume() -> dict:
         return await engine.call("resume")
+
+    @app.get("/weight_digest")
+    async def weight_digest(mode: str = "on") -> dict:
+        if mode not in ("on", "sample"):
+            raise HTTPException(400, f"mode {mode!r}: choose 'on' or 'sample'")
+        return await engine.call("digest", mode)
 
     @app.post("/update_weights_from_disk")
     async def update(body: Update) -> dict:

@@ -1,0 +1,91 @@
+"""The integrity gate (``rollout.weight_check``) on the embedded engine's real server: its digests of what it
+holds match the trainer's of what it sent after tensors through shared memory and a folder from disk, and with
+a loader bug (faulty_server_double.py: the real server, one tensor permuted or a bucket skipped on load, as a
+file the test writes says) it is caught at the first update, named with the tensors that differ, and leaves
+routing. One server for the module: with the file empty it is the real server unchanged."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from areal_core.api import Context
+from areal_core.config.schema import RunConfig
+from areal_core.launch import ProcessSpec, Supervisor, free_port
+from areal_core.rollout import RolloutController
+from areal_core.rollout.elastic import DOWN
+from areal_core.testing.latency_engine import GroupWorkflowDouble
+from areal_core.weight_check import SentDigests, WeightCheckError, digest_folder, digest_named
+from areal_local.engine import LocalEngine, LocalEngineConfig
+from areal_local.models import tiny_model
+
+DOUBLE = Path(__file__).with_name("faulty_server_double.py")
+TENSOR = "model.layers.1.mlp.up_proj.weight"
+
+
+class Servers:
+    """An embedded server whose loader does what ``fault_file`` says (nothing when it is empty), on a tiny model."""
+
+    def __init__(self, root: Path) -> None:
+        self.model = tiny_model(root / "model", seed=0)
+        self.other = tiny_model(root / "other", seed=1)
+        self.config = RunConfig()
+        self.config.model.path, self.config.model.dtype = str(self.model), "float32"
+        self.config.output_dir, self.config.experiment, self.config.trial = str(root / "runs"), "e", "t"
+        self.fault_file = root / "fault.txt"
+        self.supervisor = Supervisor(root / "runs" / "e" / "t" / "logs", term_timeout_s=5)
+        self.ports = []
+        port = free_port()
+        recipe = LocalEngine.server_process(Context(config=self.config, options=LocalEngineConfig(max_batch=4)), 0,
+                                            port)
+        # the launcher's own command, started through the double
+        argv = [sys.executable, str(DOUBLE), str(self.fault_file),
+                *recipe.argv[recipe.argv.index("areal_local.server") + 1:]]
+        process = self.supervisor.start(ProcessSpec("rollout-0", argv, threads=1))
+        self.supervisor.wait_ready(process, recipe.ready, 120, recipe.what)
+        self.ports.append(port)
+
+    def controller(self) -> RolloutController:
+        engines = [LocalEngine.create(Context(config=self.config, extras={"address": f"127.0.0.1:{port}",
+                                                                          "server_index": i}))
+                   for i, port in enumerate(self.ports)]
+        return RolloutController(engines, GroupWorkflowDouble(), batch_size=1, request_timeout_s=60).start()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    s = Servers(tmp_path_factory.mktemp("weight-check"))
+    yield s
+    s.supervisor.stop_all()
+
+
+def test_digests_match_after_tensors_and_after_a_folder(servers):
+    from safetensors.torch import load_file
+
+    servers.fault_file.write_text("")
+    named = list(load_file(str(servers.other / "model.safetensors")).items())
+    with servers.controller() as controller:
+        controller.update_weights_from_tensors(named, 1, sent=SentDigests(1, "on", digest_named(named)))
+        controller.update_weights_from_disk(str(servers.model), 2, sent=SentDigests(2, "sample",
+                                                                                   digest_folder(servers.model,
+                                                                                                 "sample")))
+        assert [e.version for e in controller.engines] == [2] and controller.fleet.weight_failures == []
+        assert controller.fleet.digest_s < 5
+
+
+@pytest.mark.parametrize("fault", [f"permute:{TENSOR}", "skip:model.layers.1."])
+def test_a_server_with_a_loader_bug_is_caught_at_the_first_update(servers, fault):
+    from safetensors.torch import load_file
+
+    servers.fault_file.write_text(fault)
+    named = list(load_file(str(servers.other / "model.safetensors")).items())
+    with servers.controller() as controller:
+        with pytest.raises(WeightCheckError) as error:
+            controller.update_weights_from_tensors(named, 1, sent=SentDigests(1, "on", digest_named(named)))
+        assert f"inference server 127.0.0.1:{servers.ports[0]} does not serve the weights of version 1" \
+            in str(error.value)
+        assert TENSOR in str(error.value)
+        assert [m.state for m in controller.members()] == [DOWN]  # out of routing
+    servers.fault_file.write_text("")

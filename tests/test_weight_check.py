@@ -1,0 +1,194 @@
+"""The integrity gate on weight updates (``rollout.weight_check``, :mod:`areal_core.weight_check`): the trainer's
+real hand-over (:class:`~areal_core.trainer_weights.WeightHandOver`) through the real rollout controller to engine
+doubles with a loader bug (tests/doubles/weight_engine_doubles.py). A bug is caught at the first update, named;
+the embedded engine's real server is checked in plugins/engines/local/tests/test_local_weight_check.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from areal_core.config.schema import RunConfig
+from areal_core.rollout import RolloutController
+from areal_core.rollout.elastic import ACTIVE, DOWN, ElasticConfig
+from areal_core.testing import tiny_model
+from areal_core.testing.latency_engine import GroupWorkflowDouble
+from areal_core.trainer_weights import WeightHandOver
+from areal_core.weight_check import (WeightCheckError, compare_digests, compare_probe, digest_named, probe_due,
+                                     tensor_digest)
+from weight_engine_doubles import FaultyEngineDouble, TinyActorDouble
+
+TENSOR = "model.layers.1.mlp.down_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(tiny_model(tmp_path_factory.mktemp("weights") / "model", seed=0))
+
+
+def config(**rollout) -> RunConfig:
+    cfg = RunConfig()
+    cfg.model.dtype = "float32"
+    cfg.rollout.max_head_offpolicyness = 0
+    for key, value in rollout.items():
+        setattr(cfg.rollout, key, value)
+    cfg.rollout.weight_sync = "tensors"
+    return cfg
+
+
+class Setup:
+    """A WeightHandOver, its actor double and a started controller over engine doubles; close() stops it."""
+
+    def __init__(self, model, tmp_path, faults, elastic=False, request_timeout_s=600.0, **rollout) -> None:
+        self.cfg = config(**rollout)
+        self.actor = TinyActorDouble(model)
+        self.engines = [FaultyEngineDouble(model, f"server-{i}", fault) for i, fault in enumerate(faults)]
+        self.made: list[FaultyEngineDouble] = []
+
+        def factory(address):  # a reload after a failed check: a healthy client of the same server
+            engine = FaultyEngineDouble(model, address)
+            self.made.append(engine)
+            return engine
+
+        self.controller = RolloutController(
+            self.engines, GroupWorkflowDouble(), batch_size=1, request_timeout_s=request_timeout_s,
+            elastic=ElasticConfig(enabled=True, interval_s=0.05, cooldown_s=0.0) if elastic else None,
+            engine_factory=factory).start()
+        self.handover = WeightHandOver(self.cfg, self.actor, tmp_path, 0, 1)
+        self.handover.controller = self.controller
+
+    def update(self) -> float:
+        self.actor.step()
+        return self.handover.sync(self.actor.version)
+
+    def close(self) -> None:
+        self.controller.close()
+
+
+@pytest.fixture
+def setup(model, tmp_path):
+    made: list[Setup] = []
+
+    def make(*faults, **kwargs) -> Setup:
+        made.append(Setup(model, tmp_path, list(faults), **kwargs))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+# ------------------------------------------------------------------ the digest itself
+def test_the_digest_sees_a_permutation_a_flipped_element_and_a_dtype_and_sample_mode_the_first():
+    t = torch.randn(256, 128)
+    same = tensor_digest(t.clone())
+    assert tensor_digest(t) == same and same.startswith("float32[256,128]:")
+    flipped = t.clone()
+    flipped.view(-1)[1000] += 1e-3
+    assert tensor_digest(flipped) != same
+    assert tensor_digest(t.flip(0)) != same
+    assert tensor_digest(t.flip(0), "sample") != tensor_digest(t, "sample")
+    assert tensor_digest(t.to(torch.bfloat16)) != same
+    assert tensor_digest(t.t()) != same  # the logical layout is hashed: a transposed copy is another tensor
+    assert tensor_digest(t.t().contiguous().t()) == same  # the same values stored differently: the same digest
+
+
+def test_digests_compare_by_name_and_say_what_differs():
+    a, b = torch.ones(4), torch.zeros(4)
+    sent = digest_named([("x", a), ("y", b)])
+    assert compare_digests(sent, digest_named([("x", a), ("y", b), ("extra", a)])) == []
+    differences = compare_digests(sent, digest_named([("x", b)]))
+    assert differences[0].startswith("x: sent float32[4]:") and "the engine holds float32[4]:" in differences[0]
+    assert differences[1].startswith("y: sent") and "reports no such tensor" in differences[1]
+
+
+def test_the_probe_runs_at_the_first_update_and_every_nth():
+    assert [u for u in range(1, 32) if probe_due(u, 10)] == [1, 10, 20, 30]
+    assert not any(probe_due(u, 0) for u in range(1, 20))
+    assert compare_probe([5, 6], [-1.0, -2.0], [-1.005, -2.005], "float32") == []
+    assert compare_probe([5, 6], [-1.0, -2.0], [-1.0, -3.0], "float32")[0] == \
+        "token 1 (id 6): engine -2.0000, trainer -3.0000"
+    assert compare_probe([5, 6], [-1.0, -2.0], [-1.1, -2.1], "bfloat16") == []
+
+
+# ------------------------------------------------------------------ the gate, through the real hand-over
+def test_healthy_engines_pass_every_update_with_digests_and_the_probe(setup):
+    s = setup("", "", weight_probe_every=2)
+    for _ in range(3):
+        s.update()
+    assert [e.version for e in s.engines] == [3, 3] and [e.digest_calls for e in s.engines] == [3, 3]
+    assert s.handover.probe_s > 0 and s.controller.probe_results  # probed at updates 1 and 2
+    assert s.handover.digest_s > 0 and s.controller.fleet.weight_failures == []
+
+
+@pytest.mark.parametrize("fault", [f"permute:{TENSOR}", f"corrupt:{TENSOR}", "skip:model.layers.1."])
+def test_a_loader_bug_is_caught_at_the_first_update_with_the_tensor_named(setup, fault):
+    s = setup("", fault, weight_probe_every=0)
+    with pytest.raises(WeightCheckError) as error:
+        s.update()
+    message = str(error.value)
+    assert "inference server server-1 does not serve the weights of version 1" in message
+    assert TENSOR in message and "server-0" not in message
+    if fault.startswith("skip"):
+        assert "model.layers.1.self_attn.q_proj.weight" in message  # every tensor of the skipped bucket
+    states = {m.name: m.state for m in s.controller.members()}
+    assert states == {"server-0": ACTIVE, "server-1": DOWN}  # it takes no traffic
+
+
+def test_sample_mode_catches_a_permutation_too(setup):
+    s = setup(f"permute:{TENSOR}", weight_check="sample", weight_probe_every=0)
+    with pytest.raises(WeightCheckError, match=TENSOR):
+        s.update()
+
+
+def test_with_the_gate_off_nothing_is_checked(setup):
+    s = setup(f"permute:{TENSOR}", weight_check="off")
+    s.update()
+    assert s.engines[0].digest_calls == 0 and s.engines[0].version == 1
+
+
+def test_a_wrong_dtype_cast_the_digests_miss_is_caught_by_the_parity_probe(setup):
+    s = setup("", f"cast:{TENSOR}")
+    with pytest.raises(WeightCheckError) as error:
+        s.update()
+    message = str(error.value)
+    assert "server-1" in message and "the parity probe" in message and "token 0" in message
+    assert s.engines[1].digest_calls == 1  # its digests matched: what it holds is right, what it computes with is not
+    assert {m.name: m.state for m in s.controller.members()}["server-1"] == DOWN
+
+
+def test_elastic_drops_the_engine_and_reloads_it(setup):
+    s = setup("", f"permute:{TENSOR}", elastic=True, weight_probe_every=0)
+    s.update()  # no error: the run goes on
+    assert len(s.controller.fleet.weight_failures) == 1 and TENSOR in str(s.controller.fleet.weight_failures[0])
+    deadline = time.monotonic() + 30
+    while not (s.made and s.made[0].version == 1 and len(s.controller.engines) == 2):
+        assert time.monotonic() < deadline, f"the reloaded server did not rejoin: {s.controller.members()}"
+        time.sleep(0.05)
+    assert s.made[0].digest_calls == 1  # the joiner was checked before it took traffic
+    s.update()
+    assert [e.version for e in s.controller.engines] == [2, 2]
+
+
+def test_a_digest_that_hangs_fails_naming_the_server_and_the_phase(setup):
+    s = setup("", request_timeout_s=0.5, weight_probe_every=0)
+    s.engines[0].digest_delay_s = 30
+    began = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"inference server server-0: the weight digest of version 1 did not "
+                                           r"finish within 0.5 s \(rollout.request_timeout_s\)"):
+        s.update()
+    assert time.monotonic() - began < 10
+
+
+def test_the_key_takes_on_sample_off_also_as_yaml_reads_them_and_names_the_fix_otherwise():
+    from areal_core.config.load import load_config
+
+    for given, expected in (("on", "on"), ("off", "off"), ("sample", "sample"), ("true", "on"), ("false", "off")):
+        config, problems = load_config(None, [f"rollout.weight_check={given}"])
+        assert problems == [] and config.rollout.weight_check == expected
+    _, problems = load_config(None, ["rollout.weight_check=sometimes"])
+    assert [(p.key, p.message, p.hint) for p in problems] == [
+        ("rollout.weight_check", "'sometimes' is not allowed; choose one of: on, sample, off",
+         "set rollout.weight_check=on")]
