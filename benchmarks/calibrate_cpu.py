@@ -1,6 +1,6 @@
 """The simulator calibrated to this machine, checked against the real demo run side by side.
 
-    .venv/bin/python benchmarks/calibrate_cpu.py [--steps 16] [--skip-measure] [--skip-runs]
+    .venv/bin/python benchmarks/calibrate_cpu.py [--steps 16] [--skip-measure] [--skip-runs FILE] [--sim-seeds 5]
 
 Three parts, in one session on an otherwise idle machine:
 
@@ -14,14 +14,18 @@ Three parts, in one session on an otherwise idle machine:
    (eta 0: in turns, both cores each; eta > 0: one core each).
 2. **Run** the demo for real: ``areal run`` (eta 4) and ``areal run examples/demo_sync.yaml`` (eta 0), each
    ``trainer.total_steps=--steps`` with evaluation off, and read each step's ``time/step_s``, the share of
-   groups dynamic filtering dropped, the mean reward and the completions' length.
-3. **Simulate** the same two configs with ``areal simulate`` on the profile (``sim.token_scale=1``, the items'
-   success rates a Beta with the demo's measured mean reward and the concentration that gives its measured
-   drop rate) and print predicted beside measured seconds per step (the mean over steps 3..N on both sides)
-   and the eta 0 / eta 4 ratio.
+   groups dynamic filtering dropped, the mean reward and the completions' length; and, from ``/proc``, the
+   trainer process's CPU outside its main thread per generated sample (its controller, HTTP client, rewards).
+   The eta 0 run's figure becomes the profile's ``cpu.controller_s_per_sample``: there the trainer idles while
+   the server generates, so it is the work itself, not what it costs beside the other role.
+3. **Simulate** the same two configs with ``areal simulate`` on the profile (``sim.token_scale=1``, each with its
+   own real run's workload: the items' success rates a Beta with that run's mean reward and the concentration
+   that gives its drop rate), ``--sim-seeds`` times each, and print predicted beside measured seconds per step
+   (the mean over steps 3..N on both sides) and the eta 0 / eta 4 ratio.
 
 The workload (drop rate, reward, lengths) is read from the real runs: it is the task's, not the machine's.
-Every time the simulator spends comes from part 1. No pass / fail: it prints the figures and the errors.
+Every time the simulator spends comes from part 1, except the controller's CPU per sample (from the eta 0 run).
+No pass / fail: it prints the figures and the errors.
 """
 
 from __future__ import annotations
@@ -278,16 +282,85 @@ def write_profile(m: dict[int, dict], lengths: dict) -> None:
     print(f"wrote {PROFILE.relative_to(ROOT)}", flush=True)
 
 
+def set_controller_cost(seconds: float) -> None:
+    """Write ``cpu.controller_s_per_sample`` into the profile (the rest of it as it is)."""
+    import yaml
+
+    lines = PROFILE.read_text().splitlines(keepends=True)
+    header = "".join(x for x in lines if x.startswith("#"))
+    profile = yaml.safe_load("".join(lines))
+    profile["cpu"]["controller_s_per_sample"] = float(f"{seconds:.4g}")
+    PROFILE.write_text(header + yaml.safe_dump(profile, sort_keys=False, width=118, default_flow_style=None))
+    print(f"the trainer process's CPU beside training, per generated sample (eta 0 run): {seconds * 1000:.1f} ms "
+          f"-> cpu.controller_s_per_sample in {PROFILE.relative_to(ROOT)}", flush=True)
+
+
 # ----------------------------------------------------------------------------------------------- 2. run
+GROUP = 8  # the demo's rollout.group_size: samples per episode
+
+
+def _cpu_s(pid: int, tid: int | None = None) -> float:
+    """CPU seconds (user + system) of a process (its exited threads included) or of one of its threads."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    with open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _trainer_pid(launcher: int) -> int | None:
+    """The demo's trainer process (``python -m areal_core.trainer``) among the launcher's descendants (the
+    launcher starts it through a trampoline, ``areal_core.launch.child``, whose command line also names it)."""
+    todo = [launcher]
+    while todo:
+        pid = todo.pop()
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if argv[1:3] == [b"-m", b"areal_core.trainer"]:
+                return pid
+            todo += map(int, Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+        except OSError:
+            continue
+    return None
+
+
 def real_run(config: str | None, steps: int, folder: Path) -> dict:
-    argv = [str(ROOT / ".venv/bin/areal"), "run", *([config] if config else []), f"trainer.total_steps={steps}",
-            "eval.size=0", f"output_dir={folder}", "trainer.save_every=0"]
+    """The demo for real; besides its metrics, the trainer process's CPU per generated sample outside its main
+    thread, over steps 3..N (the controller's loop, its HTTP client, the rewards; at eta 4 also the exports)."""
+    argv = [str(Path(sys.executable).parent / "areal"), "run", *([config] if config else []),
+            f"trainer.total_steps={steps}", "eval.size=0", f"output_dir={folder}", "trainer.save_every=0"]
     began = time.perf_counter()
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800, cwd=ROOT)
+    folder.mkdir(parents=True, exist_ok=True)
+    errors = (folder / "stderr.txt").open("w+")  # a file, not a pipe: a full pipe would stall the run
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=errors, text=True, cwd=ROOT)
+    first = last = None  # (side CPU seconds, episodes started) at step 2 and at the newest step seen
+    trainer = None
+    while proc.poll() is None:
+        if time.perf_counter() - began > 1800:
+            proc.kill()
+            raise SystemExit(f"{' '.join(argv)} ran past 1800 s")
+        time.sleep(0.5)
+        trainer = trainer or _trainer_pid(proc.pid)
+        metrics = next(folder.rglob("metrics.jsonl"), None)
+        if trainer is None or metrics is None:
+            continue
+        rows = [json.loads(x) for x in metrics.read_text().splitlines() if '"time/step_s"' in x]
+        try:
+            side = _cpu_s(trainer) - _cpu_s(trainer, trainer)
+        except OSError:  # the trainer has exited
+            continue
+        # at each new step (within the poll): the side CPU so far, and the episodes started by that step
+        if len(rows) >= 2 and (last is None or len(rows) > last[2]):
+            last = (side, rows[-1].get("rollout/started", 0.0), len(rows))
+            first = first or last
+    errors.seek(0)
+    stderr = errors.read()
+    errors.close()
     if proc.returncode:
-        raise SystemExit(f"{' '.join(argv)} failed:\n{proc.stderr[-3000:]}")
-    metrics = next(folder.rglob("metrics.jsonl"))
-    return summarize(metrics, time.perf_counter() - began)
+        raise SystemExit(f"{' '.join(argv)} failed:\n{stderr[-3000:]}")
+    out = summarize(next(folder.rglob("metrics.jsonl")), time.perf_counter() - began)
+    if first and last and last[1] > first[1]:
+        out["controller_s_per_sample"] = (last[0] - first[0]) / ((last[1] - first[1]) * GROUP)
+    return out
 
 
 def summarize(metrics: Path, wall: float | None = None) -> dict:
@@ -323,11 +396,11 @@ def concentration_for(mean: float, target: float) -> float:
     return math.sqrt(lo * hi)
 
 
-def simulate(config: str | None, steps: int, mean: float, concentration: float, folder: Path) -> dict:
+def simulate(config: str | None, steps: int, mean: float, concentration: float, folder: Path, seed: int = 1) -> dict:
     from areal_sim.simulate import run_simulation
 
     config_path = config or str(ROOT / "cli/areal_cli/demo.yaml")
-    report = run_simulation(config_path, [f"trainer.total_steps={steps}", f"sim.profile={PROFILE}",
+    report = run_simulation(config_path, [f"trainer.total_steps={steps}", f"trainer.seed={seed}", f"sim.profile={PROFILE}",
                                           "sim.token_scale=1", f"sim.success_mean={mean}",
                                           f"sim.success_concentration={concentration}"], str(folder))
     out = summarize(folder / "metrics.jsonl")
@@ -340,6 +413,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--skip-measure", action="store_true", help="keep the profile already written")
     parser.add_argument("--skip-runs", help="a JSON file of earlier real-run results to reuse")
+    parser.add_argument("--sim-seeds", type=int, default=5, help="simulations per config, averaged")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="all", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -364,14 +438,31 @@ def main() -> None:
             # completions that mostly run to max_new_tokens: a narrow log-normal around the measured mean, cut there
             write_profile(measured, {"median": float(f"{max(tokens_per_sample, 1.0):.4g}"), "sigma": 0.1,
                                      "cap": NEW_TOKENS, "prompt": prompt})
-        mean = statistics.mean(r["reward"] for r in runs.values())
-        drop = statistics.mean(r["drop_rate"] for r in runs.values())
-        conc = concentration_for(mean, drop)
-        print(f"workload from the real runs: mean reward {mean:.3f}, groups dropped {drop:.1%} -> success rates "
-              f"Beta(mean {mean:.3f}, concentration {conc:.2f}); {tokens_per_sample:.1f} tokens per completion",
-              flush=True)
-        sims = {eta: simulate(config, args.steps, mean, conc, Path(tmp, f"sim-eta{eta}"))
-                for eta, config in (("4", None), ("0", str(ROOT / "examples/demo_sync.yaml")))}
+        # The controller's CPU per sample, from the eta 0 run: there it does not contend with decoding for a core
+        # (the trainer idles while the server generates), so it is the work itself; what it costs at eta > 0 is
+        # the simulator's to predict
+        controller = runs["0"].get("controller_s_per_sample")
+        if controller is not None:
+            set_controller_cost(controller)
+        # Each run is simulated with its own workload (groups dropped, reward): the simulator models time, not
+        # learning, and over a few dozen steps the two runs' drop rates differ by chance as much as their timings
+        # do (a pooled workload moved the ratio by ~7 %). Each simulation is the mean over --sim-seeds seeds
+        # (trainer.seed: other items and rewards), so its own sampling error is small beside the real runs'.
+        sims = {}
+        for eta, config in (("4", None), ("0", str(ROOT / "examples/demo_sync.yaml"))):
+            mean, drop = runs[eta]["reward"], runs[eta]["drop_rate"]
+            conc = concentration_for(mean, drop)
+            print(f"workload of the real eta {eta} run: mean reward {mean:.3f}, groups dropped {drop:.1%} -> success "
+                  f"rates Beta(mean {mean:.3f}, concentration {conc:.2f}); {tokens_per_sample:.1f} tokens per "
+                  f"completion", flush=True)
+            seeds = [simulate(config, args.steps, mean, conc, Path(tmp, f"sim-eta{eta}-{seed}"), seed)
+                     for seed in range(1, args.sim_seeds + 1)]
+            sims[eta] = {"s_per_step": statistics.mean(x["s_per_step"] for x in seeds),
+                         "s_per_step_seeds": [round(x["s_per_step"], 3) for x in seeds],
+                         "drop_rate": statistics.mean(x["drop_rate"] for x in seeds),
+                         "parts_s": {k: round(statistics.mean(x["parts_s"][k] for x in seeds), 3)
+                                     for k in seeds[0]["parts_s"]},
+                         "s_per_step_all": seeds[0]["s_per_step_all"]}
     print()
     print("| eta | real s/step | simulated s/step | error | real groups dropped | simulated |")
     print("|---|---|---|---|---|---|")
@@ -386,7 +477,8 @@ def main() -> None:
     for eta in ("0", "4"):
         print(f"eta {eta}, mean of steps 3..N: real {runs[eta]['parts_s']}, simulated {sims[eta]['parts_s']}")
     print(f"per step, real:      {runs['0']['s_per_step_all']} / {runs['4']['s_per_step_all']}")
-    print(f"per step, simulated: {sims['0']['s_per_step_all']} / {sims['4']['s_per_step_all']}")
+    print(f"per step, simulated (seed 1): {sims['0']['s_per_step_all']} / {sims['4']['s_per_step_all']}")
+    print(f"simulated s/step per seed: eta 0 {sims['0']['s_per_step_seeds']}, eta 4 {sims['4']['s_per_step_seeds']}")
 
 
 if __name__ == "__main__":

@@ -297,7 +297,7 @@ class SimInferenceEngine(InferenceEngine):
             if self._paused or not (self._waiting or self._running):
                 await self._wait(None)
                 continue
-            joined_prompt = 0
+            joined_prompt, joined = 0, 0
             shared = set() if self.profile.inference.shared_prompts else None
             while self._waiting and (not self._running or self._used + self._waiting[0].reserved <= capacity):
                 item = self._waiting.popleft()
@@ -309,9 +309,11 @@ class SimInferenceEngine(InferenceEngine):
                         shared.add(key)
                         joined_prompt += item.prompt
                 self._join(item)
+                joined += 1
             batch = len(self._running)
             context = self._context()
-            prefill = self.profile.inference.prefill_s(joined_prompt)
+            # with each request, the controller's CPU that comes out of this server's core (a shared CPU only)
+            prefill = self.profile.inference.prefill_s(joined_prompt) + joined * self.profile.inference.side_s_per_request
             k = self._steps_to_next_end()
             full = prefill + table.sum_steps(batch, context, k)
             self._stretch = (self._now(), batch, context, prefill, full)
@@ -350,7 +352,9 @@ class SimInferenceEngine(InferenceEngine):
         self._version = version
 
     async def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
-        await self._sleep(self.profile.weights.transfer_s())
+        # sim.stall_s: the server's share of an export that ran beside it on a shared CPU (areal_sim.train)
+        stall_s = sum(float(t) for name, t in named_tensors if name == "sim.stall_s")
+        await self._sleep(self.profile.weights.transfer_s() + stall_s)
         self._version = version
 
     async def aclose(self) -> None:

@@ -108,6 +108,9 @@ class InferenceModel:
     kv_capacity_tokens: int  # KV-cache tokens one server holds (prompt + output of every running request)
     prefill_s_fixed: float = 0.0  # per prefill, whatever its tokens (reading the weights once)
     shared_prompts: bool = False  # identical prompts joining together are prefilled once (the embedded engine)
+    # not a profile field: the controller's CPU per request that comes out of this server's core while the roles
+    # run at once on a shared CPU (Profile.on_threads sets it from cpu.controller_s_per_sample)
+    side_s_per_request: float = 0.0
 
     def prefill_s(self, tokens: int) -> float:
         return self.prefill_s_fixed + tokens * self.prefill_s_per_token if tokens else 0.0
@@ -122,6 +125,7 @@ class TrainModel:
     s_per_step: float = 0.0  # per optimizer step whatever its tokens (the optimizer's update of every weight)
     forward_share: float = 0.25  # a logprob forward's time per token / a training step's (2 of 8 x params FLOPs)
     shared_prompts: bool = False  # a group's prompt is computed once, not once per sample (the fsdp engine)
+    side_s_per_sample: float = 0.0  # not a profile field: as InferenceModel.side_s_per_request, per trained sample
 
     def allreduce_s(self, d: int) -> float:
         """A ring all-reduce over ``d`` ranks: 2 (d - 1) / d of the gradient bytes over the bus, 2 (d - 1) hops."""
@@ -177,6 +181,11 @@ class SharedCores:
     # caches, the trainer process's own threads): what eta > 0 costs on one machine
     inference_contention: float = 1.0
     train_contention: float = 1.0
+    # CPU seconds the trainer process spends per generated sample beside training: the rollout controller's loop,
+    # its HTTP client, the rewards (measured from the real demo at eta 0). While both roles run at once, three
+    # busy threads share two cores and half of it comes out of each role's time; at eta 0 the server's second
+    # thread leaves room for it (2 threads decode only inference_speedup[1] times faster than one)
+    controller_s_per_sample: float = 0.0
 
     def threads(self, servers: int, train_ranks: int, eta: int) -> tuple[int, int]:
         """Threads of one server and of one train rank under the local launcher's plan."""
@@ -211,18 +220,20 @@ class Profile:
             return self
         fi = SharedCores.factor(self.cpu.inference_speedup, inference)
         ft = SharedCores.factor(self.cpu.train_speedup, train)
+        side = 0.0
         if contended:
             fi, ft = fi * self.cpu.inference_contention, ft * self.cpu.train_contention
+            side = self.cpu.controller_s_per_sample / 2
         table = self.inference.decode_step_s
         return dataclasses.replace(
             self,
             inference=dataclasses.replace(
                 self.inference, prefill_s_per_token=self.inference.prefill_s_per_token * fi,
-                prefill_s_fixed=self.inference.prefill_s_fixed * fi,
+                prefill_s_fixed=self.inference.prefill_s_fixed * fi, side_s_per_request=side,
                 decode_step_s=DecodeTable(table.batch, table.context,
                                           tuple(tuple(x * fi for x in row) for row in table.seconds))),
             train=dataclasses.replace(self.train, s_per_token_per_gpu=self.train.s_per_token_per_gpu * ft,
-                                      s_per_step=self.train.s_per_step * ft),
+                                      s_per_step=self.train.s_per_step * ft, side_s_per_sample=side),
             weights=dataclasses.replace(self.weights, latency_s=self.weights.latency_s * fi,
                                         link_gbps=self.weights.link_gbps / fi, export_s=self.weights.export_s * ft))
 
@@ -310,7 +321,7 @@ def _shared_cores(reader: _Reader) -> SharedCores | None:
         section = cpu.section("contention")
         contention = {role: section.positive_number(role) for role in ("inference", "train")}
     return SharedCores(int(cores), speedups["inference"], speedups["train"], contention["inference"],
-                       contention["train"])
+                       contention["train"], cpu.optional("controller_s_per_sample", 0.0, minimum=0.0))
 
 
 class _Reader:

@@ -12,7 +12,13 @@ says a step of that many tokens costs on the modelled layout:
   ``train.s_per_token_per_gpu`` over the GPUs, plus ``train.s_per_step`` and the gradient all-reduce over d
   ranks (``TrainModel.step_s``). Tensor and pipeline parallelism are taken as an ideal split of the compute;
   their own communication and bubbles are not modelled;
-- handing the weights out (``export_tensors`` / ``export_to_disk``): ``weights.export_s``.
+- handing the weights out (``export_tensors`` / ``export_to_disk``): ``weights.export_s``, which the trainer
+  waits for. Except where the real fsdp engine exports beside training (``export_beside_training``: one train
+  rank, eta > 0, weights as tensors; a profile of roles sharing a CPU and ``contended``): there a thread of its
+  own reads the weights while the trainer trains on and the server generates, three busy threads on two cores.
+  The export's time then comes out of both: half of it is added to the next optimizer step, half to the
+  server's next weight update (``sim.stall_s`` among the exported tensors). No thread is run for it, so the
+  lockstep clock keeps the run reproducible.
 
 A profile of roles that share one CPU (its ``cpu`` section) scales these by the threads each role gets
 (``SimTrainConfig.threads``).
@@ -69,6 +75,9 @@ class SimTrainEngine(TrainEngine):
         parallel = getattr(self.context.placement, "parallel", None)
         self.d = int(getattr(parallel, "d", 1) or 1)
         self.gpus = self.d * int(getattr(parallel, "t", 1) or 1) * int(getattr(parallel, "p", 1) or 1)
+        # the real engine's export beside training, modelled (see the module docstring)
+        self.beside = (self.profile.cpu is not None and options.contended and self.gpus == 1)
+        self._owed_s = 0.0  # the export's share still to add to the next optimizer step
         self._version = 0
         self.busy_s = 0.0  # modelled seconds of work (the simulator's utilisation figure)
         self.tokens = 0  # modelled tokens trained
@@ -108,7 +117,7 @@ class SimTrainEngine(TrainEngine):
     def train_batch(self, batch: dict, loss_fn: Any, temperature: float = 1.0, epochs: int = 1) -> dict:
         import torch
 
-        from areal_core.train_batches import merge_update_stats, to_tensor, update_batches
+        from areal_core.train_batches import as_list, merge_update_stats, to_tensor, update_batches
 
         steps = []
         for j, part in enumerate(update_batches(batch, epochs)):
@@ -119,8 +128,11 @@ class SimTrainEngine(TrainEngine):
             loss, stats = loss_fn(logprobs, entropy, {**mb, "update_step": j})
             loss.backward()  # the algorithm's real loss and its gradient, on the stand-in logprobs
             tokens = self._computed(part)
+            owed, self._owed_s = self._owed_s, 0.0
             self._spend(tokens * self.profile.train.s_per_token_per_gpu / self.gpus + self.profile.train.s_per_step
-                        + self.profile.train.allreduce_s(self.d))
+                        + self.profile.train.allreduce_s(self.d) + owed
+                        # the controller's share, per sample generated for this batch (once over the epochs)
+                        + len(as_list(part.get("seq_lens", ()))) / epochs * self.profile.train.side_s_per_sample)
             self.tokens += tokens
             steps.append({"loss": float(loss.detach()), **{k: float(v) for k, v in stats.items()},
                           "grad_norm": float(logprobs.grad.norm()) if logprobs.grad is not None else 0.0})
@@ -151,8 +163,14 @@ class SimTrainEngine(TrainEngine):
     def export_tensors(self, bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
         import torch
 
-        self._spend(self.profile.weights.export_s)
-        return iter([[("sim.version", torch.tensor(self._version))]])
+        stall_s = 0.0
+        if self.beside:
+            self._owed_s += self.profile.weights.export_s / 2
+            stall_s = self.profile.weights.export_s / 2
+        else:
+            self._spend(self.profile.weights.export_s)
+        return iter([[("sim.version", torch.tensor(self._version)),
+                      ("sim.stall_s", torch.tensor(stall_s, dtype=torch.float64))]])
 
     def close(self) -> None:
         pass

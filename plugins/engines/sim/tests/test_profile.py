@@ -178,6 +178,11 @@ def test_the_cpu_profile_shares_two_cores_as_the_local_launcher_does():
     assert beside.inference.decode_step_s(8, 40) == pytest.approx(
         p.inference.decode_step_s(8, 40) * p.cpu.inference_contention)
     assert beside.train.step_s(1000, 1) == pytest.approx(p.train.step_s(1000, 1) * p.cpu.train_contention)
+    # the controller's CPU beside training: half out of each role, only while they run at once
+    assert p.cpu.controller_s_per_sample > 0.0
+    assert beside.inference.side_s_per_request == beside.train.side_s_per_sample == pytest.approx(
+        p.cpu.controller_s_per_sample / 2)
+    assert both.inference.side_s_per_request == both.train.side_s_per_sample == 0.0
     gpu = load_profile("qwen2.5-7b-h800")
     assert gpu.cpu is None and gpu.on_threads(2, 2) is gpu  # GPUs are not shared
 
@@ -199,6 +204,8 @@ def test_a_training_step_has_a_fixed_part_and_a_share_for_the_logprob_forward():
      "cpu.cores must be a whole number"),
     (lambda d: d.update(cpu={"cores": 1, "inference_speedup": [1.0], "train_speedup": [1.0],
                              "contention": {"inference": 1.2}}), "cpu.contention.train is missing"),
+    (lambda d: d.update(cpu={"cores": 1, "inference_speedup": [1.0], "train_speedup": [1.0],
+                             "controller_s_per_sample": -0.01}), "cpu.controller_s_per_sample must be a finite"),
     (lambda d: d["train"].update(shared_prompts="yes"), "train.shared_prompts must be true or false"),
     (lambda d: d["train"].update(s_per_step=-1), "train.s_per_step must be a finite number >= 0, got -1"),
     (lambda d: d["weights"].update(export_s="soon"), "weights.export_s must be a finite number >= 0"),

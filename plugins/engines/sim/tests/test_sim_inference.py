@@ -198,3 +198,63 @@ def test_with_shared_prompts_a_groups_identical_prompts_are_prefilled_once():
         prefill = _run(lambda e: body(e, shared), time_scale=1e6)
         per_token = SimInferenceEngine(Context(options=SimEngineConfig())).profile.inference.prefill_s_per_token
         assert prefill == pytest.approx(0.5 + prompts * 100 * per_token, rel=1e-6)
+
+
+def test_on_a_shared_cpu_an_export_beside_training_costs_both_roles_half_of_it():
+    """The real fsdp engine exports on a thread of its own beside training at eta > 0: the simulated trainer does
+    not wait for it; half its time goes on the next optimizer step, half on the server's next weight update."""
+    import torch
+
+    from areal_sim.train import SimTrainConfig, SimTrainEngine
+
+    def trainer(contended):
+        engine = SimTrainEngine(Context(options=SimTrainConfig(profile="smollm2-135m-cpu", contended=contended,
+                                                               time_scale=1e6)))
+        engine.initialize()
+        return engine
+
+    batch = {"input_ids": [1] * 40, "loss_mask": [0] * 20 + [1] * 20, "logprobs": [-1.0] * 40,
+             "advantages": [0.5] * 40, "seq_lens": [20, 20], "cu_seqlens": [0, 20, 40], "group_index": [0, 0],
+             "position_ids": list(range(20)) * 2}
+
+    def loss(logprobs, entropy, mb):
+        return -(logprobs * mb["loss_mask"].float()).sum(), {}
+
+    inline, beside = trainer(False), trainer(True)
+    assert not inline.beside and beside.beside
+    export_s = beside.profile.weights.export_s
+    named = dict(pair for bucket in beside.export_tensors(1 << 26) for pair in bucket)
+    assert beside.busy_s == 0.0 and float(named["sim.stall_s"]) == pytest.approx(export_s / 2)
+    alone = trainer(True)
+    alone.train_batch(batch, loss)
+    beside.train_batch(batch, loss)
+    assert beside.busy_s == pytest.approx(alone.busy_s + export_s / 2)
+    beside.train_batch(batch, loss)  # owed once only
+    assert beside.busy_s == pytest.approx(2 * alone.busy_s + export_s / 2)
+    # the controller's share: per sample trained, only when the roles run at once
+    assert alone.profile.train.side_s_per_sample > 0.0 and inline.profile.train.side_s_per_sample == 0.0
+    named = dict(pair for bucket in inline.export_tensors(1 << 26) for pair in bucket)
+    assert inline.busy_s == pytest.approx(inline.profile.weights.export_s) and float(named["sim.stall_s"]) == 0.0
+
+    async def body(engine):
+        await engine.update_weights_from_tensors([("sim.version", torch.tensor(1)),
+                                                  ("sim.stall_s", torch.tensor(0.25, dtype=torch.float64))], 1)
+        return engine
+
+    engine = _run(body, profile="smollm2-135m-cpu", contended=True, time_scale=1e6)
+    assert engine.version == 1 and engine.busy_s == pytest.approx(engine.profile.weights.transfer_s() + 0.25)
+
+
+def test_on_a_shared_cpu_the_controllers_share_is_charged_per_request_while_the_roles_run_at_once():
+    async def body(engine):
+        await asyncio.gather(*(engine.agenerate(GenerationRequest([5] * 30, SamplingParams(max_new_tokens=8, seed=i)))
+                               for i in range(4)))
+        return engine
+
+    apart = _run(body, profile="smollm2-135m-cpu", contended=False, time_scale=1e6)
+    at_once = _run(body, profile="smollm2-135m-cpu", contended=True, time_scale=1e6)
+    side = at_once.profile.inference.side_s_per_request
+    assert side > 0.0 and apart.profile.inference.side_s_per_request == 0.0
+    # the same requests: the decoding slowed by the contention, plus the controller's share of each of the 4
+    scale = at_once.profile.cpu.inference_contention
+    assert at_once.busy_s == pytest.approx(apart.busy_s * scale + 4 * side, rel=1e-6)
