@@ -81,26 +81,32 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def tensor_digest(tensor: Any, mode: str = "on") -> str:
-    """``"<dtype>[<shape>]:<xxh3-64 hex>"`` of a torch tensor's bytes in row-major order (see the module)."""
-    import torch
+def _digest_bytes(data: Any, dtype: str, shape: Iterable[int], mode: str) -> str:
+    """The digest of a tensor given as its raw bytes (a buffer: numpy array, memoryview)."""
     import xxhash
 
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    shape = ",".join(str(d) for d in t.shape)
-    data = t.contiguous().reshape(-1).view(torch.uint8).numpy()
-    if check_mode(mode) == "on" or data.nbytes <= SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES:
+    nbytes = memoryview(data).nbytes
+    if check_mode(mode) == "on" or nbytes <= SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES:
         digest = xxhash.xxh3_64_hexdigest(data)
     else:
         hasher = xxhash.xxh3_64()
-        span = data.nbytes - SAMPLE_BLOCK_BYTES
+        span = nbytes - SAMPLE_BLOCK_BYTES
         for i in range(SAMPLE_BLOCKS):
             at = span * i // (SAMPLE_BLOCKS - 1)
             hasher.update(data[at:at + SAMPLE_BLOCK_BYTES])
         digest = hasher.hexdigest()
-    return f"{_dtype_name(t.dtype)}[{shape}]:{digest}"
+    return f"{dtype}[{','.join(str(d) for d in shape)}]:{digest}"
+
+
+def tensor_digest(tensor: Any, mode: str = "on") -> str:
+    """``"<dtype>[<shape>]:<xxh3-64 hex>"`` of a torch tensor's bytes in row-major order (see the module)."""
+    import torch
+
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    data = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return _digest_bytes(data, _dtype_name(t.dtype), t.shape, mode)
 
 
 def digest_named(named_tensors: Iterable[tuple[str, Any]], mode: str = "on") -> dict[str, str]:
@@ -118,15 +124,34 @@ def digest_named(named_tensors: Iterable[tuple[str, Any]], mode: str = "on") -> 
     return out
 
 
+# safetensors' dtype codes, as torch names them
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
 def digest_folder(path: str | Path, mode: str = "on") -> dict[str, str]:
-    """:func:`tensor_digest` of every tensor in the ``*.safetensors`` files of folder ``path`` (memory-mapped)."""
-    from safetensors import safe_open
+    """:func:`tensor_digest` of every tensor in the ``*.safetensors`` files of folder ``path``, hashed straight
+    from the memory-mapped file (no copy, no torch): the same digests as of the tensors loaded."""
+    import json
+    import mmap
+    import struct
 
     out: dict[str, str] = {}
     for file in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                out[name] = tensor_digest(f.get_tensor(name), mode)
+        with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                (length,) = struct.unpack("<Q", view[:8])
+                header = json.loads(bytes(view[8:8 + length]))
+                for name, info in header.items():
+                    if name == "__metadata__":
+                        continue
+                    begin, end = info["data_offsets"]
+                    dtype = _SAFETENSORS_DTYPES.get(info["dtype"], info["dtype"].lower())
+                    out[name] = _digest_bytes(view[8 + length + begin:8 + length + end], dtype, info["shape"], mode)
+            finally:
+                view.release()
     return out
 
 
@@ -146,11 +171,12 @@ def compare_digests(sent: dict[str, str], held: dict[str, str]) -> list[str]:
 # ------------------------------------------------------------------ the parity probe
 def probe_tolerance(dtype: str) -> tuple[float, float]:
     """(largest per-token difference, largest mean difference) of logprobs allowed between an engine and the
-    trainer, in nats, when the engine computes in ``dtype``. bf16 keeps 8 bits of mantissa: the demo's engine
-    (bf16, packed linears) and trainer differ by up to ~0.1 nats on a token; a loader or kernel bug moves
-    logprobs by whole nats."""
+    trainer, in nats, when the engine computes in ``dtype``. Measured on SmolLM2-135M (12 probes of 8 tokens): the
+    embedded engine in bf16 (packed linears, lean decode) against the HF model in float32 differs by at most
+    0.30 nats on a token and 0.077 on a probe's mean; in float32 by under 1e-4. The bounds leave a 3x margin
+    for larger models; a loader or kernel bug moves logprobs by whole nats."""
     if dtype in ("bfloat16", "float16"):
-        return 0.5, 0.15
+        return 1.0, 0.25
     return 0.05, 0.01
 
 

@@ -110,7 +110,8 @@ def test_the_probe_runs_at_the_first_update_and_every_nth():
     assert compare_probe([5, 6], [-1.0, -2.0], [-1.005, -2.005], "float32") == []
     assert compare_probe([5, 6], [-1.0, -2.0], [-1.0, -3.0], "float32")[0] == \
         "token 1 (id 6): engine -2.0000, trainer -3.0000"
-    assert compare_probe([5, 6], [-1.0, -2.0], [-1.1, -2.1], "bfloat16") == []
+    assert compare_probe([5, 6], [-1.0, -2.0], [-1.3, -2.1], "bfloat16") == []
+    assert "mean difference 0.3000 nats" in compare_probe([5, 6], [-1.0, -2.0], [-1.3, -2.3], "bfloat16")[0]
 
 
 # ------------------------------------------------------------------ the gate, through the real hand-over

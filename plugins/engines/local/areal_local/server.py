@@ -96,6 +96,7 @@ class EngineLoop:
         self.version = 0
         self.paused = False
         self.pending: dict[str, Pending] = {}
+        self.last_load_s = 0.0  # the last weight update on this thread: read, copy into the model, derived copies
         self.commands: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="areal-engine", daemon=True)
@@ -113,7 +114,7 @@ class EngineLoop:
     def health(self) -> dict:
         return {"status": "ok" if self.error is None else "error", "version": self.version,
                 "running": self.gen.num_running, "waiting": self.gen.num_waiting, "paused": self.paused,
-                "threads": self.threads,
+                "threads": self.threads, "last_load_s": self.last_load_s,
                 "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}"}
 
     # -- the engine thread -------------------------------------------------
@@ -207,8 +208,9 @@ class EngineLoop:
             # (len(output_ids) + i)-th would have, never a replay of the first draws.
             self.gen.add(pending.rid, pending.prompt + pending.output_ids,
                          replace(pending.sampling, max_new_tokens=left))
-        log.info("weights v%d from %s in %.3f s (%d requests continued)", version, path,
-                 time.monotonic() - began, len(interrupted))
+        self.last_load_s = time.monotonic() - began
+        log.info("weights v%d from %s in %.3f s (%d requests continued)", version, path, self.last_load_s,
+                 len(interrupted))
 
 
     def _digest(self, mode: str) -> dict[str, str]:
