@@ -53,7 +53,7 @@ from areal_core.rollout import RolloutController, RolloutError, StallError, has_
 from areal_core.rollout.elastic import EVENTS_FILE, LAUNCHER_DISCOVERY_ENV
 from areal_core.train_batches import MINIBATCH_KEY, POLICY_VERSION_KEY, as_list, assign_minibatches
 from areal_core.trainer_eval import Evaluation, eval_metrics  # noqa: F401 (eval_metrics: imported from here)
-from areal_core.trainer_weights import WeightHandOver, check_weight_sync
+from areal_core.trainer_weights import WeightHandOver, check_weight_sync, weight_check_line
 
 
 def build(run: ValidatedRun, section: str, **extras: Any) -> Any:
@@ -141,6 +141,7 @@ class Trainer:
             print(f"weights for inference server {i} ({getattr(engine, 'address', 'in process')}"
                   f"{f', node {node}' if node else ''}): "
                   f"{engine.weight_transport(self.cfg.rollout.weight_sync)}", flush=True)
+        print(weight_check_line(self.cfg, engines), flush=True)
         r = self.cfg.rollout
         joined = itertools.count(placement.parallel.d)  # servers added while the run is live (rollout.elastic)
         self.controller = RolloutController(

@@ -44,6 +44,21 @@ def check_weight_sync(cfg: Any, actor: Any, engines: list[Any]) -> None:
                          "Fix: rollout.weight_sync=disk (the default)")
 
 
+def weight_check_line(cfg: Any, engines: list[Any]) -> str:
+    """What the integrity gate (``rollout.weight_check``) will check in this run, for the log."""
+    r = cfg.rollout
+    if r.weight_check == "off":
+        return "weight check: off (rollout.weight_check=off): nothing checks that the engines serve the weights sent"
+    probe = (f"the parity probe at the first update and every {r.weight_probe_every}th"
+             if r.weight_probe_every else "no parity probe (rollout.weight_probe_every=0)")
+    if engines and "weight_digest" in engines[0].capabilities:  # one backend for all
+        digests = f"digests of every tensor ({r.weight_check}) after every update"
+    else:
+        digests = (f"no digests: rollout.backend {r.backend!r} does not declare 'weight_digest' (docs/engines.md, "
+                   "the integrity gate)")
+    return f"weight check: {digests}; {probe}"
+
+
 class WeightHandOver:
     def __init__(self, cfg: Any, actor: Any, run_dir: Path, rank: int, world_size: int,
                  broadcast: Callable[[Any], Any] | None = None) -> None:

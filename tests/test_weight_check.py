@@ -14,7 +14,7 @@ from areal_core.config.schema import RunConfig
 from areal_core.rollout import RolloutController
 from areal_core.rollout.elastic import ACTIVE, DOWN, ElasticConfig
 from areal_core.testing import tiny_model
-from areal_core.testing.latency_engine import GroupWorkflowDouble
+from areal_core.testing.latency_engine import GroupWorkflowDouble, LatencyEngineDouble
 from areal_core.trainer_weights import WeightHandOver
 from areal_core.weight_check import (WeightCheckError, compare_digests, compare_probe, digest_named, probe_due,
                                      tensor_digest)
@@ -173,12 +173,14 @@ def test_elastic_drops_the_engine_and_reloads_it(setup):
     assert [e.version for e in s.controller.engines] == [2, 2]
 
 
-def test_a_digest_that_hangs_fails_naming_the_server_and_the_phase(setup):
-    s = setup("", request_timeout_s=0.5, weight_probe_every=0)
-    s.engines[0].digest_delay_s = 30
+@pytest.mark.parametrize(("delay", "phase"), [("digest_delay_s", "the weight digest of version 1"),
+                                              ("load_delay_s", "update_weights_from_tensors")])
+def test_a_phase_that_hangs_fails_naming_the_server_and_the_phase(setup, delay, phase):
+    s = setup("", "", request_timeout_s=0.5, weight_probe_every=0)
+    setattr(s.engines[1], delay, 30)
     began = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"inference server server-0: the weight digest of version 1 did not "
-                                           r"finish within 0.5 s \(rollout.request_timeout_s\)"):
+    with pytest.raises(TimeoutError, match=rf"inference server server-1: {phase} did not finish within 0.5 s "
+                                           r"\(rollout.request_timeout_s\)"):
         s.update()
     assert time.monotonic() - began < 10
 
@@ -193,3 +195,15 @@ def test_the_key_takes_on_sample_off_also_as_yaml_reads_them_and_names_the_fix_o
     assert [(p.key, p.message, p.hint) for p in problems] == [
         ("rollout.weight_check", "'sometimes' is not allowed; choose one of: on, sample, off",
          "set rollout.weight_check=on")]
+
+
+def test_the_run_log_says_what_the_gate_checks_and_names_a_backend_without_digests():
+    from areal_core.trainer_weights import weight_check_line
+
+    cfg = config()
+    assert weight_check_line(cfg, [FaultyEngineDouble.__new__(FaultyEngineDouble)]) == (
+        "weight check: digests of every tensor (on) after every update; the parity probe at the first update and "
+        "every 10th")
+    cfg.rollout.backend = "other"
+    assert "no digests: rollout.backend 'other' does not declare 'weight_digest'" in weight_check_line(
+        cfg, [LatencyEngineDouble()])

@@ -43,13 +43,15 @@ class FaultyEngineDouble(InferenceEngine):
 
     capabilities = frozenset({"pause", "update_weights_from_tensors", "weight_digest"})
 
-    def __init__(self, model_path: str, address: str, fault: str = "", digest_delay_s: float = 0.0) -> None:
+    def __init__(self, model_path: str, address: str, fault: str = "", digest_delay_s: float = 0.0,
+                 load_delay_s: float = 0.0) -> None:
         super().__init__()
         self.address = address
         self.held = load_model(model_path)
         self.compute = copy.deepcopy(self.held)
         self.fault = fault
-        self.digest_delay_s = digest_delay_s  # a digest that hangs (the phase timeout's test)
+        self.digest_delay_s = digest_delay_s  # a digest that hangs (the phase timeouts' test)
+        self.load_delay_s = load_delay_s  # ... and a load
         self._version = 0
         self.digest_calls = 0
         self.loads = 0
@@ -65,6 +67,7 @@ class FaultyEngineDouble(InferenceEngine):
         pass
 
     async def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        await asyncio.sleep(self.load_delay_s)
         kind, _, target = self.fault.partition(":")
         own = self.held.state_dict()
         with torch.no_grad():
