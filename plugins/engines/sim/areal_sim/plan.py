@@ -4,7 +4,13 @@ Given a run's config (its backends, batch, group size and algorithm), a GPU coun
 searches:
 
 - the inference GPUs, in whole servers of the profile's tensor-parallel size (the profile's decode table holds
-  for that layout); the rest train, data-parallel;
+  for that layout); the rest train;
+- the training GPUs' layout: tensor size t and pipeline size p (1, 2, 4, 8; t within a node of 8), the rest
+  data-parallel. For a split, the layout is the fastest optimizer step by the profile's cost model
+  (``TrainModel.step_s``: the compute, a pipeline's fill and drain, tensor parallelism's all-reduces over NVLink,
+  the gradient all-reduce of each rank's share between nodes) among the layouts the validation accepts: the
+  training side's time depends on the layout alone, so one simulation per split scores it. ``exhaustive=True``
+  simulates every layout of every split instead;
 - the staleness bound ``rollout.max_head_offpolicyness`` over ``--eta`` (default 0, 1, 2, 4, 8).
 
 Each candidate is scored by a short simulation (:func:`areal_sim.simulate.run_simulation`: the real controller
@@ -17,9 +23,10 @@ Before it is scored, every candidate's allocation, written for the config's own 
 is put to the same validation a real run gets (``areal_core.config.validate.validate_run``, the plugins'
 ``areal_validate_parallelism`` hooks included): a layout they refuse is never proposed, and the reasons are kept.
 
-What is not searched, and why: tensor and pipeline parallelism of the train engine, whose costs the profiles do
-not model (the simulated train engine takes them as an ideal split of the compute, which would always favour them);
-the inference servers' own layout, fixed by the profile's measured decode table.
+What is not searched, and why: the inference servers' own layout, fixed by the profile's measured decode table;
+the train layout of a profile without ``train.layers``, ``hidden`` and ``tp_link_gbps`` (the CPU profile), whose
+tensor and pipeline parallelism would be an ideal split of the compute and always win; whether a layout fits in
+memory (the validation hooks judge placement, the profiles hold no memory model).
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from areal_sim.profile import ProfileError, load_profile
 from areal_sim.simulate import SimulationError
 
 DEFAULT_ETAS = (0, 1, 2, 4, 8)
+SIZES = (1, 2, 4, 8)  # tensor and pipeline sizes searched
+NODE_GPUS = 8  # a tensor-parallel group stays within a node (its all-reduces run over NVLink)
 
 
 @dataclass
@@ -44,6 +53,8 @@ class Candidate:
     inference_gpus: int
     train_gpus: int
     allocation: str  # for the config's own backends
+    t: int = 1  # the training GPUs' tensor and pipeline sizes
+    p: int = 1
     samples_per_s: float | None = None
     refused: str | None = None  # the validation's reasons, when it refused the layout
     report: dict | None = field(default=None, repr=False)
@@ -58,9 +69,10 @@ class Plan:
     simulations: int
 
     def lines(self) -> list[str]:
-        out = [f"allocation: {self.best.allocation}    rollout.max_head_offpolicyness={self.best.eta}",
-               f"  predicted {self.best.samples_per_s:.2f} samples/s ({self.best.inference_gpus} GPUs serving, "
-               f"{self.best.train_gpus} training)"]
+        b = self.best
+        out = [f"allocation: {b.allocation}    rollout.max_head_offpolicyness={b.eta}",
+               f"  predicted {b.samples_per_s:.2f} samples/s ({b.inference_gpus} GPUs serving, {b.train_gpus} "
+               f"training as d{b.train_gpus // (b.t * b.p)} x t{b.t} x p{b.p})"]
         if self.runner_up is not None:
             r = self.runner_up
             out.append(f"runner-up: {r.allocation}    rollout.max_head_offpolicyness={r.eta}: {r.samples_per_s:.2f} "
@@ -72,10 +84,12 @@ class Plan:
         return out
 
 
-def _allocation(raw: dict, servers: int, tp: int, train_gpus: int) -> str:
+def _allocation(raw: dict, servers: int, tp: int, train_gpus: int, t: int = 1, p: int = 1) -> str:
+    from areal_sim.simulate import _layout
+
     infer = (raw.get("rollout") or {}).get("backend", "local")
     train = (raw.get("actor") or {}).get("backend", "fsdp")
-    return f"{infer}:d{servers}" + (f"t{tp}" if tp > 1 else "") + f"+{train}:d{train_gpus}"
+    return f"{infer}:d{servers}" + (f"t{tp}" if tp > 1 else "") + f"+{train}:" + _layout(train_gpus, t, p)
 
 
 class Planner:
@@ -103,13 +117,49 @@ class Planner:
                                   f"{self.profile.name}) and one training GPU")
         self.max_servers = (gpus - 1) // self.tp
         self._simulate = simulate or self._run
-        self._scores: dict[tuple[int, int], Candidate] = {}
+        self._scores: dict[tuple[int, int, int, int], Candidate] = {}
+        self._picked: dict[tuple[int, int], tuple[int, int]] = {}
+        self._refusals: dict[tuple[str, int], str | None] = {}  # (servers, eta) -> the cost model's (t, p)
         self.simulations = 0
+        # modelled tokens an optimizer step trains: what the cost model ranks the train layouts by
+        rollout, actor = self.raw.get("rollout") or {}, self.raw.get("actor") or {}
+        cap = min(self.profile.lengths.cap, int((rollout.get("sampling") or {}).get("max_new_tokens",
+                                                                                     self.profile.lengths.cap)))
+        mean = min(self.profile.lengths.mean(), cap)
+        self.step_tokens = (int(rollout.get("batch_size", 8)) * int(rollout.get("group_size", 8))
+                            * (self.profile.lengths.prompt + mean) / max(int(actor.get("ppo_minibatches", 1)), 1))
 
-    def candidate(self, servers: int, eta: int) -> Candidate:
+    def candidate(self, servers: int, eta: int, t: int = 1, p: int = 1) -> Candidate:
         inference = servers * self.tp
         return Candidate(servers, eta, inference, self.gpus - inference,
-                         _allocation(self.raw, servers, self.tp, self.gpus - inference))
+                         _allocation(self.raw, servers, self.tp, self.gpus - inference, t, p), t, p)
+
+    def layouts(self, train_gpus: int) -> list[tuple[int, int]]:
+        """The (t, p) the plan considers for ``train_gpus``: only (1, 1) when the profile does not model them."""
+        if not self.profile.train.models_tp:
+            return [(1, 1)]
+        return [(t, p) for t in SIZES for p in SIZES if t <= NODE_GPUS and train_gpus % (t * p) == 0]
+
+    def step_s(self, train_gpus: int, t: int, p: int) -> float:
+        return self.profile.train.step_s(self.step_tokens, train_gpus // (t * p), t, p)
+
+    def layout(self, servers: int, eta: int) -> tuple[int, int]:
+        """The train layout for a split: the fastest step by the cost model among those the validation accepts
+        (the refused are kept, so the plan reports them)."""
+        key = (servers, eta)
+        if key not in self._picked:
+            train_gpus = self.gpus - servers * self.tp
+            self._picked[key] = (1, 1)  # when every layout is refused: scored as refused
+            # fastest first (fewer ranks per replica on a tie); validated in that order until one is accepted
+            for _, _, t, p in sorted((self.step_s(train_gpus, t, p), t * p, t, p)
+                                     for t, p in self.layouts(train_gpus)):
+                c = self.candidate(servers, eta, t, p)
+                c.refused = self._refused(c)
+                if c.refused is None:
+                    self._picked[key] = (t, p)
+                    break
+                self._scores.setdefault((servers, eta, t, p), c)
+        return self._picked[key]
 
     def refusal(self, c: Candidate) -> str | None:
         """What the plugins' validation says against ``c``'s allocation in the config's own backends, if anything
@@ -123,16 +173,26 @@ class Planner:
                      or p.code.startswith("core.allocation") or p.code.startswith("core.no-")]
         return "; ".join(f"[{p.code}] {p.message}" for p in placement) or None
 
-    def score(self, servers: int, eta: int) -> Candidate:
-        key = (servers, eta)
+    def _refused(self, c: Candidate) -> str | None:
+        """:meth:`refusal`, once per allocation and eta."""
+        key = (c.allocation, c.eta)
+        if key not in self._refusals:
+            self._refusals[key] = self.refusal(c)
+        return self._refusals[key]
+
+    def score(self, servers: int, eta: int, t: int | None = None, p: int | None = None) -> Candidate:
+        """The split scored by simulation, with the train layout (t, p) given or the cost model's pick."""
+        if t is None or p is None:
+            t, p = self.layout(servers, eta)
+        key = (servers, eta, t, p)
         if key not in self._scores:
-            c = self.candidate(servers, eta)
-            c.refused = self.refusal(c)
+            c = self.candidate(servers, eta, t, p)
+            c.refused = self._refused(c)
             if c.refused is None:
                 c.report = self._simulate([*self.overrides, f"sim.gpus={self.gpus}",
                                            f"sim.inference_gpus={c.inference_gpus}", f"sim.profile={self.profile_name}",
                                            f"sim.token_scale={self.token_scale}", f"rollout.max_head_offpolicyness={eta}",
-                                           f"trainer.total_steps={self.steps}"])
+                                           f"trainer.total_steps={self.steps}", f"sim.train_t={t}", f"sim.train_p={p}"])
                 c.samples_per_s = c.report["steady_samples_per_s"]
                 self.simulations += 1
             self._scores[key] = c
@@ -166,7 +226,8 @@ class Planner:
         for eta in etas:
             if exhaustive:
                 for s in range(1, self.max_servers + 1):
-                    self.value(s, eta)
+                    for t, p in self.layouts(self.gpus - s * self.tp):
+                        self.score(s, eta, t, p)
             else:
                 self.search(eta)
         scored = sorted((c for c in self._scores.values() if c.samples_per_s is not None),
@@ -175,5 +236,7 @@ class Planner:
         if not scored:
             raise SimulationError(f"no layout of {self.gpus} GPUs passed the plugins' validation: "
                                   f"{refused[0].refused if refused else 'none was tried'}")
-        runner = next((c for c in scored[1:] if (c.servers, c.eta) != (scored[0].servers, scored[0].eta)), None)
-        return Plan(scored[0], runner, scored, refused, self.simulations)
+        best = scored[0]
+        runner = next((c for c in scored[1:] if (c.servers, c.eta, c.t, c.p) != (best.servers, best.eta, best.t, best.p)),
+                      None)
+        return Plan(best, runner, scored, refused, self.simulations)

@@ -126,16 +126,53 @@ class TrainModel:
     forward_share: float = 0.25  # a logprob forward's time per token / a training step's (2 of 8 x params FLOPs)
     shared_prompts: bool = False  # a group's prompt is computed once, not once per sample (the fsdp engine)
     side_s_per_sample: float = 0.0  # not a profile field: as InferenceModel.side_s_per_request, per trained sample
+    # the model's shape and the intra-node link, for tensor and pipeline parallelism's own costs (0: not modelled,
+    # and areal plan does not search t / p)
+    layers: int = 0
+    hidden: int = 0
+    tp_link_gbps: float = 0.0  # the tensor-parallel all-reduces' bus bandwidth (NVLink), Gbit/s
+    tp_latency_s: float = 0.0  # per all-reduce
+    pipeline_microbatches: int = 8  # micro-batches a pipeline is fed per optimizer step
 
-    def allreduce_s(self, d: int) -> float:
-        """A ring all-reduce over ``d`` ranks: 2 (d - 1) / d of the gradient bytes over the bus, 2 (d - 1) hops."""
+    @property
+    def models_tp(self) -> bool:
+        return self.layers > 0 and self.hidden > 0 and self.tp_link_gbps > 0
+
+    def allreduce_s(self, d: int, nbytes: float | None = None) -> float:
+        """A ring all-reduce over ``d`` ranks: 2 (d - 1) / d of ``nbytes`` (the gradients) over the bus,
+        2 (d - 1) hops."""
         if d <= 1:
             return 0.0
-        return 2 * (d - 1) / d * self.grad_bytes / (self.allreduce_gbps * 1e9 / 8) + 2 * (d - 1) * self.allreduce_latency_s
+        nbytes = self.grad_bytes if nbytes is None else nbytes
+        return 2 * (d - 1) / d * nbytes / (self.allreduce_gbps * 1e9 / 8) + 2 * (d - 1) * self.allreduce_latency_s
 
-    def step_s(self, tokens: int, d: int) -> float:
-        """One optimizer step over ``tokens`` tokens split across ``d`` data-parallel ranks."""
-        return tokens * self.s_per_token_per_gpu / max(d, 1) + self.s_per_step + self.allreduce_s(d)
+    def step_s(self, tokens: int, d: int, t: int = 1, p: int = 1) -> float:
+        """One optimizer step over ``tokens`` tokens on ``d`` x ``t`` x ``p`` ranks (data, tensor, pipeline).
+
+        The compute splits evenly over every rank; a pipeline of ``p`` stages fed ``pipeline_microbatches`` (m)
+        micro-batches idles for (p - 1) / m of it (the 1F1B schedule's fill and drain); tensor parallelism adds,
+        per layer of a stage, 6 all-reduces of the rank's activations (2 in the forward, 2 in the recomputed
+        forward, 2 in the backward: the profiles' training uses activation recomputation) over NVLink; the
+        gradient all-reduce over the ``d`` replicas moves each rank's 1 / (t p) share of the gradients."""
+        return (self._compute_s(tokens, d, t, p) + self.tp_s(tokens, d, t, p, 6) + self.s_per_step / (t * p)
+                + self.allreduce_s(d, self.grad_bytes / (t * p)))
+
+    def forward_s(self, tokens: int, d: int, t: int = 1, p: int = 1) -> float:
+        """A logprob forward over ``tokens`` on the layout: ``forward_share`` of the compute, 2 all-reduces a
+        layer."""
+        return self.forward_share * self._compute_s(tokens, d, t, p) + self.tp_s(tokens, d, t, p, 2)
+
+    def _compute_s(self, tokens: int, d: int, t: int, p: int) -> float:
+        ideal = tokens * self.s_per_token_per_gpu / max(d * t * p, 1)
+        return ideal * (1 + (p - 1) / self.pipeline_microbatches) if p > 1 else ideal
+
+    def tp_s(self, tokens: int, d: int, t: int, p: int, per_layer: int) -> float:
+        """The tensor-parallel all-reduces: ``per_layer`` a layer of a stage, over each micro-batch."""
+        if t <= 1 or not self.models_tp:
+            return 0.0
+        calls = per_layer * self.layers / p * (self.pipeline_microbatches if p > 1 else 1)
+        nbytes = per_layer * self.layers / p * 2 * (t - 1) / t * tokens / max(d, 1) * self.hidden * 2  # bf16
+        return calls * self.tp_latency_s + nbytes / (self.tp_link_gbps * 1e9 / 8)
 
 
 @dataclass(frozen=True)
@@ -295,7 +332,12 @@ def parse_profile(data: Any, where: str = "the profile") -> Profile:
                          allreduce_latency_s=train.number("allreduce_latency_s", minimum=0.0),
                          s_per_step=train.optional("s_per_step", 0.0, minimum=0.0),
                          forward_share=train.optional("forward_share", 0.25, minimum=0.0),
-                         shared_prompts=train.flag("shared_prompts")),
+                         shared_prompts=train.flag("shared_prompts"),
+                         layers=int(train.optional("layers", 0, minimum=0)),
+                         hidden=int(train.optional("hidden", 0, minimum=0)),
+                         tp_link_gbps=train.optional("tp_link_gbps", 0.0, minimum=0.0),
+                         tp_latency_s=train.optional("tp_latency_s", 0.0, minimum=0.0),
+                         pipeline_microbatches=max(1, int(train.optional("pipeline_microbatches", 8, minimum=1)))),
         weights=WeightModel(bytes=weights.positive_number("bytes"), link_gbps=weights.positive_number("link_gbps"),
                             latency_s=weights.number("latency_s", minimum=0.0),
                             export_s=weights.optional("export_s", 0.0, minimum=0.0)),

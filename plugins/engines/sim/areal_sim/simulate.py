@@ -53,6 +53,8 @@ class SimSettings:
     dataset_size: int = 1_000_000
     success_mean: float = 0.5  # the items' success rates: Beta with this mean and concentration (a + b)
     success_concentration: float = 1.4
+    train_t: int = 1  # the simulated actor's tensor- and pipeline-parallel sizes (the rest of its GPUs: d)
+    train_p: int = 1
 
     @classmethod
     def from_overrides(cls, items: list[str]) -> tuple[SimSettings, list[str]]:
@@ -135,6 +137,11 @@ def simulated_config(raw: dict, settings: SimSettings) -> tuple[dict, dict]:
             f"({tp}, {profile.name}) and leave GPUs for training out of sim.gpus={gpus}. Fix: e.g. "
             f"sim.inference_gpus={max(tp, (gpus // 2) // tp * tp)}")
     train_gpus = gpus - inference_gpus
+    t, p = settings.train_t, settings.train_p
+    if train_gpus % (t * p):
+        raise SimulationError(f"sim.train_t={t} x sim.train_p={p} must divide the {train_gpus} training GPUs "
+                              f"(sim.gpus={gpus} - {inference_gpus} serving). Fix: sizes whose product divides "
+                              f"{train_gpus}, or other sim.inference_gpus")
     servers = inference_gpus // tp
     scale = settings.token_scale
     rollout = _kept(rollout_raw, RolloutConfig)
@@ -152,7 +159,7 @@ def simulated_config(raw: dict, settings: SimSettings) -> tuple[dict, dict]:
     config = {
         "experiment": raw.get("experiment", "areal"), "trial": f"{raw.get('trial', 'run0')}-sim",
         "output_dir": raw.get("output_dir", "runs"),
-        "allocation": f"sim:d{servers}" + (f"t{tp}" if tp > 1 else "") + f"+sim_train:d{train_gpus}",
+        "allocation": f"sim:d{servers}" + (f"t{tp}" if tp > 1 else "") + "+sim_train:" + _layout(train_gpus, t, p),
         "model": {"path": ""}, "rollout": rollout, "actor": actor,
         "algorithm": raw.get("algorithm") or {"name": "grpo"},
         "workflow": {"name": "sim"}, "reward": {"name": "sim"},
@@ -160,7 +167,8 @@ def simulated_config(raw: dict, settings: SimSettings) -> tuple[dict, dict]:
                     "success_mean": settings.success_mean, "success_concentration": settings.success_concentration},
         "trainer": trainer, "eval": {"size": 0, "before": False},
     }
-    facts = {"gpus": gpus, "inference_gpus": inference_gpus, "train_gpus": train_gpus, "servers": servers,
+    facts = {"gpus": gpus, "inference_gpus": inference_gpus, "train_gpus": train_gpus, "train_layout": [t, p],
+             "servers": servers,
              "tp": tp, "profile": profile.name, "profile_source": profile.source, "token_scale": scale,
              "max_new_tokens": min(modelled_max, profile.lengths.cap)}
     if profile.cpu is not None:
@@ -172,6 +180,11 @@ def simulated_config(raw: dict, settings: SimSettings) -> tuple[dict, dict]:
         facts["threads"] = {"inference": server_threads, "train": rank_threads, "cores": profile.cpu.cores,
                             "contended": eta > 0}
     return config, facts
+
+
+def _layout(gpus: int, t: int, p: int) -> str:
+    """``gpus`` GPUs as an allocation's layout with tensor size ``t`` and pipeline size ``p``: ``d4t2p2``."""
+    return f"d{gpus // (t * p)}" + (f"t{t}" if t > 1 else "") + (f"p{p}" if p > 1 else "")
 
 
 @contextlib.contextmanager

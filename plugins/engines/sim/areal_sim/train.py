@@ -6,12 +6,14 @@ algorithm's real loss on each optimizer step's sub-batch (behaviour logprobs
 standing in for the model's, so every ratio is 1), then spends what the profile
 says a step of that many tokens costs on the modelled layout:
 
-- ``forward_logprobs``: ``train.forward_share`` of a training step's time per token (a quarter by default: 2 of
-  a recomputed forward + backward's 8 x params FLOPs per token), over the d x t x p GPUs of the actor's placement;
-- ``train_batch``: per optimizer step (``actor.ppo_minibatches`` x ``ppo_epochs``), the step's tokens x
-  ``train.s_per_token_per_gpu`` over the GPUs, plus ``train.s_per_step`` and the gradient all-reduce over d
-  ranks (``TrainModel.step_s``). Tensor and pipeline parallelism are taken as an ideal split of the compute;
-  their own communication and bubbles are not modelled;
+- ``forward_logprobs``: ``train.forward_share`` of a training step's compute per token (a quarter by default:
+  2 of a recomputed forward + backward's 8 x params FLOPs per token) on the actor's layout
+  (``TrainModel.forward_s``);
+- ``train_batch``: per optimizer step (``actor.ppo_minibatches`` x ``ppo_epochs``), ``TrainModel.step_s`` of the
+  step's tokens on the actor's d x t x p layout: the compute split over every rank, a pipeline's fill and drain,
+  tensor parallelism's all-reduces over NVLink (profiles with ``train.layers``, ``hidden`` and ``tp_link_gbps``;
+  without them t and p are an ideal split of the compute), ``train.s_per_step``, and the gradient all-reduce
+  over the d replicas;
 - handing the weights out (``export_tensors`` / ``export_to_disk``): ``weights.export_s``, which the trainer
   waits for. Except where the real fsdp engine exports beside training (``export_beside_training``: one train
   rank, eta > 0, weights as tensors; a profile of roles sharing a CPU and ``contended``): there a thread of its
@@ -74,7 +76,9 @@ class SimTrainEngine(TrainEngine):
         self.clock = self.context.extras.get("clock") or REAL_CLOCK
         parallel = getattr(self.context.placement, "parallel", None)
         self.d = int(getattr(parallel, "d", 1) or 1)
-        self.gpus = self.d * int(getattr(parallel, "t", 1) or 1) * int(getattr(parallel, "p", 1) or 1)
+        self.t = int(getattr(parallel, "t", 1) or 1)
+        self.p = int(getattr(parallel, "p", 1) or 1)
+        self.gpus = self.d * self.t * self.p
         # the real engine's export beside training, modelled (see the module docstring)
         self.beside = (self.profile.cpu is not None and options.contended and self.gpus == 1)
         self._owed_s = 0.0  # the export's share still to add to the next optimizer step
@@ -111,7 +115,7 @@ class SimTrainEngine(TrainEngine):
 
     def forward_logprobs(self, batch: dict, temperature: float = 1.0) -> dict:
         tokens = self._computed(batch)
-        self._spend(self.profile.train.forward_share * tokens * self.profile.train.s_per_token_per_gpu / self.gpus)
+        self._spend(self.profile.train.forward_s(tokens, self.d, self.t, self.p))
         return {"logprobs": list(batch["logprobs"])}
 
     def train_batch(self, batch: dict, loss_fn: Any, temperature: float = 1.0, epochs: int = 1) -> dict:
@@ -129,8 +133,7 @@ class SimTrainEngine(TrainEngine):
             loss.backward()  # the algorithm's real loss and its gradient, on the stand-in logprobs
             tokens = self._computed(part)
             owed, self._owed_s = self._owed_s, 0.0
-            self._spend(tokens * self.profile.train.s_per_token_per_gpu / self.gpus + self.profile.train.s_per_step
-                        + self.profile.train.allreduce_s(self.d) + owed
+            self._spend(self.profile.train.step_s(tokens, self.d, self.t, self.p) + owed
                         # the controller's share, per sample generated for this batch (once over the epochs)
                         + len(as_list(part.get("seq_lens", ()))) / epochs * self.profile.train.side_s_per_sample)
             self.tokens += tokens

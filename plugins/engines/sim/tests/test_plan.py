@@ -61,8 +61,8 @@ def test_the_search_finds_the_peak_with_far_fewer_simulations_than_every_split(t
 
 
 def test_layouts_the_validation_refuses_are_never_proposed(tmp_path):
-    """A plugin whose parallelism hook refuses odd server counts (a real hook in a fake distribution): the plan
-    skips them, and says so."""
+    """A plugin whose parallelism hook refuses odd server counts and a training tensor size of 4 (a real hook in a
+    fake distribution): the plan skips them, and says so."""
     from areal_core.testing.distributions import install_fake_distribution
 
     hook = textwrap.dedent('''
@@ -75,19 +75,31 @@ def test_layouts_the_validation_refuses_are_never_proposed(tmp_path):
             if servers and servers[0].parallel.d % 2:
                 return [Problem("evenservers.odd", f"{servers[0].parallel.d} servers: this cluster pairs them",
                                 "an even count", key="allocation")]
+            train = [c for c in allocation.components if c.backend == "sim_train"]
+            if train and train[0].parallel.t == 4:
+                return [Problem("evenservers.t4", "t4: this cluster's nodes pair GPUs", "t1 or t2",
+                                key="allocation")]
             return []
     ''')
     curve = ThroughputCurveDouble(peak=5)  # the best split is refused: 4 or 6 must win
     with install_fake_distribution(tmp_path / "site", "areal-test-evenservers", "1.0",
                                    {"areal": {"evenservers": "evenservers_hooks"}}, {"evenservers_hooks.py": hook}):
         planner = Planner(_config(tmp_path), [], gpus=12, profile="qwen2.5-7b-h800", simulate=curve)
+        every = planner.layouts
+        # fewer train layouts than the plan's own (each is a validation): data, t2 and t4
+        planner.layouts = lambda gpus: [tp for tp in every(gpus) if tp in ((1, 1), (2, 1), (4, 1))]
         result = planner.plan((2,), exhaustive=True)
     assert result.best.servers in (4, 6) and result.best.servers % 2 == 0
-    assert all(c.servers % 2 == 0 for c in result.scored)
-    assert {c.servers for c in result.refused} == {1, 3, 5, 7, 9, 11}
-    assert all("this cluster pairs them" in c.refused for c in result.refused)
-    assert curve.calls == 5  # refused layouts are not simulated
-    assert any("refused by the plugins' validation: 6 layout(s)" in line for line in result.lines())
+    assert all(c.servers % 2 == 0 and c.t != 4 for c in result.scored)
+    assert {c.servers for c in result.refused if c.servers % 2} == {1, 3, 5, 7, 9, 11}
+    # t4 where it divides the training GPUs: 8 of them, and 4
+    assert {(c.servers, c.t) for c in result.refused if c.servers % 2 == 0} == {(4, 4), (8, 4)}
+    assert all("this cluster pairs them" in c.refused or "t4: this cluster" in c.refused for c in result.refused)
+    # refused layouts are not simulated: every train layout of the 5 accepted splits is, and nothing else
+    accepted = [(s, t, p) for s in (2, 4, 6, 8, 10) for t, p in planner.layouts(12 - s) if t != 4]
+    assert curve.calls == len(accepted) == len(result.scored)
+    refused = sum(len(planner.layouts(12 - s)) for s in (1, 3, 5, 7, 9, 11)) + 2
+    assert any(f"refused by the plugins' validation: {refused} layout(s)" in line for line in result.lines())
 
 
 @pytest.mark.slow
@@ -119,3 +131,47 @@ def test_areal_plan_names_a_bad_eta_list(tmp_path):
     run = subprocess.run([sys.executable, "-m", "areal_cli.app", "plan", _config(tmp_path), "--eta", "0,two"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "--eta '0,two': write whole numbers" in run.stderr
+
+
+def _slow_link_profile(tmp_path, gbps: float):
+    """qwen2.5-7b-h800 with a slower link between nodes: the gradient all-reduce of data parallelism costs more."""
+    import yaml
+
+    from areal_sim.profile import PROFILES
+
+    data = yaml.safe_load((PROFILES / "qwen2.5-7b-h800.yaml").read_text())
+    data["name"], data["train"]["allreduce_gbps"] = "slowlink", gbps
+    path = tmp_path / "slowlink.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_the_train_layout_is_the_cost_models_fastest_that_the_validation_accepts(tmp_path):
+    """Tensor parallelism wins where the gradient all-reduce between nodes dominates (a slow link, a small
+    batch), data parallelism where the compute does; a layout a plugin refuses is never picked."""
+    curve = ThroughputCurveDouble(peak=4)
+    small = ["rollout.batch_size=2", "rollout.sampling.max_new_tokens=500"]
+    slow = Planner(_config(tmp_path), small, gpus=16, profile=_slow_link_profile(tmp_path, 1.0), simulate=curve)
+    slow.refusal = lambda candidate: None
+    t, p = slow.layout(4, 2)  # 12 training GPUs
+    assert t * p > 1 and slow.step_s(12, t, p) < slow.step_s(12, 1, 1)
+    assert (t, p) == min(slow.layouts(12), key=lambda tp: slow.step_s(12, *tp))
+    fast = Planner(_config(tmp_path), [], gpus=16, profile="qwen2.5-7b-h800", simulate=curve)
+    fast.refusal = lambda candidate: None
+    assert fast.layout(4, 2) == (1, 1)  # 16 x 4 x 3,000-token samples a step: the compute dominates
+    # the plan simulates the split with that layout, and its allocation says so
+    result = slow.plan((2,))
+    assert (result.best.t, result.best.p) == slow.layout(result.best.servers, 2)
+    assert result.best.allocation.endswith(f"t{result.best.t}" if result.best.p == 1 else f"p{result.best.p}")
+    assert "training as d" in result.lines()[1]
+    # a validation that refuses tensor sizes above 2: the pick is the fastest of the rest
+    picky = Planner(_config(tmp_path), small, gpus=16, profile=_slow_link_profile(tmp_path, 1.0), simulate=curve)
+    picky.refusal = lambda c: "t above 2" if c.t > 2 else None
+    t, p = picky.layout(4, 2)
+    assert t <= 2 and (t, p) == min([tp for tp in picky.layouts(12) if tp[0] <= 2],
+                                    key=lambda tp: picky.step_s(12, *tp))
+
+
+def test_a_profile_without_the_models_shape_keeps_the_train_layout_data_parallel(tmp_path):
+    planner = Planner(_config(tmp_path), [], gpus=4, profile="smollm2-135m-cpu", simulate=ThroughputCurveDouble(1))
+    assert planner.layouts(2) == [(1, 1)]

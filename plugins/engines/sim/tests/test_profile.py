@@ -215,3 +215,23 @@ def test_a_bad_shared_cpu_or_fixed_cost_field_is_named(edit, field):
     edit(data)
     with pytest.raises(ProfileError, match="my.yaml: " + field):
         parse_profile(data, "my.yaml")
+
+
+def test_tensor_and_pipeline_parallelism_cost_their_communication_and_bubble():
+    """step_s on d x t x p: the compute splits over every rank; a pipeline idles (p - 1) / m of it; tensor
+    parallelism adds 6 all-reduces a layer over NVLink; the gradient all-reduce moves a 1 / (t p) share."""
+    base = dict(s_per_token_per_gpu=1e-4, grad_bytes=8e9, allreduce_gbps=320.0, allreduce_latency_s=0.0)
+    shape = dict(layers=32, hidden=4096, tp_link_gbps=1200.0, tp_latency_s=0.0, pipeline_microbatches=8)
+    plain, shaped = TrainModel(**base), TrainModel(**base, **shape)
+    tokens = 80_000
+    compute = tokens * 1e-4 / 8
+    assert plain.step_s(tokens, 8) == pytest.approx(compute + 2 * 7 / 8 * 8e9 / 40e9)  # d only: as before
+    # without the model's shape, t and p are an ideal split of the compute (and of the gradients)
+    assert plain.step_s(tokens, 4, 2) == pytest.approx(compute + 2 * 3 / 4 * 4e9 / 40e9)
+    tp_bytes = 6 * 32 * 2 * (2 - 1) / 2 * (tokens / 4) * 4096 * 2
+    assert shaped.step_s(tokens, 4, 2) == pytest.approx(compute + tp_bytes / 150e9 + 2 * 3 / 4 * 4e9 / 40e9)
+    assert shaped.step_s(tokens, 4, 1, 2) == pytest.approx(compute * (1 + 1 / 8) + 2 * 3 / 4 * 4e9 / 40e9)
+    assert shaped.forward_s(tokens, 4, 2) == pytest.approx(0.25 * compute + tp_bytes / 3 / 150e9)
+    assert shaped.models_tp and not plain.models_tp
+    for name in ("qwen2.5-1.5b-h800", "qwen2.5-7b-h800", "qwen2.5-14b-h800", "qwen2.5-32b-h800"):
+        assert load_profile(name).train.models_tp  # derive_h800.py writes the shape and the NVLink figures

@@ -51,7 +51,10 @@ def test_the_train_engine_spends_the_profiles_time_on_its_layout_and_runs_the_re
     batch = {"input_ids": [1] * 300, "logprobs": [-0.5] * 300, "loss_mask": [1] * 300, "cu_seqlens": [0, 100, 300],
              "seq_lens": [100, 200], "advantages": [1.0] * 300}
     engine.forward_logprobs(batch)
-    assert clock.now() == pytest.approx(profile.train.forward_share * 3000 * profile.train.s_per_token_per_gpu / 8)
+    # a quarter of the compute over 8 GPUs, and the tensor-parallel pair's 2 all-reduces a layer
+    assert clock.now() == pytest.approx(profile.train.forward_share * 3000 * profile.train.s_per_token_per_gpu / 8
+                                        + profile.train.tp_s(3000, 4, 2, 1, 2))
+    assert profile.train.tp_s(3000, 4, 2, 1, 2) > 0
     seen = []
 
     def loss_fn(logprobs, entropy, mb):
@@ -62,9 +65,11 @@ def test_the_train_engine_spends_the_profiles_time_on_its_layout_and_runs_the_re
     before = clock.now()
     stats = engine.train_batch(batch, loss_fn)
     assert seen == [300] and engine.version == 1 and stats["grad_norm"] > 0
-    # 3000 modelled tokens over 8 GPUs, and the gradient all-reduce over the 4 data-parallel ranks
+    # 3000 modelled tokens over 8 GPUs, the tensor-parallel all-reduces, and the gradient all-reduce of each
+    # rank's half of the gradients over the 4 data-parallel ranks
     assert clock.now() - before == pytest.approx(3000 * profile.train.s_per_token_per_gpu / 8
-                                                 + profile.train.allreduce_s(4))
+                                                 + profile.train.tp_s(3000, 4, 2, 1, 6)
+                                                 + profile.train.allreduce_s(4, profile.train.grad_bytes / 2))
 
 
 def test_with_shared_prompts_the_train_engine_computes_each_groups_prompt_once(tmp_path):
@@ -110,6 +115,15 @@ def test_the_simulated_config_keeps_the_algorithm_and_controller_and_replaces_th
     assert config["actor"]["ppo_minibatches"] == 4 and config["algorithm"] == raw["algorithm"]
     assert config["rollout"]["sampling"]["max_new_tokens"] == 400  # 20,000 modelled tokens at 50 a token
     assert config["workflow"] == {"name": "sim"} and config["dataset"]["name"] == "sim"
+
+
+def test_the_simulated_actor_takes_the_tensor_and_pipeline_sizes_asked_for():
+    raw = {"allocation": "sim:d4+sim_train:d12", "rollout": {"backend": "sim"}, "actor": {"backend": "sim_train"}}
+    config, facts = simulated_config(raw, SimSettings(gpus=16, inference_gpus=4, profile="qwen2.5-7b-h800",
+                                                      train_t=2, train_p=3))
+    assert config["allocation"] == "sim:d4+sim_train:d2t2p3" and facts["train_layout"] == [2, 3]
+    with pytest.raises(SimulationError, match=r"sim.train_t=8 x sim.train_p=1 must divide the 12 training GPUs"):
+        simulated_config(raw, SimSettings(gpus=16, inference_gpus=4, profile="qwen2.5-7b-h800", train_t=8))
 
 
 @pytest.mark.parametrize("eta, threads", [(0, 2), (4, 1)])

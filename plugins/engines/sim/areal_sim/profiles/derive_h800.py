@@ -47,7 +47,7 @@ MEASURED = [HERE / "measured" / "h100-unsplit.json", HERE / "measured" / "h100-s
 GPU = {"name": "H800-SXM5-80GB", "bf16_flops": 989e12, "hbm_bytes_per_s": 3.35e12, "hbm_bytes": 80e9,
        "link_gbps": 400.0}
 ASSUMED = {"step_cpu_s": 0.002, "tp_allreduce_bytes_per_s": 150e9, "tp_allreduce_latency_s": 10e-6,
-           "allreduce_link": 0.80, "kv_fraction": 0.90}
+           "allreduce_link": 0.80, "kv_fraction": 0.90, "pipeline_microbatches": 8}
 # name: (parameters, layers, hidden, kv_heads, head_dim, tensor parallel of one server)
 MODELS = {
     "qwen2.5-1.5b": (1.54e9, 28, 1536, 2, 128, 1),
@@ -112,7 +112,8 @@ source: >-
   activation recomputation); one server on {tp} GPU(s), its tensor-parallel all-reduces over NVLink
   ({ASSUMED["tp_allreduce_bytes_per_s"] / 1e9:g} GB/s, {ASSUMED["tp_allreduce_latency_s"] * 1e6:g} us each) and
   {ASSUMED["step_cpu_s"] * 1e3:g} ms of CPU-side work per decode step assumed; {link:g} Gbit/s per GPU between
-  nodes (all-reduce at {ASSUMED["allreduce_link"]:.0%}); the model's Hugging Face config ({params / 1e9:g}B
+  nodes (all-reduce at {ASSUMED["allreduce_link"]:.0%}); a training pipeline fed {ASSUMED["pipeline_microbatches"]}
+  micro-batches a step; the model's Hugging Face config ({params / 1e9:g}B
   parameters, {layers} layers, {kv_heads} KV heads of {head_dim}). Every input is listed in derive_h800.py.
 params: {params:g}
 inference:
@@ -129,6 +130,11 @@ train:
   grad_bytes: {weight_bytes:g}
   allreduce_gbps: {link * ASSUMED["allreduce_link"]:g}
   allreduce_latency_s: 1.0e-05
+  layers: {layers}
+  hidden: {hidden}
+  tp_link_gbps: {ASSUMED["tp_allreduce_bytes_per_s"] * 8 / 1e9:g}
+  tp_latency_s: {ASSUMED["tp_allreduce_latency_s"]:.1e}
+  pipeline_microbatches: {ASSUMED["pipeline_microbatches"]}
 weights:
   bytes: {weight_bytes:g}
   link_gbps: {link:g}
