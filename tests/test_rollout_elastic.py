@@ -89,6 +89,20 @@ def check_complete(batch):
             assert versions == sorted(versions)
 
 
+@pytest.fixture(params=["inline", "own-task"])
+def call_path(request, monkeypatch):
+    """Both ways an engine call can run: in the caller's task (Python 3.11+, ``watched``) and in a task of its own
+    (``settle``, what Python 3.10 gets), so the older path stays tested where CI runs 3.11."""
+    import areal_core.rollout.interruptible as interruptible
+    from areal_core.rollout.elastic import INLINE_CALLS
+
+    if request.param == "inline" and not INLINE_CALLS:
+        pytest.skip("Python < 3.11 has no Task.uncancel")
+    monkeypatch.setattr(interruptible, "INLINE_CALLS", request.param == "inline")
+    return request.param
+
+
+@pytest.mark.usefixtures("call_path")
 def test_killed_server_leaves_routing_and_its_requests_finish_elsewhere():
     data = items(200, seed=5, max_length=30)
     a, b = DyingEngineDouble("10.0.0.1:1"), DyingEngineDouble("10.0.0.2:1")
@@ -151,6 +165,7 @@ class HangingEngineDouble(DyingEngineDouble):
         return inner.result()
 
 
+@pytest.mark.usefixtures("call_path")
 def test_hung_server_leaves_routing_after_n_failed_probes_and_its_requests_finish_elsewhere():
     data = items(200, seed=6, max_length=30)
     a, b = DyingEngineDouble("a:1"), HangingEngineDouble("b:1")
@@ -273,6 +288,24 @@ def test_without_elastic_a_failing_server_is_an_error():
         with pytest.raises((RolloutError, ConnectionError)) as info:
             step(ctrl, data)
     assert "a:1" in str(info.value)
+
+
+@pytest.mark.usefixtures("call_path")
+def test_without_elastic_a_hung_server_is_an_error_naming_the_request_timeout():
+    """A request a hung server never answers ends at rollout.request_timeout_s with that key named, on either
+    call path, and nothing of the timeout outlives it."""
+    data = items(40, seed=7, max_length=30)
+    a = HangingEngineDouble("h:1")
+    ctrl = RolloutController([a], GroupWorkflowDouble(2), batch_size=2, max_head_offpolicyness=1,
+                             max_concurrent_rollouts=4, request_timeout_s=0.3)
+    with ctrl:
+        step(ctrl, data)
+        a.hung_at = time.monotonic()
+        began = time.monotonic()
+        with pytest.raises((RolloutError, TimeoutError)) as info:
+            step(ctrl, data)
+    assert "rollout.request_timeout_s" in str(info.value) and "h:1" in str(info.value)
+    assert time.monotonic() - began < 20
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [
