@@ -347,6 +347,11 @@ class Trainer:
             if self.cfg.rollout.weight_check != "off":  # the integrity gate: the trainer's digest, the engines'
                 metrics["time/weight_digest_s"] = self.weights.digest_s
                 metrics["time/weight_digest_engines_s"] = self.controller.fleet.digest_s
+            if self.cfg.rollout.weight_sync == "tensors":  # the last update's bytes, as deltas and full weights
+                fleet = self.controller.fleet
+                metrics["weight_sync/delta_bytes"] = float(fleet.delta_bytes)
+                metrics["weight_sync/full_bytes"] = float(fleet.full_bytes)
+                metrics["time/weight_delta_s"] = self.weights.delta_s
             metrics.update(self._rollout_metrics(groups, packed, version, waited, train_s))
             self._record_samples(groups, version)
             metrics["time/step_s"] = now() - began  # from asking for the batch to handing the weights over

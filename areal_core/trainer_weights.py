@@ -24,6 +24,7 @@ from areal_core.pending import PendingCall
 from areal_core.rollout import RolloutController
 from areal_core.threads import serial_torch
 from areal_core.weight_check import SentDigests, WeightCheckError, compare_probe, digest_folder, digest_named, probe_due
+from areal_core.weight_delta import WeightDelta, make_delta
 
 WEIGHT_BUCKET_BYTES = 256 * 1024**2  # rollout.weight_sync=tensors: the most bytes gathered at once
 # A weight export beside training, then the engines' update: each waits 600 s at most on its own
@@ -70,6 +71,8 @@ class WeightHandOver:
         self.updates = 0  # hand-overs in this process: the parity probe runs at the first and every N-th
         self.digest_s = 0.0  # rank 0's time to digest the last weights it sent
         self.probe_s = 0.0  # the last parity probe's scoring on this rank
+        self._base: tuple[int, dict] | None = None  # rollout.weight_delta: the version last sent and its tensors
+        self.delta_s = 0.0  # rank 0's time to make the last delta
 
     def sync(self, version: int, wait: bool | None = None) -> float:
         """Hand the new weights to the inference engines (collective); rank 0 returns the seconds paused.
@@ -111,8 +114,8 @@ class WeightHandOver:
                     serial_torch()  # see areal_core.threads: a helper thread's torch ops run on one thread
                     named = [pair for bucket in buckets for pair in bucket]
                     sent = self._digests(version, lambda mode: digest_named(named, mode))
-                    return self.controller.update_weights_from_tensors(named, version, wait=False,
-                                                                       sent=sent).result()
+                    return self.controller.update_weights_from_tensors(
+                        named, version, wait=False, sent=sent, delta=self._delta(named, version)).result()
 
                 self._pending = PendingCall.on_thread(
                     export_and_send, BACKGROUND_SYNC_TIMEOUT_S,
@@ -124,7 +127,7 @@ class WeightHandOver:
                 # engines are still reading at eta > 0
                 sent = self._digests(version, lambda mode: digest_named(named, mode))
                 pending = self.controller.update_weights_from_tensors(named, version, wait=wait, sent=sent,
-                                                                      probe=probe)
+                                                                      probe=probe, delta=self._delta(named, version))
         else:
             weights = self.run_dir / "weights" / f"v{version:06d}"
             self.actor.export_to_disk(str(weights))  # collective: every rank takes part in the gather
@@ -141,6 +144,23 @@ class WeightHandOver:
             return pending
         self._pending = pending
         return paused_s
+
+    def _delta(self, named: list, version: int) -> WeightDelta | None:
+        """``rollout.weight_delta: auto``: the change from the version sent last, when every routed engine takes
+        deltas (rank 0; each engine gets it only if it holds that version, else the full tensors). Keeps these
+        tensors (copies: export_tensors' contract) as the next base."""
+        engines = self.controller.engines
+        if self.cfg.rollout.weight_delta != "auto" or not engines or \
+                not all("update_weights_from_delta" in e.capabilities for e in engines):
+            self._base = None
+            return None
+        base, self._base = self._base, (version, dict(named))
+        if base is None:
+            return None
+        began = time.monotonic()
+        delta = make_delta(base[1], named, base[0], version)
+        self.delta_s = time.monotonic() - began
+        return delta
 
     def _digests(self, version: int, digest: Callable[[str], dict]) -> SentDigests | None:
         """Rank 0's digests of what it sends (``rollout.weight_check``), or None when the check is off."""

@@ -11,14 +11,12 @@ import pytest
 import torch
 
 from areal_core.config.schema import RunConfig
-from areal_core.rollout import RolloutController
-from areal_core.rollout.elastic import ACTIVE, DOWN, ElasticConfig
+from areal_core.rollout.elastic import ACTIVE, DOWN
 from areal_core.testing import tiny_model
-from areal_core.testing.latency_engine import GroupWorkflowDouble, LatencyEngineDouble
-from areal_core.trainer_weights import WeightHandOver
+from areal_core.testing.latency_engine import LatencyEngineDouble
 from areal_core.weight_check import (WeightCheckError, compare_digests, compare_probe, digest_named, probe_due,
                                      tensor_digest)
-from weight_engine_doubles import FaultyEngineDouble, TinyActorDouble
+from weight_engine_doubles import FaultyEngineDouble, HandOverRig
 
 TENSOR = "model.layers.1.mlp.down_proj.weight"
 
@@ -38,41 +36,12 @@ def config(**rollout) -> RunConfig:
     return cfg
 
 
-class Setup:
-    """A WeightHandOver, its actor double and a started controller over engine doubles; close() stops it."""
-
-    def __init__(self, model, tmp_path, faults, elastic=False, request_timeout_s=600.0, **rollout) -> None:
-        self.cfg = config(**rollout)
-        self.actor = TinyActorDouble(model)
-        self.engines = [FaultyEngineDouble(model, f"server-{i}", fault) for i, fault in enumerate(faults)]
-        self.made: list[FaultyEngineDouble] = []
-
-        def factory(address):  # a reload after a failed check: a healthy client of the same server
-            engine = FaultyEngineDouble(model, address)
-            self.made.append(engine)
-            return engine
-
-        self.controller = RolloutController(
-            self.engines, GroupWorkflowDouble(), batch_size=1, request_timeout_s=request_timeout_s,
-            elastic=ElasticConfig(enabled=True, interval_s=0.05, cooldown_s=0.0) if elastic else None,
-            engine_factory=factory).start()
-        self.handover = WeightHandOver(self.cfg, self.actor, tmp_path, 0, 1)
-        self.handover.controller = self.controller
-
-    def update(self) -> float:
-        self.actor.step()
-        return self.handover.sync(self.actor.version)
-
-    def close(self) -> None:
-        self.controller.close()
-
-
 @pytest.fixture
 def setup(model, tmp_path):
-    made: list[Setup] = []
+    made: list[HandOverRig] = []
 
-    def make(*faults, **kwargs) -> Setup:
-        made.append(Setup(model, tmp_path, list(faults), **kwargs))
+    def make(*faults, **kwargs) -> HandOverRig:
+        made.append(HandOverRig(model, tmp_path, list(faults), **kwargs))
         return made[-1]
 
     yield make

@@ -82,7 +82,8 @@ class InferenceEngine(Component):
 
     Capabilities: ``"pause"`` (pause / resume with partial outputs returned as
     ``abort``), ``"update_weights_from_disk"``, ``"update_weights_from_tensors"``,
-    ``"seed"`` (same seed, same tokens), ``"weight_digest"`` (:meth:`weight_digest`: the
+    ``"seed"`` (same seed, same tokens), ``"update_weights_from_delta"`` (only the elements that
+    changed since the version held), ``"weight_digest"`` (:meth:`weight_digest`: the
     integrity gate of ``rollout.weight_check`` compares what the engine holds with what the
     trainer sent after every update; engines without it get the parity probe only).
     """
@@ -131,6 +132,14 @@ class InferenceEngine(Component):
     async def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
         """Load weights handed over in memory (buckets of (name, tensor))."""
         raise NotImplementedError(f"{type(self).__name__} does not declare 'update_weights_from_tensors'")
+
+    async def update_weights_from_delta(self, delta: Any, version: int) -> None:
+        """Apply an :class:`areal_core.weight_delta.WeightDelta` (tensors whole, and flat indices + values of the
+        changed elements) to the weights held, then report ``version``. Only on exactly ``delta.base_version``:
+        an engine holding any other version raises :class:`areal_core.weight_delta.DeltaBaseMismatch` having
+        changed nothing, and the controller sends it the full weights instead. Capability
+        ``"update_weights_from_delta"`` (``rollout.weight_delta: auto`` uses it when every routed engine has it)."""
+        raise NotImplementedError(f"{type(self).__name__} does not declare 'update_weights_from_delta'")
 
     async def weight_digest(self, mode: str = "on") -> dict[str, str]:
         """Per tensor name, :func:`areal_core.weight_check.tensor_digest` of the weights now loaded, computed where

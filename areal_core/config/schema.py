@@ -104,6 +104,11 @@ class RolloutConfig:
     weight_probe_every: int = spec(10, ge=0, help="the parity probe (a fixed prompt sampled by each engine, its "
                                    "tokens scored by the trainer, logprobs compared) at the first update and every "
                                    "this many; 0 = never (digests only). Off when weight_check is off")
+    weight_delta: str = spec("auto", choices=["auto", "off"], bool_words=("off", "auto"),
+                             help="with weight_sync=tensors, send each engine only the elements whose bits changed "
+                                  "since the version it holds (indices + values) where that is smaller than the "
+                                  "tensor, when every engine declares update_weights_from_delta; an engine on another "
+                                  "version gets the full weights. Keeps one more copy of the weights on rank 0")
     sampling: SamplingConfig = spec(factory=SamplingConfig)
     elastic: ElasticConfig = spec(factory=ElasticConfig)
     extra: dict = spec(factory=dict)

@@ -42,6 +42,7 @@ from areal_core.rollout.fleet import Fleet
 from areal_core.rollout.staleness import StalenessManager
 from areal_core.threads import serial_torch
 from areal_core.weight_check import SentDigests
+from areal_core.weight_delta import WeightDelta
 
 __all__ = ["PendingCall", "RolloutController", "RolloutError", "ShouldAccept", "StallError", "has_reward_variance"]
 
@@ -255,7 +256,8 @@ class RolloutController:
         self._call(self.fleet.release(dict(failed or {})), "resume generation after the parity probe")
 
     def update_weights_from_tensors(self, named_tensors: list, version: int, wait: bool = True,
-                                    sent: SentDigests | None = None, probe: bool = False) -> "float | PendingCall":
+                                    sent: SentDigests | None = None, probe: bool = False,
+                                    delta: WeightDelta | None = None) -> "float | PendingCall":
         """Hand ``named_tensors`` ((name, tensor) pairs, full weights) to every routed engine; see
         :meth:`update_weights` (with ``wait=False`` the tensors must stay unchanged until the call is done).
 
@@ -264,10 +266,12 @@ class RolloutController:
         broadcast once for all. Others take the tensors one engine at a time. Elastic: an engine that fails
         leaves routing, as with disk updates; over a shared group the update then starts again over the
         group of the servers left, never waiting for the one that failed. ``sent``: the trainer's digests of
-        the tensors, checked as with disk updates.
+        the tensors, checked as with disk updates. ``delta``: the change from ``delta.base_version``
+        (:mod:`areal_core.weight_delta`), sent instead to each engine that holds that version and declares
+        ``update_weights_from_delta``.
         """
-        return self.update_weights(lambda: self.fleet.load_tensors(named_tensors, version, sent), version, wait,
-                                   probe)
+        return self.update_weights(lambda: self.fleet.load_tensors(named_tensors, version, sent, delta), version,
+                                   wait, probe)
 
     # ------------------------------------------------------------ elastic topology
     @property

@@ -16,6 +16,7 @@ episodes with the version once the engines have loaded it.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, Awaitable, Callable
 
 from areal_core.api.inference import GenerationRequest, GenerationResponse, InferenceEngine, SamplingParams
@@ -27,6 +28,9 @@ from areal_core.rollout.interruptible import ENGINE_FAILURES, InterruptibleEngin
 from areal_core.rollout.weight_group import FleetWeightGroup, GroupMemberFailed
 from areal_core.weight_check import (PROBE_NEW_TOKENS, PROBE_PROMPT_IDS, PROBE_SEED, SentDigests, WeightCheckError,
                                      compare_digests)
+from areal_core.weight_delta import DeltaBaseMismatch, WeightDelta
+
+log = logging.getLogger("areal.rollout")
 
 # A server dropped for serving weights other than those sent is reloaded (elastic) at most this many times.
 WEIGHT_CHECK_RELOADS = 1
@@ -62,6 +66,7 @@ class Fleet:
         self.digest_s = 0.0  # the engines' share of the last check (the slowest engine's digest), seconds
         self.held = False  # generation stays paused after an update until release() (the parity probe is judged)
         self.probe_results: dict[str, GenerationResponse] = {}  # the last parity probe, per server
+        self.delta_bytes = self.full_bytes = 0  # what the last tensors update sent, as deltas and as full weights
 
     # ------------------------------------------------------------ lifecycle (on the loop)
     def open(self) -> None:
@@ -198,11 +203,29 @@ class Fleet:
         self.weights_path, self.weights_tensors = str(path), None
         await self.check_weights(sent)
 
-    async def load_tensors(self, named_tensors: list, version: int, sent: SentDigests | None = None) -> None:
+    async def load_tensors(self, named_tensors: list, version: int, sent: SentDigests | None = None,
+                           delta: WeightDelta | None = None) -> None:
+        """Every routed engine takes the tensors of ``version``: over the shared group when there is one; else
+        one engine at a time, as ``delta`` (the change from ``delta.base_version``) to each engine that holds
+        that version and takes deltas, the full tensors to the others."""
         group = self._shared_weight_group()
         if group is None:
-            await self._on_members(lambda e: e.update_weights_from_tensors(named_tensors, version),
-                                   "update_weights_from_tensors")
+            self.delta_bytes = self.full_bytes = 0
+
+            async def update(engine: InferenceEngine) -> None:
+                if delta is not None and "update_weights_from_delta" in engine.capabilities \
+                        and engine.version == delta.base_version:
+                    try:
+                        await engine.update_weights_from_delta(delta, version)
+                        self.delta_bytes += delta.nbytes
+                        return
+                    except DeltaBaseMismatch as refused:  # it moved meanwhile: the full weights follow
+                        log.info("inference server %s refused the delta (%s); sending the full weights",
+                                 getattr(engine, "address", type(engine).__name__), refused)
+                await engine.update_weights_from_tensors(named_tensors, version)
+                self.full_bytes += sum(t.numel() * t.element_size() for _, t in named_tensors if hasattr(t, "numel"))
+
+            await self._on_members(update, "update_weights_from_tensors")
         else:
             await self._update_over_group(group, named_tensors, version)
         self.weights_path = None  # the weights now loaded are on no disk

@@ -9,13 +9,17 @@ cast copies). ``fault`` makes the load go wrong one way:
 - ``"corrupt:NAME"``: one element of NAME is overwritten;
 - ``"skip:PREFIX"``: every tensor whose name starts with PREFIX (a layer's bucket) is not loaded;
 - ``"cast:NAME"``: NAME is held as sent, but the copy computed with reads its bytes as float16 (a wrong dtype
-  cast in the compute path: the digest of what is held cannot see it, the parity probe can).
+  cast in the compute path: the digest of what is held cannot see it, the parity probe can);
+- ``"drop:NAME"``: a delta's changed elements of NAME are not applied.
+
+It takes deltas (``update_weights_from_delta``) on exactly the version it holds, as the contract says.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 from typing import Any, Iterable
 
 import torch
@@ -24,10 +28,10 @@ from areal_core.api import GenerationResponse, InferenceEngine, TrainEngine
 from areal_core.weight_check import digest_named
 
 
-def load_model(path: str) -> Any:
+def load_model(path: str, dtype: torch.dtype = torch.float32) -> Any:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
 def sequence_logprobs(model: Any, tokens: list[int]) -> list[float]:
@@ -41,13 +45,13 @@ def sequence_logprobs(model: Any, tokens: list[int]) -> list[float]:
 class FaultyEngineDouble(InferenceEngine):
     """An in-process engine over a tiny model that takes tensors and reports digests; see the module."""
 
-    capabilities = frozenset({"pause", "update_weights_from_tensors", "weight_digest"})
+    capabilities = frozenset({"pause", "update_weights_from_tensors", "update_weights_from_delta", "weight_digest"})
 
     def __init__(self, model_path: str, address: str, fault: str = "", digest_delay_s: float = 0.0,
-                 load_delay_s: float = 0.0) -> None:
+                 load_delay_s: float = 0.0, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.address = address
-        self.held = load_model(model_path)
+        self.held = load_model(model_path, dtype)
         self.compute = copy.deepcopy(self.held)
         self.fault = fault
         self.digest_delay_s = digest_delay_s  # a digest that hangs (the phase timeouts' test)
@@ -55,10 +59,13 @@ class FaultyEngineDouble(InferenceEngine):
         self._version = 0
         self.digest_calls = 0
         self.loads = 0
+        self.deltas = 0  # updates taken as deltas
+        self.claims_version: int | None = None
 
     @property
     def version(self) -> int:
-        return self._version
+        """The version held, or ``claims_version`` when a test sets it (a client whose idea of it is stale)."""
+        return self._version if self.claims_version is None else self.claims_version
 
     async def pause(self) -> None:
         pass
@@ -75,6 +82,26 @@ class FaultyEngineDouble(InferenceEngine):
                 if kind == "skip" and name.startswith(target):
                     continue
                 own[name].copy_(tensor)
+        self._after_load(version)
+
+    async def update_weights_from_delta(self, delta: Any, version: int) -> None:
+        from areal_core.weight_delta import DeltaBaseMismatch, apply_delta
+
+        if delta.base_version != self._version:
+            raise DeltaBaseMismatch(f"{self.address} holds version {self._version}, the delta is from "
+                                    f"{delta.base_version}")
+        await asyncio.sleep(self.load_delay_s)
+        kind, _, target = self.fault.partition(":")
+        if kind == "drop":  # a copy: every engine is handed the same delta
+            delta = dataclasses.replace(delta, sparse=[entry for entry in delta.sparse if entry[0] != target])
+        apply_delta(self.held.state_dict(), delta)
+        self.deltas += 1
+        self._after_load(version)
+
+    def _after_load(self, version: int) -> None:
+        kind, _, target = self.fault.partition(":")
+        own = self.held.state_dict()
+        with torch.no_grad():
             if kind == "permute":
                 own[target].copy_(own[target].flip(0))
             elif kind == "corrupt":
@@ -85,6 +112,7 @@ class FaultyEngineDouble(InferenceEngine):
                 self.compute.state_dict()[target].copy_(wrong)
         self.loads += 1
         self._version = version
+        self.claims_version = None
 
     async def weight_digest(self, mode: str = "on") -> dict[str, str]:
         self.digest_calls += 1
@@ -109,13 +137,15 @@ class FaultyEngineDouble(InferenceEngine):
 
 class TinyActorDouble(TrainEngine):
     """A train engine double over the same tiny model: :meth:`step` changes every weight (one version), the
-    export hands out copies in one bucket per layer, ``forward_logprobs`` scores with the model."""
+    export hands out copies in ``dtype`` (the master weights stay float32, as a real trainer's), one bucket per
+    layer; ``forward_logprobs`` scores with the model."""
 
     capabilities = frozenset({"export_tensors"})
 
-    def __init__(self, model_path: str) -> None:
+    def __init__(self, model_path: str, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.model = load_model(model_path)
+        self.dtype = dtype
         self._version = 0
 
     @property
@@ -123,10 +153,11 @@ class TinyActorDouble(TrainEngine):
         return self._version
 
     def step(self, scale: float = 0.01) -> None:
+        """One version: every weight moves by ``scale`` times a normal draw times its own size."""
         generator = torch.Generator().manual_seed(1000 + self._version)
         with torch.no_grad():
             for p in self.model.parameters():
-                p.add_(torch.randn(p.shape, generator=generator) * scale)
+                p.add_(torch.randn(p.shape, generator=generator) * scale * p.abs())
         self._version += 1
 
     def export_tensors(self, bucket_bytes: int) -> Any:
@@ -134,7 +165,7 @@ class TinyActorDouble(TrainEngine):
 
         buckets: dict[str, list] = {}
         for name, tensor in self.model.state_dict().items():
-            buckets.setdefault(layer_of(name), []).append((name, tensor.detach().clone()))
+            buckets.setdefault(layer_of(name), []).append((name, tensor.detach().to(self.dtype, copy=True)))
         return iter(buckets.values())
 
     def forward_logprobs(self, batch: Any, temperature: float = 1.0) -> dict:
@@ -147,3 +178,46 @@ class TinyActorDouble(TrainEngine):
 
     def train_batch(self, batch: Any, loss_fn: Any, temperature: float = 1.0) -> dict:
         raise NotImplementedError("TinyActorDouble only exports and scores")
+
+
+class HandOverRig:
+    """The trainer's real :class:`~areal_core.trainer_weights.WeightHandOver` and a started rollout controller over
+    :class:`FaultyEngineDouble` engines (one per fault; "" = healthy), fed by a :class:`TinyActorDouble`.
+    ``made``: the engines built for reloads (elastic). Call :meth:`close` at the end."""
+
+    def __init__(self, model: str, run_dir: Any, faults: list[str], *, elastic: bool = False,
+                 request_timeout_s: float = 600.0, dtype: torch.dtype = torch.float32, **rollout: Any) -> None:
+        from areal_core.config.schema import RunConfig
+        from areal_core.rollout import RolloutController
+        from areal_core.rollout.elastic import ElasticConfig
+        from areal_core.testing.latency_engine import GroupWorkflowDouble
+        from areal_core.trainer_weights import WeightHandOver
+
+        self.cfg = RunConfig()
+        self.cfg.model.dtype = str(dtype).removeprefix("torch.")
+        self.cfg.rollout.max_head_offpolicyness = 0
+        self.cfg.rollout.weight_sync = "tensors"
+        for key, value in rollout.items():
+            setattr(self.cfg.rollout, key, value)
+        self.actor = TinyActorDouble(model, dtype)
+        self.engines = [FaultyEngineDouble(model, f"server-{i}", fault, dtype=dtype) for i, fault in enumerate(faults)]
+        self.made: list[FaultyEngineDouble] = []
+
+        def factory(address: str) -> FaultyEngineDouble:  # a reload after a failed check: a healthy client
+            engine = FaultyEngineDouble(model, address, dtype=dtype)
+            self.made.append(engine)
+            return engine
+
+        self.controller = RolloutController(
+            self.engines, GroupWorkflowDouble(), batch_size=1, request_timeout_s=request_timeout_s,
+            elastic=ElasticConfig(enabled=True, interval_s=0.05, cooldown_s=0.0) if elastic else None,
+            engine_factory=factory).start()
+        self.handover = WeightHandOver(self.cfg, self.actor, run_dir, 0, 1)
+        self.handover.controller = self.controller
+
+    def update(self, scale: float = 0.01) -> float:
+        self.actor.step(scale)
+        return self.handover.sync(self.actor.version)
+
+    def close(self) -> None:
+        self.controller.close()

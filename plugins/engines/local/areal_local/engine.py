@@ -32,7 +32,7 @@ class LocalEngine(RemoteEngine):
     call may run twice, keep-alive shorter than the server's, errors quoting the server's log)."""
 
     capabilities = frozenset({"pause", "seed", "update_weights_from_disk", "update_weights_from_tensors",
-                              "weight_digest"})
+                              "update_weights_from_delta", "weight_digest"})
     config_class = LocalEngineConfig
 
     @classmethod
@@ -110,3 +110,38 @@ class LocalEngine(RemoteEngine):
         root = None if self.weight_transport("tensors") == "shared_memory" else Path(self.exchange_dir)
         await self.update_weights_from_disk(str(stage(root).write(named_tensors, version)), version)
 
+
+    async def update_weights_from_delta(self, delta: Any, version: int) -> None:
+        """Hand a delta over (:mod:`areal_core.weight_delta`) as a safetensors file in shared memory (or the run's
+        shared storage), written fresh per version: its size changes with every delta. The server applies it
+        only on exactly ``delta.base_version`` (HTTP 409 otherwise: DeltaBaseMismatch, then a full update)."""
+        import shutil
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        from areal_core.remote import RemoteError
+        from areal_core.weight_delta import DeltaBaseMismatch, delta_to_named
+
+        if delta.base_version != self._version:
+            raise DeltaBaseMismatch(f"the {self.describe()} holds version {self._version}; the delta is from "
+                                    f"{delta.base_version}")
+        if self.weight_transport("tensors") == "shared_memory":
+            root = "/dev/shm" if Path("/dev/shm").is_dir() else None
+        else:
+            root = str(self.exchange_dir)
+            Path(root).mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(prefix="areal-delta-", dir=root))
+        try:
+            save_file({name: t.detach().contiguous().cpu() for name, t in delta_to_named(delta)},
+                      str(folder / "model.safetensors"))
+            try:
+                health = await self.request("POST", "/update_weights_from_delta", json={
+                    "path": str(folder), "base_version": delta.base_version, "version": version})
+            except RemoteError as exc:
+                if "HTTP 409" in str(exc):
+                    raise DeltaBaseMismatch(str(exc)) from None
+                raise
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        self._version = health["version"]

@@ -505,6 +505,26 @@ class Generator:
             state.update(load_file(str(file)))
         self.load_state_dict(state, strict=strict)
 
+    def load_delta_dir(self, path: str | Path, base_version: int, version: int) -> None:
+        """Apply the :class:`areal_core.weight_delta.WeightDelta` saved in folder ``path`` (its named form) to the
+        model's weights, between steps; checked whole before anything changes, as :meth:`load_state_dict`."""
+        from safetensors.torch import load_file
+
+        from areal_core.weight_delta import apply_delta, delta_from_named
+
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"Generator.load_delta_dir: no *.safetensors file in {path}")
+        named: dict[str, torch.Tensor] = {}
+        for file in files:
+            named.update(load_file(str(file)))
+        apply_delta(self.model.state_dict(), delta_from_named(named, base_version, version))
+        if self._packed is not None:
+            self._packed.refresh()
+        if self._lean is not None:
+            self._lean.refresh()
+        self._requeue_running()
+
     def _requeue_running(self) -> None:
         if self._rows:
             self._waiting.extendleft(reversed(self._rows))

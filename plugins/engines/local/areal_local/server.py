@@ -19,6 +19,10 @@ touches the model happens between two decode steps of one thread:
   independent of those before.
   ``update_weights_from_tensors`` on the client hands tensors over through
   shared memory (a safetensors folder in /dev/shm) and uses the same route.
+- ``POST /update_weights_from_delta`` (folder, base_version, version): the same
+  swap for a delta (:mod:`areal_core.weight_delta`: tensors whole, and the
+  changed elements of others as flat indices + values); refused with 409,
+  nothing changed, when the server does not hold ``base_version``.
 - ``GET /weight_digest?mode=on|sample``: the version and, per tensor name, the
   digest (:func:`areal_core.weight_check.tensor_digest`) of the weights the
   model holds now, taken on the engine thread between decode steps (the
@@ -83,6 +87,10 @@ def _set(future: asyncio.Future, value: Any) -> None:
 def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
     if not future.done():
         future.set_exception(exc)
+
+
+class DeltaBaseError(Exception):
+    """A delta whose base is not the version this server holds (answered 409: the client sends the full weights)."""
 
 
 class EngineLoop:
@@ -168,6 +176,8 @@ class EngineLoop:
                 self.paused = False
             elif name == "update":
                 self._update(*args)
+            elif name == "delta":
+                self._delta(*args)
             elif name == "digest":
                 self._reply(future, loop, {"version": self.version, "digests": self._digest(*args)})
                 return
@@ -188,14 +198,22 @@ class EngineLoop:
         self.gen.add(rid, list(input_ids), sampling)  # RequestError: the caller sees it as a 400
         self.pending[rid] = pending
 
-    def _update(self, path: str, version: int) -> None:
+    def _delta(self, path: str, base_version: int, version: int) -> None:
+        if base_version != self.version:
+            raise DeltaBaseError(f"the server holds version {self.version}; the delta is from version {base_version}")
+        self._update(path, version, lambda: self.gen.load_delta_dir(path, base_version, version))
+
+    def _update(self, path: str, version: int, load: Any = None) -> None:
         began = time.monotonic()
         interrupted = []
         for done in self.gen.abort_all():  # nothing runs on stale KV after the swap
             pending = self.pending[done.rid]
             pending.extend(done.output_ids, done.logprobs, self.version)
             interrupted.append(pending)
-        self.load_weights(path)
+        if load is None:
+            self.load_weights(path)
+        else:
+            load()
         self.version = version
         for pending in interrupted:
             left = pending.sampling.max_new_tokens - len(pending.output_ids)
@@ -282,6 +300,20 @@ def build_app(engine: EngineLoop) -> Any:
         if mode not in ("on", "sample"):
             raise HTTPException(400, f"mode {mode!r}: choose 'on' or 'sample'")
         return await engine.call("digest", mode)
+
+    class Delta(BaseModel):
+        path: str
+        base_version: int
+        version: int
+
+    @app.post("/update_weights_from_delta")
+    async def update_delta(body: Delta) -> dict:
+        try:
+            return await engine.call("delta", body.path, body.base_version, body.version)
+        except DeltaBaseError as exc:
+            raise HTTPException(409, f"delta refused: {exc}") from None
+        except (OSError, ValueError, KeyError) as exc:
+            raise HTTPException(400, f"cannot apply the delta in {body.path}: {type(exc).__name__}: {exc}") from None
 
     @app.post("/update_weights_from_disk")
     async def update(body: Update) -> dict:

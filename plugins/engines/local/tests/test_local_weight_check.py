@@ -89,3 +89,32 @@ def test_a_server_with_a_loader_bug_is_caught_at_the_first_update(servers, fault
         assert TENSOR in str(error.value)
         assert [m.state for m in controller.members()] == [DOWN]  # out of routing
     servers.fault_file.write_text("")
+
+
+def test_a_delta_is_applied_bit_for_bit_and_one_on_another_base_is_refused_then_the_full_weights_follow(servers):
+    from safetensors.torch import load_file
+
+    from areal_core.weight_delta import DeltaBaseMismatch, make_delta
+
+    servers.fault_file.write_text("")
+    v1 = list(load_file(str(servers.other / "model.safetensors")).items())
+    v2 = [(name, t.clone()) for name, t in v1]
+    for _, t in v2[::3]:  # a few elements of every third tensor change
+        t.view(-1)[::97] += 0.5
+    v3 = [(name, t + 1.0 if i == 0 else t.clone()) for i, (name, t) in enumerate(v2)]
+    with servers.controller() as controller:
+        controller.update_weights_from_tensors(v1, 1, sent=SentDigests(1, "on", digest_named(v1)))
+        delta = make_delta(dict(v1), v2, 1, 2)
+        assert delta.sparse and delta.nbytes < delta.full_nbytes / 5
+        controller.update_weights_from_tensors(v2, 2, sent=SentDigests(2, "on", digest_named(v2)), delta=delta)
+        assert controller.fleet.delta_bytes == delta.nbytes and controller.fleet.full_bytes == 0  # checked: equal
+        engine = controller.engines[0]
+        with pytest.raises(DeltaBaseMismatch, match="holds version 2; the delta is from 1"):
+            controller._call(engine.update_weights_from_delta(delta, 3), "a stale delta")  # refused by the client
+        engine.set_version(1)  # a client whose idea of the version is stale: the server refuses it
+        with pytest.raises(DeltaBaseMismatch, match="HTTP 409.*the server holds version 2"):
+            controller._call(engine.update_weights_from_delta(delta, 3), "a stale delta")
+        controller.update_weights_from_tensors(v3, 3, sent=SentDigests(3, "on", digest_named(v3)),
+                                               delta=make_delta(dict(v2), v3, 1, 3))  # its base is not held: full
+        assert controller.fleet.delta_bytes == 0 and controller.fleet.full_bytes > 0
+        assert engine.version == 3 and controller.fleet.weight_failures == []
