@@ -24,7 +24,7 @@ from areal_core.pending import PendingCall
 from areal_core.rollout import RolloutController
 from areal_core.threads import serial_torch
 from areal_core.weight_check import SentDigests, WeightCheckError, compare_probe, digest_folder, digest_named, probe_due
-from areal_core.weight_delta import WeightDelta, make_delta
+from areal_core.weight_delta import MAX_DELTA_SHARE, WeightDelta, make_delta
 
 WEIGHT_BUCKET_BYTES = 256 * 1024**2  # rollout.weight_sync=tensors: the most bytes gathered at once
 # A weight export beside training, then the engines' update: each waits 600 s at most on its own
@@ -96,6 +96,14 @@ class WeightHandOver:
         background thread reads them and hands them over while this one
         trains on, and the engine's next optimizer step waits for the read to
         end. ``time/weight_sync_s`` is then only the hand-off.
+
+        The integrity gate (``rollout.weight_check``): rank 0 digests what it
+        sends for the controller to match against each engine's digests, and
+        at probe updates (the first, then every ``weight_probe_every``-th) the
+        call waits, whatever eta, and every rank scores the engines' parity
+        probe before generation resumes (:meth:`_probe`). With tensors and
+        ``rollout.weight_delta: auto``, engines that hold the previous version
+        get only what changed (:meth:`_delta`).
         """
         paused_s = self.finish()
         self.updates += 1
@@ -160,7 +168,7 @@ class WeightHandOver:
         began = time.monotonic()
         delta = make_delta(base[1], named, base[0], version)
         self.delta_s = time.monotonic() - began
-        return delta
+        return delta if delta.nbytes <= MAX_DELTA_SHARE * delta.full_nbytes else None
 
     def _digests(self, version: int, digest: Callable[[str], dict]) -> SentDigests | None:
         """Rank 0's digests of what it sends (``rollout.weight_check``), or None when the check is off."""

@@ -78,8 +78,8 @@ def rig(model, tmp_path):
 
     made = []
 
-    def make(*faults, **kwargs):
-        made.append(HandOverRig(model, tmp_path, list(faults), dtype=torch.bfloat16, **kwargs))
+    def make(*faults, dtype=torch.bfloat16, **kwargs):
+        made.append(HandOverRig(model, tmp_path, list(faults), dtype=dtype, **kwargs))
         return made[-1]
 
     yield make
@@ -129,3 +129,14 @@ def test_with_deltas_off_every_update_is_full(rig):
     for _ in range(2):
         r.update(scale=2e-4)
     assert r.engines[0].deltas == 0 and r.controller.fleet.delta_bytes == 0
+
+
+def test_float32_weights_that_change_everywhere_go_whole_without_a_full_compare_and_no_delta_is_sent(rig):
+    base = {"w": torch.randn(1000, 100)}
+    new = [("w", base["w"] * (1 + 1e-4))]  # every element's bits move, as float32 weights under Adam
+    delta = make_delta(base, new, 0, 1)
+    assert [n for n, _ in delta.full] == ["w"] and delta.nbytes == delta.full_nbytes
+    r = rig("", dtype=torch.float32, weight_probe_every=0)
+    for _ in range(3):
+        r.update(scale=1e-3)
+    assert r.engines[0].deltas == 0 and r.controller.fleet.full_bytes > 0  # too large a delta: the full path
