@@ -133,7 +133,10 @@ def agent_flow(model_dir: str, agent: str, tokens: int, calls: int) -> AgentWork
     config = RunConfig()
     config.model.path, config.model.dtype = model_dir, "float32"
     config.rollout.sampling.max_new_tokens, config.rollout.group_size = tokens, 1
-    return AgentWorkflow(Context(config=config, options=AgentConfig(agent=agent, max_calls=calls + 1)))
+    # an episode is a block of up to ``calls`` calls: at 60 s a call it is stopped only if something hangs (the
+    # default 600 s stopped a block of 50 short calls on a machine running other work at load 7)
+    return AgentWorkflow(Context(config=config, options=AgentConfig(agent=agent, max_calls=calls + 1,
+                                                                    agent_timeout_s=60.0 * (calls + 1))))
 
 
 def run_blocks(ctrl: RolloutController, calls: int, block: int) -> None:
