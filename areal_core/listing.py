@@ -1,6 +1,7 @@
 """What is installed, by distribution: hook plugins, components, declared backends, errors and warnings.
 
-Gathered without importing any component (entry points and hook calls only).
+Gathered without importing any component (entry points and hook calls only): a component whose module
+cannot be found is listed as an error all the same (:func:`areal_core.discovery.missing_module`).
 ``areal plugins`` renders it; the conformance kit reads it. Data here, the
 presentation in the CLI (as datasette keeps ``get_plugins()`` in its core).
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from areal_core.discovery import claimed_twice, entry_points, normalize
+from areal_core.discovery import claimed_twice, entry_points, missing_module, normalize
 from areal_core.plugins import get_plugin_manager
 from areal_core.registry import KINDS
 
@@ -37,6 +38,10 @@ def collect_listing() -> dict:
         for found in entry_points(group):
             e = entry(found.distribution, found.version, found.builtin)
             e["components"].setdefault(kind, []).append(found.name)
+            missing = missing_module(found)
+            if missing:  # told without importing it (a healthy component is never imported here)
+                e["errors"].append(f"{label} '{found.name}' ({found.name} = {found.value}) cannot be imported: "
+                                   f"{missing[0]}. Fix: {missing[1]}.")
             claims.setdefault(found.name, []).append(found)
         for name, founds in claims.items():
             if len(founds) > 1:

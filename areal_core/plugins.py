@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import pluggy
 
 from areal_core import hookspecs
-from areal_core.discovery import claimed_twice, BLOCK_ENV, Found, closest, entry_points
+from areal_core.discovery import claimed_twice, BLOCK_ENV, Found, closest, entry_points, load_each, missing_module
 from areal_core.hookspecs import PROJECT
 
 GROUP = "areal"
@@ -118,6 +118,7 @@ class PluginManager:
         by_name: dict[str, list[Found]] = {}
         for f in found:
             by_name.setdefault(f.name, []).append(f)
+        single = []
         for name, claims in by_name.items():
             if len(claims) > 1:
                 owners = " and ".join(c.owner for c in claims)
@@ -127,25 +128,27 @@ class PluginManager:
                     info.errors.append(f"{message}. Fix: {fix}.")
                     self.plugins[f"{name} ({c.owner})"] = info
                 continue
-            self.register_found(claims[0])
+            single.append(claims[0])
+        for f, module in load_each(single, self._import_failed):
+            info = self.plugins[f.name] = self._info(f)
+            self.register_module(module, info)
 
     def _info(self, f: Found) -> PluginInfo:
         return PluginInfo(f.name, f.distribution, f.version, f.value, f.builtin)
 
+    def _import_failed(self, f: Found, exc: Exception) -> None:
+        info = self.plugins[f.name] = self._info(f)
+        missing = missing_module(f) if isinstance(exc, ImportError) else None
+        fix = (missing[1] if missing else
+               f"reinstall or upgrade {f.distribution}, or skip it with {BLOCK_ENV}={f.distribution}")
+        cause = missing[0] if missing else f"{type(exc).__name__}: {exc}"
+        info.errors.append(f'Error importing plugin "{f.name}" ({f.owner}) from {f.value}: {cause}. Fix: {fix}.')
+
     def register_found(self, f: Found) -> PluginInfo:
-        info = self._info(f)
-        self.plugins[f.name] = info
-        try:
-            module = f.load()
-        except Exception as exc:  # a broken plugin must not take the CLI down
-            info.errors.append(
-                f'Error importing plugin "{f.name}" ({f.owner}) from {f.value}: '
-                f"{type(exc).__name__}: {exc}. Fix: reinstall or upgrade {f.distribution}, "
-                f"or skip it with {BLOCK_ENV}={f.distribution}."
-            )
-            return info
-        self.register_module(module, info)
-        return info
+        """Import one hook plugin and register it (its failure recorded on the returned info)."""
+        for _, module in load_each([f], self._import_failed):
+            self.register_module(module, self.plugins.setdefault(f.name, self._info(f)))
+        return self.plugins[f.name]
 
     def register_module(self, module: object, info: PluginInfo) -> None:
         errors, warnings = check_hook_module(info.name, f"{info.distribution} {info.version}", module)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from areal_core.discovery import Found, claimed_twice, did_you_mean, entry_points
+from areal_core.discovery import Found, claimed_twice, did_you_mean, entry_points, missing_module
 
 # kind -> (entry-point group, what a user calls one, config key that selects it)
 KINDS: dict[str, tuple[str, str, str]] = {
@@ -119,12 +119,16 @@ def resolve(kind: str, name: str, expected: type | None = None) -> object:
     """
     _, label, _ = _check_kind(kind)
     entry = find(kind, name)
+    found = Found(KINDS[kind][0], entry.name, entry.value, entry.distribution, entry.version)
     try:
-        obj = Found(KINDS[kind][0], entry.name, entry.value, entry.distribution, entry.version).load()
+        obj = found.load()
     except Exception as exc:
+        missing = missing_module(found) if isinstance(exc, ImportError) else None
         raise ComponentError(
-            f"{label} '{name}' from {entry.owner} failed to import ({entry.value}): {type(exc).__name__}: {exc}",
-            f"reinstall it with `pip install --force-reinstall {entry.distribution}`, or select another {label}"
+            f"{label} '{name}' from {entry.owner} failed to import ({entry.value}): "
+            + (missing[0] if missing else f"{type(exc).__name__}: {exc}"),
+            f"{missing[1] if missing else f'reinstall it with `pip install --force-reinstall {entry.distribution}`'}"
+            f", or select another {label}"
         ) from exc
     if expected is not None and not (isinstance(obj, type) and issubclass(obj, expected)):
         raise ComponentError(

@@ -156,8 +156,9 @@ def test_console_script_prints_plugin_warnings_on_stderr(tmp_path):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
         out = subprocess.run([str(Path(sys.executable).with_name("areal")), "plugins"], capture_output=True,
                              text=True, env=env)
-    assert out.returncode == 0
+    assert out.returncode == 1  # `areal plugins` fails when a plugin is broken; other commands only warn
     assert 'warning: Error importing plugin "broken" (areal-plugin-broken 0.3.0)' in " ".join(out.stderr.split())
+    assert out.stderr.rstrip().endswith("broken: areal-plugin-broken (see problems above)")
 
 
 # --- issue 21, item 3: check refuses what run would refuse or crash on; a failed start does not block its re-run ---
@@ -324,3 +325,16 @@ def test_names_with_colons_print_as_typed_not_as_emoji(tmp_path):
     assert "1 problem in :M" in result.output and "config :M does not exist" in result.output
     result, _ = invoke("check", "trial=a:smile:b")  # refused (a trial name has no colons), quoted as typed
     assert result.exit_code == 1 and "a:smile:b" in result.output and "😄" not in result.output
+
+
+def test_areal_plugins_flags_a_component_whose_module_is_missing_and_exits_1(tmp_path):
+    eps = {"areal.rewards": {"ghost": "ghost_mod:score"}}
+    with install_fake_distribution(tmp_path, "areal-plugin-ghost", "0.1.0", eps, {}):
+        result, _ = invoke("plugins", "--json")
+    assert result.exit_code == 1
+    listed = {d["distribution"]: d for d in json.loads(result.stdout)["distributions"]}
+    assert listed["areal-plugin-ghost"]["errors"] == [
+        "reward 'ghost' (ghost = ghost_mod:score) cannot be imported: areal-plugin-ghost 0.1.0 does not ship "
+        "module ghost_mod. Fix: its entry point is wrong, so reinstalling will not help: the maintainers of "
+        "areal-plugin-ghost must name a module the distribution contains (uninstall it, or block it with "
+        "AREAL_DISABLE_PLUGINS=areal-plugin-ghost)."]

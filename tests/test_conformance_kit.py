@@ -70,7 +70,6 @@ KIT_ENTRY_POINTS = {
         "zero_version_workflow_double": "workflow_doubles:ZeroVersionWorkflowDouble",
         "nan_reward_workflow_double": "workflow_doubles:NanRewardWorkflowDouble",
         "incomplete_workflow_double": "workflow_doubles:IncompleteWorkflowDouble",
-        "missing_module_workflow_double": "no_such_module_double:WorkflowDouble",
     },
     "areal.algorithms": {
         "toy_algorithm_double": "algorithm_doubles:ToyAlgorithmDouble",
@@ -269,23 +268,28 @@ def test_workflow_suite_checks_token_in_token_out(pytester, kit_doubles):
     assert "rejected every item" in message(results, "TestAllRejected::test_returns_none_or_a_list_of_trajectories")
 
 
-def test_every_kind_fails_a_component_that_does_not_implement_its_contract(pytester, kit_doubles):
-    results = run_kit(pytester, """
-        class TestIncompleteWorkflow(WorkflowConformance):
-            component_name = "incomplete_workflow_double"
-            items = [{"prompt": "x"}]
+def test_every_kind_fails_a_component_that_does_not_implement_its_contract(pytester, kit_doubles, tmp_path):
+    # A distribution of its own: `areal plugins` reports it, so it would mark the good doubles' distribution too.
+    broken = install_fake_distribution(tmp_path / "broken", "areal-kit-broken", "0.0.1", {"areal.workflows": {
+        "missing_module_workflow_double": "no_such_module_double:WorkflowDouble"}}, {})
+    with broken:
+        results = run_kit(pytester, """
+            class TestIncompleteWorkflow(WorkflowConformance):
+                component_name = "incomplete_workflow_double"
+                items = [{"prompt": "x"}]
 
-        class TestMissingModuleWorkflow(WorkflowConformance):
-            component_name = "missing_module_workflow_double"
+            class TestMissingModuleWorkflow(WorkflowConformance):
+                component_name = "missing_module_workflow_double"
 
-        class TestMisspeltName(WorkflowConformance):
-            component_name = "toy_workflow_dubble"
-    """)
+            class TestMisspeltName(WorkflowConformance):
+                component_name = "toy_workflow_dubble"
+        """)
     assert "test_entry_point_resolves_to_the_contract" in failed(results, "TestIncompleteWorkflow")
     assert "leaves arun_episode of Workflow unimplemented, so it cannot be built" in message(
         results, "TestIncompleteWorkflow::test_entry_point_resolves_to_the_contract")
-    assert ("workflow 'missing_module_workflow_double' from areal-kit-doubles 0.0.1 failed to import "
-            "(no_such_module_double:WorkflowDouble): ModuleNotFoundError") in message(
+    assert ("workflow 'missing_module_workflow_double' from areal-kit-broken 0.0.1 failed to import "
+            "(no_such_module_double:WorkflowDouble): areal-kit-broken 0.0.1 does not ship module "
+            "no_such_module_double") in message(
         results, "TestMissingModuleWorkflow::test_entry_point_resolves_to_the_contract")
     assert "Did you mean 'toy_workflow_double'?" in message(
         results, "TestMisspeltName::test_entry_point_resolves_to_the_contract")

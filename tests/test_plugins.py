@@ -207,3 +207,79 @@ def test_a_crashing_validation_hook_becomes_a_problem_naming_the_plugin(tmp_path
         "KeyError: 'oops'\n    fix: report this to the maintainers of areal-plugin-crash, or skip the "
         "plugin with AREAL_DISABLE_PLUGINS=areal-plugin-crash"
     ]
+
+
+def test_areal_plugins_lists_a_component_whose_module_is_not_shipped_without_importing_the_healthy(tmp_path):
+    from areal_core.listing import collect_listing
+
+    eps = {"areal.rewards": {"good": "good_mod:f", "gone": "gone_mod:f"}}
+    files = {"good_mod.py": LAZY.replace("marker", "good") + "def f(*a):\n    return 0.0\n"}
+    with fake(tmp_path, "areal-plugin-half", "0.4.0", eps=eps, files=files):
+        listed = {d["distribution"]: d for d in collect_listing()["distributions"]}["areal-plugin-half"]
+        assert "good_was_imported" not in sys.modules
+        error = resolve_error("reward", "gone")
+    assert listed["components"] == {"reward": ["gone", "good"]}
+    assert listed["errors"] == [
+        "reward 'gone' (gone = gone_mod:f) cannot be imported: areal-plugin-half 0.4.0 does not ship module "
+        "gone_mod. Fix: its entry point is wrong, so reinstalling will not help: the maintainers of "
+        "areal-plugin-half must name a module the distribution contains (uninstall it, or block it with "
+        "AREAL_DISABLE_PLUGINS=areal-plugin-half)."]
+    assert error.message == ("reward 'gone' from areal-plugin-half 0.4.0 failed to import (gone_mod:f): "
+                             "areal-plugin-half 0.4.0 does not ship module gone_mod")
+    assert "reinstall it" not in error.fix and error.fix.endswith(", or select another reward")
+
+
+def test_a_shipped_module_gone_from_disk_is_fixed_by_reinstalling(tmp_path):
+    from areal_core.listing import collect_listing
+
+    eps = {"areal.rewards": {"lost": "lost_pkg.scoring:f"}}
+    with fake(tmp_path, "areal-plugin-lost", eps=eps, files={"lost_pkg/__init__.py": "", "lost_pkg/scoring.py": ""}):
+        (tmp_path / "areal-plugin-lost" / "lost_pkg" / "scoring.py").unlink()  # in RECORD, not on disk
+        listed = {d["distribution"]: d for d in collect_listing()["distributions"]}["areal-plugin-lost"]
+        assert "lost_pkg" not in sys.modules  # its parent package was not imported to tell
+    assert listed["errors"] == [
+        "reward 'lost' (lost = lost_pkg.scoring:f) cannot be imported: its module lost_pkg.scoring is listed in "
+        "areal-plugin-lost 1.0.0's installed files but is missing. Fix: reinstall it with "
+        "`pip install --force-reinstall areal-plugin-lost`."]
+
+
+def test_a_hook_module_not_shipped_says_so(tmp_path):
+    with fake(tmp_path, "areal-plugin-nohooks", eps={"areal": {"nohooks": "nohooks_mod"}}):
+        info = get_plugin_manager(refresh=True).plugins["nohooks"]
+    assert info.errors == [
+        'Error importing plugin "nohooks" (areal-plugin-nohooks 1.0.0) from nohooks_mod: areal-plugin-nohooks '
+        "1.0.0 does not ship module nohooks_mod. Fix: its entry point is wrong, so reinstalling will not help: "
+        "the maintainers of areal-plugin-nohooks must name a module the distribution contains (uninstall it, "
+        "or block it with AREAL_DISABLE_PLUGINS=areal-plugin-nohooks)."]
+
+
+def test_discovery_scans_metadata_once_until_sys_path_changes_or_it_is_invalidated(tmp_path, monkeypatch):
+    from importlib import metadata
+
+    from areal_core import discovery
+
+    scans = []
+    real = metadata.distributions
+    monkeypatch.setattr(metadata, "distributions", lambda *a, **k: scans.append(1) or real(*a, **k))
+    discovery.invalidate_cache()
+    for _ in range(3):
+        list_components()
+        get_plugin_manager(refresh=True)
+    assert len(scans) == 1
+    monkeypatch.syspath_prepend(str(tmp_path))
+    list_components()
+    assert len(scans) == 2
+    discovery.invalidate_cache()
+    list_components()
+    assert len(scans) == 3
+
+
+def test_a_distribution_added_to_a_folder_already_on_sys_path_is_seen(tmp_path):
+    src = {"m.py": "def f(*a):\n    return 0.0\n"}
+    with fake(tmp_path, "areal-plugin-first", eps={"areal.rewards": {"first_r": "m:f"}}, files=src):
+        assert "first_r" in [c.name for c in list_components("reward")]
+        with install_fake_distribution(tmp_path / "areal-plugin-first", "areal-plugin-second", "1.0",
+                                       {"areal.rewards": {"second_r": "m:f"}}, {}):
+            assert {"first_r", "second_r"} <= {c.name for c in list_components("reward")}
+        assert "second_r" not in [c.name for c in list_components("reward")]
+    assert "first_r" not in [c.name for c in list_components("reward")]

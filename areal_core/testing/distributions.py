@@ -6,7 +6,8 @@ module files) into a folder, puts that folder first on ``sys.path`` and makes
 ``importlib.metadata`` see it. Entry points are then discovered exactly as for
 a real install, so a test exercises the packaging too. Everything is undone on
 exit: the distribution's metadata, the path, the modules imported from it,
-importlib's caches and the plugin manager cached by :mod:`areal_core.plugins`.
+importlib's caches, the entry points cached by :mod:`areal_core.discovery`
+and the plugin manager cached by :mod:`areal_core.plugins`.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ def _entry_points_txt(entry_points: dict[str, dict[str, str]]) -> str:
 
 def _forget_caches() -> None:
     importlib.invalidate_caches()  # also clears importlib.metadata's path cache
+    import areal_core.discovery
     import areal_core.plugins
 
+    areal_core.discovery.invalidate_cache()
     areal_core.plugins._cached = None
 
 

@@ -253,12 +253,16 @@ def write_resolved_config(data: dict, target: Path) -> None:
 
 
 def plugins(as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False) -> None:
-    """Every installed plugin: distribution, version, components, hooks and load errors."""
+    """Every installed plugin: distribution, version, components, hooks and load errors (exit status 1 when
+    any is broken: a hook module or a component's module that cannot be imported, a name claimed twice)."""
     from areal_core.listing import collect_listing
 
     listing = collect_listing()
+    broken = [e["distribution"] for e in listing["distributions"] if e["errors"]]
     if as_json:
         typer.echo(json.dumps(listing, indent=2))
+        if broken:
+            raise typer.Exit(1)
         return
     table = Table(title="areal plugins", show_lines=True)
     for col in ("distribution", "components", "hooks", "problems"):
@@ -272,6 +276,9 @@ def plugins(as_json: Annotated[bool, typer.Option("--json", help="machine-readab
                       "\n".join(entry["hooks"]) or "-",
                       "\n".join(entry["errors"] + entry["warnings"]) or "-")
     console.print(table)
+    if broken:
+        err.print(f"broken: {', '.join(broken)} (see problems above)")
+        raise typer.Exit(1)
 
 
 RunDirArg = Annotated[Path, typer.Argument(help="a run folder: <output_dir>/<experiment>/<trial>")]
