@@ -38,4 +38,4 @@ def areal_register_commands(registrar) -> None:
     def main() -> None:
         """Score completions with this plugin's exact-match reward."""
 
-    registrar.add_group(app)  # named after this plugin's entry point, e.g. `areal example`
+    registrar.add_group(app)  # named after this plugin's entry point: `areal example`

@@ -1,6 +1,6 @@
 """The plugin's tests: the areal conformance kit, plus what is particular to it.
 
-Run them against the installed plugin: ``pip install -e .`` then ``pytest``.
+Run them against the installed plugin: ``pip install -e '.[test]'`` then ``pytest``.
 """
 
 from __future__ import annotations
