@@ -22,6 +22,12 @@ from typing import NamedTuple
 _GRACE_S = 5.0
 
 
+# Decimals are compared to this many places, where a double's precision ends: in effect exactly, so
+# 0.3333333 is not 1/3 nor 2.4999999 2.5 (math-verify's default rounds to 6 places, which makes them equal),
+# while 0.5 is 1/2 and 12.50 is 12.5. A rounded answer counts only when the reference is that decimal.
+FLOAT_PLACES = 15
+
+
 class Verdict(NamedTuple):
     equal: bool
     reason: str  # correct | wrong | unparsable_answer | unparsable_reference | timeout | error
@@ -50,7 +56,7 @@ def compare(reference: str, answer: str) -> Verdict:
     got = _parse(answer)
     if not got:
         return Verdict(False, "unparsable_answer", f"math-verify parsed nothing from {answer!r}")
-    equal = verify(gold, got, timeout_seconds=None)
+    equal = verify(gold, got, float_rounding=FLOAT_PLACES, timeout_seconds=None)
     return Verdict(bool(equal), "correct" if equal else "wrong", f"{gold[-1]!s} vs {got[-1]!s}")
 
 

@@ -48,11 +48,16 @@ EQUIVALENT = [
     ("2x+2", "2(x+1)"),             # expressions
     ("12.5", "12.50"),
     ("12", "\\$12"),
+    ("0.333", "0.333"),             # a rounded decimal counts when the reference is that decimal
+    ("\\frac{1}{8}", "0.125"),      # an exact decimal is the fraction
 ]
 
 NOT_EQUIVALENT = [
     ("3", "-3"),                    # sign
     ("0.333", "\\frac{1}{3}"),      # a rounded decimal is not the fraction
+    ("1/3", "0.3333333"),           # ... however many places (math-verify's default, 6 places, says equal)
+    ("2.5", "2.4999999"),
+    ("\\frac{2}{3}", "0.666667"),
     ("(1,2]", "[1,2]"),             # open vs closed interval
     ("2x+2", "2x+1"),
     ("1234", "1,235"),
@@ -93,6 +98,13 @@ def test_different_answers_score_zero(reference, answer):
 def test_extraction_rules(completion, answer, method):
     found = extract_answer(completion)
     assert found is not None and (found.answer, found.method) == (answer, method)
+
+
+def test_the_last_number_rule_reads_the_last_number_even_when_the_prose_rejects_it():
+    """The documented trade-off: without a boxed or stated answer the last number is the answer."""
+    assert score("The result is 7, not 8.", "8")["reward"] == 1.0
+    assert score("The result is 7, not 8.", "7")["reward"] == 0.0
+    assert score("The result is \\boxed{7}, not 8.", "7")["reward"] == 1.0  # rule 1 first: box the answer
 
 
 def test_nothing_to_extract():
