@@ -112,8 +112,7 @@ def test_the_example_config_runs_end_to_end_on_the_demo_model(tmp_path):
     pytest.importorskip("areal_fsdp")
     root = Path(__file__).resolve().parents[4]
     overrides = [f"output_dir={tmp_path}", "trainer.total_steps=2", "trainer.save_every=0", "eval.size=2",
-                 "rollout.group_size=4", "rollout.batch_size=1", "rollout.dynamic_filtering=false",
-                 "rollout.max_head_offpolicyness=1"]
+                 "rollout.group_size=4", "rollout.batch_size=1", "rollout.max_head_offpolicyness=1"]
     proc = subprocess.run([str(Path(sys.executable).with_name("areal")), "run", "examples/agent_calculator.yaml",
                            *overrides], cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
