@@ -219,7 +219,7 @@ class SharedCores:
     inference_contention: float = 1.0
     train_contention: float = 1.0
     # CPU seconds the trainer process spends per generated sample beside training: the rollout controller's loop,
-    # its HTTP client, the rewards (measured from the real demo at eta 0). While both roles run at once, three
+    # its HTTP client, the rewards (measured from the real demo at eta 4). While both roles run at once, three
     # busy threads share two cores and half of it comes out of each role's time; at eta 0 the server's second
     # thread leaves room for it (2 threads decode only inference_speedup[1] times faster than one)
     controller_s_per_sample: float = 0.0
