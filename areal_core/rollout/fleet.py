@@ -211,6 +211,7 @@ class Fleet:
         group = self._shared_weight_group()
         if group is None:
             self.delta_bytes = self.full_bytes = 0
+            full = sum(t.numel() * t.element_size() for _, t in named_tensors if hasattr(t, "numel"))
 
             async def update(engine: InferenceEngine) -> None:
                 if delta is not None and "update_weights_from_delta" in engine.capabilities \
@@ -223,7 +224,7 @@ class Fleet:
                         log.info("inference server %s refused the delta (%s); sending the full weights",
                                  getattr(engine, "address", type(engine).__name__), refused)
                 await engine.update_weights_from_tensors(named_tensors, version)
-                self.full_bytes += sum(t.numel() * t.element_size() for _, t in named_tensors if hasattr(t, "numel"))
+                self.full_bytes += full
 
             await self._on_members(update, "update_weights_from_tensors")
         else:

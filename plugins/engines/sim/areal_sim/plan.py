@@ -42,8 +42,9 @@ from areal_sim.profile import ProfileError, load_profile
 from areal_sim.simulate import SimulationError
 
 DEFAULT_ETAS = (0, 1, 2, 4, 8)
-SIZES = (1, 2, 4, 8)  # tensor and pipeline sizes searched
-NODE_GPUS = 8  # a tensor-parallel group stays within a node (its all-reduces run over NVLink)
+# tensor and pipeline sizes searched: at most 8, so a tensor-parallel group stays within a node of 8 GPUs (its
+# all-reduces run over NVLink)
+SIZES = (1, 2, 4, 8)
 
 
 @dataclass
@@ -118,8 +119,8 @@ class Planner:
         self.max_servers = (gpus - 1) // self.tp
         self._simulate = simulate or self._run
         self._scores: dict[tuple[int, int, int, int], Candidate] = {}
-        self._picked: dict[tuple[int, int], tuple[int, int]] = {}
-        self._refusals: dict[tuple[str, int], str | None] = {}  # (servers, eta) -> the cost model's (t, p)
+        self._picked: dict[tuple[int, int], tuple[int, int]] = {}  # (servers, eta) -> the cost model's (t, p)
+        self._refusals: dict[tuple[str, int], str | None] = {}  # (allocation, eta) -> the validation's reasons
         self.simulations = 0
         # modelled tokens an optimizer step trains: what the cost model ranks the train layouts by
         rollout, actor = self.raw.get("rollout") or {}, self.raw.get("actor") or {}
@@ -138,7 +139,7 @@ class Planner:
         """The (t, p) the plan considers for ``train_gpus``: only (1, 1) when the profile does not model them."""
         if not self.profile.train.models_tp:
             return [(1, 1)]
-        return [(t, p) for t in SIZES for p in SIZES if t <= NODE_GPUS and train_gpus % (t * p) == 0]
+        return [(t, p) for t in SIZES for p in SIZES if train_gpus % (t * p) == 0]
 
     def step_s(self, train_gpus: int, t: int, p: int) -> float:
         return self.profile.train.step_s(self.step_tokens, train_gpus // (t * p), t, p)
