@@ -136,7 +136,9 @@ class Fleet:
         try:
             return await asyncio.wait_for(call, self.request_timeout_s)
         except asyncio.TimeoutError:
-            raise TimeoutError(f"inference server {member.name}: {what} did not finish within "
+            describe = getattr(member.engine, "describe", None)  # e.g. "embedded engine 0 at 127.0.0.1:port"
+            server = f"inference server {member.name}" + (f" ({describe()})" if callable(describe) else "")
+            raise TimeoutError(f"{server}: {what} did not finish: waited "
                                f"{self.request_timeout_s:g} s (rollout.request_timeout_s)") from None
 
     async def swap(self, apply: Callable[[], Awaitable[Any]], version: int, probe: bool = False) -> float:

@@ -76,8 +76,12 @@ def test_a_run_syncs_weights_as_tensors_through_shared_memory(tmp_path, actor, l
         assert "rank 3/4 on cpu, tensor parallel t2 x context parallel c2 (FSDP shards over d1 x c2), float32, " \
                "attention areal_cp_sdpa" in (run_dir / "logs" / "actor-rank3.log").read_text()
     server_log = (run_dir / "logs" / "rollout-0.log").read_text()
-    for version in (1, 2, 3):
-        assert f"weights v{version} from /dev/shm/areal-weights-" in server_log, server_log[-2000:]
+    # The first version goes whole; later ones may go as deltas (rollout.weight_delta=auto) when under half the
+    # elements changed: with LoRA only the adapted q/v matrices change, so they must.
+    assert "weights v1 from /dev/shm/areal-weights-" in server_log, server_log[-2000:]
+    for version in (2, 3):
+        kinds = ("areal-delta-",) if lora else ("areal-weights-", "areal-delta-")
+        assert any(f"weights v{version} from /dev/shm/{kind}" in server_log for kind in kinds), server_log[-2000:]
     latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     trained = load_file(latest / "actor" / "model.safetensors")
     initial = load_file(Path(model) / "model.safetensors")
