@@ -281,16 +281,30 @@ def plugins(as_json: Annotated[bool, typer.Option("--json", help="machine-readab
         raise typer.Exit(1)
 
 
-RunDirArg = Annotated[Path, typer.Argument(help="a run folder: <output_dir>/<experiment>/<trial>")]
-OutOpt = Annotated[Optional[Path], typer.Option("--out", help="PNG to write (default RUN_DIR/curves.png)")]
+RunsArg = Annotated[list[Path], typer.Argument(
+    help="run folders (<output_dir>/<experiment>/<trial>), metrics.jsonl files, or TRL output folders / their "
+         "trainer_state.json", show_default=False)]
+OutOpt = Annotated[Optional[Path], typer.Option(
+    "--out", help="file to write: .png, .svg, .pdf, or .html (an interactive page) [default: curves.png in the run's "
+                  "folder for one run, compare.png here for several]")]
+XOpt = Annotated[str, typer.Option("--x", help="x axis: step, or time (training time since the first step; "
+                                               "stops of a resumed run left out)")]
+SmoothOpt = Annotated[float, typer.Option("--smooth", help="weight of the debiased moving average, as "
+                                                           "TensorBoard's (0 = none); the raw line stays faint")]
+MetricsOpt = Annotated[Optional[str], typer.Option(
+    "--metrics", help="comma-separated metric keys, one panel each, e.g. reward/mean,eval/accuracy [default: reward, "
+                      "accuracy, validation accuracy, tokens/s, staleness: those some run logs]")]
+HtmlOpt = Annotated[bool, typer.Option("--html", help="write an interactive page (plotly, inline: opens from disk)")]
 
 
-def plot(run_dir: RunDirArg, out: OutOpt = None) -> None:
-    """Draw a run's reward and validation-accuracy curves into a PNG."""
-    from areal_cli.plot import PlotError, plot_run
+def plot(runs: RunsArg, out: OutOpt = None, x: XOpt = "step", smooth: SmoothOpt = 0.6,
+         metrics: MetricsOpt = None, html: HtmlOpt = False) -> None:
+    """Draw runs' reward, accuracy, throughput and staleness curves, overlaid, into a PNG or an HTML page."""
+    from areal_cli.plot import PlotError, plot_runs
 
+    keys = [k.strip() for k in metrics.split(",") if k.strip()] if metrics is not None else None
     try:
-        written = plot_run(run_dir, out)
+        written = plot_runs(runs, out, x=x, smooth=smooth, metrics=keys, html=html)
     except PlotError as exc:
         err.print(str(exc))
         raise typer.Exit(1) from None

@@ -1,29 +1,88 @@
-"""``areal plot RUN_DIR``: reward and validation accuracy curves of a run, as a PNG."""
+"""``areal plot RUN [RUN ...]``: one run's curves, or several runs overlaid, as a PNG or an interactive HTML page.
+
+A RUN is an areal run folder (``<output_dir>/<experiment>/<trial>``: ``metrics.jsonl`` and ``config.yaml``), a
+metrics file, or a TRL output folder / its ``trainer_state.json`` (``log_history``; TRL's ``reward`` is drawn as
+``reward/mean``). Each run keeps one color across the panels and is named in the legend by its trial (with its
+experiment when two trials share a name). Lines are smoothed by TensorBoard's debiased exponential moving average,
+the raw values faint behind them; ``eval/*`` points (few, each a measurement) are drawn as they are.
+
+The x axis is the step, or (``x="time"``) the training time: seconds since the run's first step began, read from
+each record's ``time`` (unix). A resumed run (or any stop) leaves a gap between two records that the later record's
+own timings (``time/step_s`` + ``time/checkpoint_s`` + ``eval/seconds``; the run's median interval for a file
+without them) do not explain: a gap more than :data:`RESUME_GAP_S` seconds and more than twice longer than those
+timings is counted as that record's timings alone, and a dotted line marks where the run came back. TRL logs carry
+no wall-clock time: asking for ``x="time"`` with one names it.
+"""
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
+import os
+import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-# (metric key, label) per panel; a panel is drawn when its key appears in the run's metrics.
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.yaml"
+TRL_STATE = "trainer_state.json"
+RUN_FORMS = ("the run folder (<output_dir>/<experiment>/<trial>, the one holding config.yaml and metrics.jsonl), "
+             "its metrics.jsonl, or a TRL output folder or its trainer_state.json")
+
+# (metric key, title) of the default panels; a panel is drawn when some run logs its key.
 PANELS = [
     ("reward/mean", "training reward (mean per step)"),
+    ("accuracy/mean", "training accuracy (mean per step)"),
     ("eval/accuracy", "validation accuracy"),
-    ("staleness/token_lag_mean", "token staleness (versions, mean)"),
+    ("throughput/tokens_per_s", "tokens/s"),
     ("throughput/gen_tokens_per_s", "generation tokens/s"),
+    ("staleness/token_lag_mean", "token staleness (versions, mean)"),
 ]
+TITLES = dict(PANELS)
+
+# TRL's log_history keys -> the areal metric drawn for them (the TRL key is kept too).
+TRL_KEYS = {
+    "reward": "reward/mean",
+    "reward_std": "reward/std",
+    "loss": "train/loss",
+    "grad_norm": "train/grad_norm",
+    "eval_reward": "eval/reward_mean",
+}
+
+DEFAULT_SMOOTH = 0.6  # TensorBoard's default weight
+RESUME_GAP_S = 60.0
+STATIC_FORMATS = (".png", ".svg", ".pdf")
+# One timings' sum explains the gap before a record: the step itself, the previous step's save, an evaluation.
+OWN_TIMINGS = ("time/step_s", "time/checkpoint_s", "eval/seconds")
 
 
 class PlotError(ValueError):
-    """A run folder that cannot be plotted; the message says why and what to do."""
+    """A run that cannot be plotted, or an option that cannot be used; the message says why and what to do."""
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        raise PlotError(f"{run_dir} has no metrics.jsonl. Fix: pass the run folder "
-                        f"(<output_dir>/<experiment>/<trial>, the one holding config.yaml)")
+@dataclass
+class Run:
+    source: Path  # what was named on the command line
+    trial: str
+    experiment: str
+    rows: list[dict]  # step order; TRL rows also hold the areal keys of TRL_KEYS
+    kind: str = "areal"  # or "trl"
+    label: str = ""
+    resumes: list[float] = field(default_factory=list)  # x (seconds) where the run came back after a stop
+
+    def keys(self) -> set[str]:
+        return {k for row in self.rows for k, v in row.items() if _finite(v)} - {"step", "time"}
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# ------------------------------------------------------------------ reading runs
+def read_metrics(path: Path) -> list[dict]:
+    """The complete step records of a metrics.jsonl (a line being written, or not JSON, is skipped)."""
     rows = []
     for line in path.read_text().splitlines():
         try:
@@ -37,41 +96,365 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return rows
 
 
-def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
-    points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
-    return [s for s, _ in points], [v for _, v in points]
+def _names_from_config(folder: Path) -> tuple[str, str]:
+    """(trial, experiment) from the run's resolved config; the folder's own names when it has none."""
+    import yaml
+
+    trial, experiment = folder.name, folder.parent.name
+    try:
+        config = yaml.safe_load((folder / CONFIG_FILE).read_text())
+    except (OSError, yaml.YAMLError):
+        return trial, experiment
+    if isinstance(config, dict):
+        trial = str(config.get("trial") or trial)
+        experiment = str(config.get("experiment") or experiment)
+    return trial, experiment
 
 
-def plot_run(run_dir: Path, out: Path | None = None) -> Path:
-    """Write the curves PNG (default ``RUN_DIR/curves.png``) atomically; return its path."""
+def _trl_state(folder: Path) -> Path | None:
+    """``trainer_state.json`` of a TRL output folder: its own, else the newest ``checkpoint-N``'s."""
+    if (folder / TRL_STATE).is_file():
+        return folder / TRL_STATE
+    checkpoints = [(int(p.parent.name.split("-")[-1]), p) for p in folder.glob(f"checkpoint-*/{TRL_STATE}")
+                   if p.parent.name.split("-")[-1].isdigit()]
+    return max(checkpoints)[1] if checkpoints else None
+
+
+def read_trl(path: Path) -> list[dict]:
+    """The step records of a TRL ``trainer_state.json``, each also holding the areal keys of :data:`TRL_KEYS`."""
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise PlotError(f"{path} cannot be read as a TRL trainer_state.json ({exc}). Fix: pass {RUN_FORMS}") from None
+    history = state.get("log_history") if isinstance(state, dict) else None
+    if not isinstance(history, list):
+        raise PlotError(f"{path} has no log_history list, so it is not a TRL trainer_state.json. Fix: pass {RUN_FORMS}")
+    rows = []
+    for entry in history:
+        if not isinstance(entry, dict) or not isinstance(entry.get("step"), int):
+            continue
+        row = dict(entry)
+        for trl_key, key in TRL_KEYS.items():
+            if trl_key in entry:
+                row[key] = entry[trl_key]
+        per_function = [k for k in entry if k.startswith("rewards/") and k.endswith("/mean")]
+        if "reward/mean" not in row and len(per_function) == 1:  # one reward function: its mean is the reward
+            row["reward/mean"] = entry[per_function[0]]
+        rows.append(row)
+    if not rows:
+        raise PlotError(f"{path} logs no step yet (an empty log_history); plot again once TRL has logged and saved "
+                        f"its state (logging_steps, save_steps, or trainer.save_state())")
+    return rows
+
+
+def load_run(path: Path) -> Run:
+    """The run named by ``path`` (see the module docstring for the forms); PlotError naming it and the fix."""
+    path = Path(path)
+    if not path.exists():
+        raise PlotError(f"{path} does not exist. Fix: pass {RUN_FORMS}")
+    if path.is_dir():
+        if (path / METRICS_FILE).is_file():
+            trial, experiment = _names_from_config(path)
+            return Run(path, trial, experiment, read_metrics(path / METRICS_FILE))
+        state = _trl_state(path)
+        if state is None:
+            raise PlotError(f"{path} has no metrics.jsonl. Fix: pass {RUN_FORMS}")
+        return Run(path, path.name, path.parent.name, read_trl(state), kind="trl")
+    if path.suffix == ".json":
+        folder = path.parent.parent if path.parent.name.startswith("checkpoint-") else path.parent
+        return Run(path, folder.name, folder.parent.name, read_trl(path), kind="trl")
+    if path.suffix == ".jsonl":
+        if path.name == METRICS_FILE:
+            trial, experiment = _names_from_config(path.parent)
+        else:
+            trial, experiment = path.stem, path.parent.name
+        return Run(path, trial, experiment, read_metrics(path))
+    raise PlotError(f"{path} is neither a folder, a .jsonl metrics file nor a TRL trainer_state.json. "
+                    f"Fix: pass {RUN_FORMS}")
+
+
+def label_runs(runs: list[Run]) -> None:
+    """Each run's legend label: its trial; ``experiment/trial`` where trials repeat; its path where those do."""
+    for run in runs:
+        run.label = run.trial
+    for better in (lambda r: f"{r.experiment}/{r.trial}", lambda r: str(r.source)):
+        labels = [r.label for r in runs]
+        for run in runs:
+            if labels.count(run.label) > 1:
+                run.label = better(run)
+
+
+# ------------------------------------------------------------------ series
+def ema(values: list[float], weight: float) -> list[float]:
+    """TensorBoard's smoothing: an exponential moving average debiased for its zero start; ``weight`` 0 = none."""
+    if weight <= 0:
+        return list(values)
+    smoothed, last = [], 0.0
+    for n, value in enumerate(values, 1):
+        last = last * weight + (1 - weight) * value
+        smoothed.append(last / (1 - weight**n))
+    return smoothed
+
+
+def elapsed(run: Run) -> dict[int, float]:
+    """Training seconds at each timed record (by its index in ``run.rows``); sets ``run.resumes``.
+
+    The origin is the first step's start (the first record's time less its own timings). A gap that the later
+    record's own timings do not explain (see the module docstring) counts as those timings only."""
+    timed = [(i, row["time"]) for i, row in enumerate(run.rows) if _finite(row.get("time"))]
+    if not timed:
+        what = "a TRL trainer_state.json" if run.kind == "trl" else "its metrics file"
+        raise PlotError(f"{run.source}: {what} records no wall-clock time, so it cannot be drawn against time. "
+                        f"Fix: --x step (or leave this run out of a --x time figure)")
+    gaps = [b - a for (_, a), (_, b) in zip(timed, timed[1:])]
+    median = statistics.median(gaps) if gaps else 0.0
+
+    def own(row: dict) -> float | None:
+        parts = [row[k] for k in OWN_TIMINGS if _finite(row.get(k))]
+        return sum(parts) if parts else None
+
+    at = own(run.rows[timed[0][0]]) or 0.0
+    x = {timed[0][0]: at}
+    run.resumes = []
+    for (_, before), (i, now) in zip(timed, timed[1:]):
+        gap = now - before
+        expected = own(run.rows[i])
+        expected = median if expected is None else expected
+        if gap > expected + max(RESUME_GAP_S, expected):  # a stop: only the record's own timings count
+            run.resumes.append(at)
+            gap = expected
+        at += gap
+        x[i] = at
+    return x
+
+
+def series(run: Run, key: str, by: str) -> tuple[list[float], list[float]]:
+    """(x, values) of ``key`` in ``run``, x by ``step`` or ``time`` (seconds; see :func:`elapsed`)."""
+    times = elapsed(run) if by == "time" else None
+    points = []
+    for i, row in enumerate(run.rows):
+        if not _finite(row.get(key)):
+            continue
+        if times is None:
+            points.append((row["step"], row[key]))
+        elif i in times:
+            points.append((times[i], row[key]))
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+# ------------------------------------------------------------------ what to draw
+@dataclass
+class Curve:
+    run: Run
+    color: str
+    x: list[float]
+    raw: list[float]
+    smooth: list[float] | None  # None: drawn as is (eval points, smoothing off, one point)
+
+
+@dataclass
+class Panel:
+    key: str
+    title: str
+    curves: list[Curve]
+
+
+def choose_panels(runs: list[Run], metrics: list[str] | None) -> list[tuple[str, str]]:
+    """(key, title) of each panel: the default ones some run logs, or ``metrics`` (each checked)."""
+    logged = set().union(*(run.keys() for run in runs))
+    if metrics is None:
+        panels = [(key, title) for key, title in PANELS if key in logged]
+        if not panels:
+            raise PlotError(f"{', '.join(str(r.source) for r in runs)}: none of {', '.join(k for k, _ in PANELS)} "
+                            f"is logged. Fix: name the metrics to draw with --metrics")
+        return panels
+    if not metrics:
+        raise PlotError("--metrics names no metric. Fix: e.g. --metrics reward/mean,eval/accuracy, or leave it out")
+    for key in metrics:
+        if key not in logged:
+            close = difflib.get_close_matches(key, sorted(logged), n=5, cutoff=0.4) or sorted(logged)[:8]
+            raise PlotError(f"--metrics: no run logs {key!r}. Fix: use one of the logged keys, e.g. "
+                            f"{', '.join(close)}")
+    return [(key, TITLES.get(key, key)) for key in metrics]
+
+
+def panels_of(runs: list[Run], *, x: str = "step", smooth: float = DEFAULT_SMOOTH,
+              metrics: list[str] | None = None) -> list[Panel]:
+    """The curves of every panel; the run's color is the same in each (matplotlib's cycle C0, C1, ...)."""
+    if x not in ("step", "time"):
+        raise PlotError(f"--x {x!r} is not a choice. Fix: --x step or --x time")
+    if not 0 <= smooth < 1:
+        raise PlotError(f"--smooth {smooth}: the moving average's weight must be in [0, 1). Fix: e.g. --smooth 0.6 "
+                        f"(TensorBoard's default), or --smooth 0 for none")
+    panels = []
+    for key, title in choose_panels(runs, metrics):
+        curves = []
+        for i, run in enumerate(runs):
+            xs, ys = series(run, key, x)
+            if xs:
+                smoothed = ema(ys, smooth) if smooth and len(ys) > 1 and not key.startswith("eval/") else None
+                curves.append(Curve(run, f"C{i % 10}", xs, ys, smoothed))
+        panels.append(Panel(key, title, curves))
+    return panels
+
+
+def time_unit(panels: list[Panel]) -> tuple[str, float]:
+    """(unit, seconds per unit) for the time axis: seconds, minutes or hours by the longest run."""
+    longest = max((max(c.x) for p in panels for c in p.curves), default=0.0)
+    return ("h", 3600.0) if longest > 2 * 3600 else ("min", 60.0) if longest > 120 else ("s", 1.0)
+
+
+def x_label(x: str, unit: str, runs: list[Run]) -> str:
+    if x == "step":
+        return "step"
+    return f"training time ({unit}{'; stops left out, dotted: resumed' if any(r.resumes for r in runs) else ''})"
+
+
+# ------------------------------------------------------------------ matplotlib
+def build_figure(runs: list[Run], *, x: str = "step", smooth: float = DEFAULT_SMOOTH,
+                 metrics: list[str] | None = None, title: str | None = None):
+    """The matplotlib Figure of ``runs``: one panel per metric, one legend entry per run (its label)."""
     try:
         import matplotlib
     except ImportError:
         raise PlotError("areal plot needs matplotlib. Fix: pip install 'areal-core[plot]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    rows = read_metrics(run_dir)
-    panels = [(key, label, *series(rows, key)) for key, label in PANELS]
-    panels = [p for p in panels if p[2]]
-    if not panels:
-        raise PlotError(f"{run_dir / 'metrics.jsonl'} has none of {', '.join(k for k, _ in PANELS)}")
-    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.4 * len(panels)), sharex=True, squeeze=False)
-    for ax, (key, label, steps, values) in zip(axes[:, 0], panels):
-        ax.plot(steps, values, marker="o" if len(steps) < 12 else None, markersize=3)
-        ax.set_ylabel(key.split("/")[0])
-        ax.set_title(label, fontsize=9)
-        ax.grid(alpha=0.3)
-        if key == "eval/accuracy":
+    panels = panels_of(runs, x=x, smooth=smooth, metrics=metrics)
+    unit, per = time_unit(panels) if x == "time" else ("", 1.0)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.4 * len(panels) + 0.8), sharex=True, squeeze=False,
+                             layout="constrained")
+    for ax, panel in zip(axes[:, 0], panels):
+        for curve in panel.curves:
+            xs = [v / per for v in curve.x]
+            marker = "o" if len(xs) < 12 or curve.smooth is None else None
+            if curve.smooth is None:
+                ax.plot(xs, curve.raw, color=curve.color, marker=marker, markersize=3, linewidth=1.6)
+            else:
+                ax.plot(xs, curve.raw, color=curve.color, alpha=0.25, linewidth=1)
+                ax.plot(xs, curve.smooth, color=curve.color, linewidth=1.8)
+            if x == "time":
+                for at in curve.run.resumes:
+                    ax.axvline(at / per, color=curve.color, linestyle=":", linewidth=1, alpha=0.6)
+            if panel.key == "eval/accuracy" and len(runs) == 1:
+                for s, v in zip(xs, curve.raw):
+                    ax.annotate(f"{v:.2f}", (s, v), textcoords="offset points", xytext=(0, 5), fontsize=7,
+                                ha="center")
+        if panel.key.endswith("accuracy"):
             ax.set_ylim(-0.02, 1.02)
-            for s, v in zip(steps, values):
-                ax.annotate(f"{v:.2f}", (s, v), textcoords="offset points", xytext=(0, 5), fontsize=7, ha="center")
-    axes[-1, 0].set_xlabel("step")
-    fig.suptitle(str(run_dir), fontsize=8)
-    fig.tight_layout()
-    out = out or run_dir / "curves.png"
-    tmp = out.with_name(f".{out.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(out)
+        ax.set_ylabel(panel.key.split("/")[0])
+        ax.set_title(panel.title, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel(x_label(x, unit, runs))
+    handles = [Line2D([], [], color=f"C{i % 10}", linewidth=1.8) for i in range(len(runs))]
+    fig.legend(handles, [r.label for r in runs], loc="outside upper center", ncol=min(len(runs), 4), fontsize=8,
+               frameon=False, title=title, title_fontsize=8)
+    return fig
+
+
+# ------------------------------------------------------------------ plotly
+def build_html_figure(runs: list[Run], *, x: str = "step", smooth: float = DEFAULT_SMOOTH,
+                      metrics: list[str] | None = None, title: str | None = None):
+    """The plotly Figure of ``runs``: the same panels, colors and legend as :func:`build_figure`; clicking a
+    legend entry hides that run in every panel."""
+    try:
+        import plotly.graph_objects as go
+        from plotly.subplots import make_subplots
+    except ImportError:
+        raise PlotError("areal plot --html needs plotly. Fix: pip install 'areal-core[plot]'") from None
+    from matplotlib.colors import to_hex
+
+    panels = panels_of(runs, x=x, smooth=smooth, metrics=metrics)
+    unit, per = time_unit(panels) if x == "time" else ("", 1.0)
+    fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.25 / len(panels),
+                        subplot_titles=[p.title for p in panels])
+    shown: set[str] = set()
+    for row, panel in enumerate(panels, 1):
+        for curve in panel.curves:
+            color, xs = to_hex(curve.color), [v / per for v in curve.x]
+            common = dict(legendgroup=curve.run.label, hovertemplate=f"{curve.run.label}<br>%{{x}}: %{{y:.4g}}"
+                          "<extra></extra>")
+            if curve.smooth is not None:
+                fig.add_trace(go.Scatter(x=xs, y=curve.raw, mode="lines", line=dict(color=color, width=1),
+                                         opacity=0.25, showlegend=False, name=f"{curve.run.label} (raw)", **common),
+                              row=row, col=1)
+            fig.add_trace(go.Scatter(x=xs, y=curve.smooth if curve.smooth is not None else curve.raw,
+                                     mode="lines" if curve.smooth is not None else "lines+markers",
+                                     line=dict(color=color, width=2), name=curve.run.label,
+                                     showlegend=curve.run.label not in shown, **common), row=row, col=1)
+            shown.add(curve.run.label)
+            if x == "time":
+                for at in curve.run.resumes:
+                    fig.add_vline(x=at / per, line=dict(color=color, dash="dot", width=1), row=row, col=1)
+        fig.update_yaxes(title_text=panel.key.split("/")[0], row=row, col=1)
+    fig.update_xaxes(title_text=x_label(x, unit, runs), row=len(panels), col=1)
+    fig.update_layout(height=260 * len(panels) + 120, template="plotly_white", hovermode="x unified",
+                      title=dict(text=title or "areal plot", font=dict(size=12)),
+                      legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
+    return fig
+
+
+# ------------------------------------------------------------------ writing
+def _default_out(runs: list[Run], html: bool) -> Path:
+    name = f"{'curves' if len(runs) == 1 else 'compare'}.{'html' if html else 'png'}"
+    if len(runs) > 1:
+        return Path(name)
+    source = runs[0].source
+    folder = source if source.is_dir() else source.parent
+    if runs[0].kind == "trl" and folder.name.startswith("checkpoint-"):
+        folder = folder.parent
+    return folder / name
+
+
+def _write_atomically(out: Path, write) -> None:
+    """``write(tmp)`` then rename onto ``out``: a reader never sees half a file; a failure leaves none."""
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}{out.suffix}")
+    try:
+        write(tmp)
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def plot_runs(paths: list[Path], out: Path | None = None, *, x: str = "step", smooth: float = DEFAULT_SMOOTH,
+              metrics: list[str] | None = None, html: bool = False) -> Path:
+    """Draw ``paths`` (see the module docstring) into ``out`` (a PNG/SVG/PDF, or an HTML page with ``html`` or an
+    ``.html`` out) and return its path. Default: ``curves.png`` in a single run's folder, ``compare.png`` here
+    for several."""
+    if not paths:
+        raise PlotError(f"no run given. Fix: areal plot RUN [RUN ...], each RUN {RUN_FORMS}")
+    html = html or (out is not None and out.suffix == ".html")
+    if out is not None:
+        out = Path(out)
+        if html and out.suffix != ".html":
+            raise PlotError(f"--out {out}: an --html page is written to a .html file. "
+                            f"Fix: --out {out.with_suffix('.html')}")
+        if not html and out.suffix.lower() not in STATIC_FORMATS:
+            raise PlotError(f"--out {out}: {out.suffix or 'no suffix'} is not a format areal plot writes. Fix: end it "
+                            f"in {', '.join(STATIC_FORMATS)}, or .html (an interactive page)")
+        if not out.parent.is_dir():
+            raise PlotError(f"--out {out}: the folder {out.parent} does not exist. Fix: create it, or write elsewhere")
+    runs = [load_run(p) for p in paths]
+    label_runs(runs)
+    title = str(runs[0].source) if len(runs) == 1 else None
+    out = out or _default_out(runs, html)
+    if html:
+        page = build_html_figure(runs, x=x, smooth=smooth, metrics=metrics, title=title).to_html(
+            include_plotlyjs=True, full_html=True)  # plotly.js inline: the page opens from disk, offline
+        _write_atomically(out, lambda tmp: tmp.write_text(page, encoding="utf-8"))
+        return out
+    fig = build_figure(runs, x=x, smooth=smooth, metrics=metrics, title=title)
+    import matplotlib.pyplot as plt
+
+    try:
+        _write_atomically(out, lambda tmp: fig.savefig(tmp, dpi=110, format=out.suffix.lower()[1:]))
+    finally:
+        plt.close(fig)
     return out
+
+
+def plot_run(run_dir: Path, out: Path | None = None) -> Path:
+    """One run's curves (default ``RUN_DIR/curves.png``); see :func:`plot_runs`."""
+    return plot_runs([run_dir], out)
