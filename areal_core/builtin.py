@@ -37,10 +37,13 @@ def areal_validate_parallelism(
 
 @hookimpl
 def areal_validate_config(config: Any) -> list[Problem]:
-    """The built-in ``function`` and ``weighted`` rewards: a target that imports, parts that resolve."""
+    """The built-in ``function`` and ``weighted`` rewards: a target that imports, parts that resolve; the metrics
+    loggers: installed, jsonl among them."""
+    from areal_core.metrics import logger_problems
     from areal_core.rewards import reward_problems
 
     problems = reward_problems(config.reward.name, dict(config.reward.extra), "reward")
+    problems += logger_problems(config.metrics.loggers)
     k, groups = config.actor.ppo_minibatches, config.rollout.batch_size
     if k > groups:
         problems.append(Problem(

@@ -1,12 +1,15 @@
 """Per-step metrics: one dict of scalars per trainer step, fanned out to sinks.
 
-The trainer calls :meth:`MetricsLogger.log` once per step. Sinks write
-``run_dir/metrics.jsonl`` (always) and ``run_dir/tensorboard/`` (when
-tensorboardX is installed); a live progress bar shows chosen fields on a TTY.
-A sink that fails is reported once and switched off: metrics never kill training.
+The trainer calls :meth:`MetricsLogger.log` once per step. The sinks are the
+metrics loggers named by ``metrics.loggers``, found in the entry-point group
+``areal.loggers``: the core's ``jsonl`` (``run_dir/metrics.jsonl``, always on)
+and ``tensorboard`` (``run_dir/tensorboard/``), and plugins' (wandb, mlflow,
+...). A live progress bar shows chosen fields on a TTY. A sink that cannot be
+built or fails to write is reported once, with the fix, and switched off:
+metrics never kill training.
 
-Nothing heavy is imported at module load: tensorboardX and rich are imported
-by the classes that use them.
+Nothing heavy is imported at module load: tensorboardX, rich and the plugins'
+libraries are imported by the classes that use them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ log = logging.getLogger(__name__)
 
 JSONL_NAME = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+REQUIRED_LOGGER = "jsonl"  # the launcher's live bar, `areal plot` and --resume read metrics.jsonl
+DEFAULT_LOGGERS = ("jsonl", "tensorboard")
 
 # label shown in the progress bar -> metric key it reads
 DEFAULT_PROGRESS_FIELDS: dict[str, str] = {
@@ -37,11 +42,28 @@ DEFAULT_PROGRESS_FIELDS: dict[str, str] = {
 
 @runtime_checkable
 class MetricsSink(Protocol):
-    """Where one step's scalars go. ``write`` is called once per step, in step order."""
+    """Where one step's scalars go. ``write`` is called once per step, in step order.
+
+    A metrics logger (entry-point group ``areal.loggers``) is a callable, usually the sink class, called as
+    ``factory(run_dir, resume_step=..., config=...)``: ``run_dir`` the run's folder (a :class:`~pathlib.Path`),
+    ``resume_step`` the first step this process logs (1 for a fresh run; steps from there on may have been
+    logged by an earlier process and are logged again), ``config`` the resolved run config as plain dicts and
+    lists (``config.yaml``'s content). It may raise :class:`SinkError` (or any exception) when it cannot be
+    used; so may ``write``. Either way it is reported once and switched off, and training goes on.
+    """
 
     def write(self, step: int, metrics: dict[str, float]) -> None: ...
 
     def close(self) -> None: ...
+
+
+class SinkError(Exception):
+    """A metrics sink cannot go on: ``message`` says why, ``fix`` what the user can do (kept apart so the report
+    says both; ``str()`` joins them)."""
+
+    def __init__(self, message: str, fix: str) -> None:
+        self.message, self.fix = message, fix
+        super().__init__(f"{message}. Fix: {fix}")
 
 
 def _as_number(value: Any) -> float | int | None:
@@ -56,6 +78,17 @@ def _as_number(value: Any) -> float | int | None:
         return None
 
 
+def finite_scalars(metrics: Mapping[str, Any]) -> dict[str, float | int]:
+    """The finite numbers of ``metrics`` as plain Python numbers (numpy and 0-d torch scalars converted, bools as
+    0 / 1); text, NaN and infinities left out. For sinks whose library takes only such values."""
+    out: dict[str, float | int] = {}
+    for key, value in metrics.items():
+        number = _as_number(value)
+        if number is not None and math.isfinite(number):
+            out[key] = number
+    return out
+
+
 class JsonlSink:
     """``run_dir/metrics.jsonl``: one line ``{"step": n, "time": unix, **metrics}`` per step.
 
@@ -67,7 +100,8 @@ class JsonlSink:
     numbers are skipped.
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str], resume_step: int | None = None) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str], resume_step: int | None = None,
+                 config: Mapping[str, Any] | None = None) -> None:
         self.path = Path(run_dir) / JSONL_NAME
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
@@ -125,26 +159,23 @@ class TensorboardSink:
 
     Non-finite and non-numeric values are skipped. With ``resume_step`` the
     event file carries a purge marker so TensorBoard hides the old run's
-    events at steps >= resume_step. Raises ImportError naming the fix when
-    tensorboardX is not installed.
+    events at steps >= resume_step. Raises :class:`SinkError` naming the fix
+    when tensorboardX is not installed.
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str], resume_step: int | None = None) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str], resume_step: int | None = None,
+                 config: Mapping[str, Any] | None = None) -> None:
         try:
             from tensorboardX import SummaryWriter
         except ImportError as e:
-            raise ImportError(
-                f"TensorboardSink needs tensorboardX ({e}); fix: pip install tensorboardX"
-            ) from e
+            raise SinkError(f"it needs tensorboardX ({e})",
+                            "pip install tensorboardX, or leave tensorboard out of metrics.loggers") from e
         self.logdir = Path(run_dir) / TENSORBOARD_DIR
         self.logdir.mkdir(parents=True, exist_ok=True)
         self._writer = SummaryWriter(logdir=str(self.logdir), purge_step=resume_step)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        for key, value in metrics.items():
-            number = _as_number(value)
-            if number is None or not math.isfinite(number):
-                continue
+        for key, number in finite_scalars(metrics).items():
             self._writer.add_scalar(key, number, global_step=int(step))
         self._writer.flush()
 
@@ -252,46 +283,124 @@ class ProgressDisplay:
         self._progress = None
 
 
+# the first-party loggers' distributions (plugins/loggers/<name>), named in the fix for an unknown name
+FIRST_PARTY_LOGGERS = {"wandb": "areal-plugin-wandb", "mlflow": "areal-plugin-mlflow",
+                       "trackio": "areal-plugin-trackio"}
+
+
+def logger_problems(loggers: Sequence[str]) -> list[Any]:
+    """What is wrong with ``metrics.loggers``, found before the run starts and importing nothing: ``jsonl`` left
+    out, a name given twice, a name no installed distribution provides in ``areal.loggers``."""
+    from areal_core.problems import Problem
+    from areal_core.registry import ComponentError, find
+
+    key = "metrics.loggers"
+    shown = "[" + ", ".join(str(name) for name in loggers) + "]"
+    problems = []
+    if REQUIRED_LOGGER not in loggers:
+        problems.append(Problem(
+            "core.loggers", f"{shown} leaves out {REQUIRED_LOGGER}, which is always needed: the launcher's live bar, "
+            "`areal plot` and --resume read metrics.jsonl",
+            f"{key}=[{', '.join([REQUIRED_LOGGER, *map(str, dict.fromkeys(loggers))])}]", key))
+    twice = sorted({str(name) for name in loggers if list(loggers).count(name) > 1})
+    if twice:
+        problems.append(Problem("core.loggers", f"{shown} names {', '.join(twice)} more than once",
+                                f"name each logger once: {key}=[{', '.join(map(str, dict.fromkeys(loggers)))}]",
+                                key))
+    for name in dict.fromkeys(loggers):
+        try:
+            find("logger", name)
+        except ComponentError as exc:
+            fix = exc.fix
+            if name in FIRST_PARTY_LOGGERS:
+                fix = (f"pip install {FIRST_PARTY_LOGGERS[name]} (in a checkout: pip install -e "
+                       f"plugins/loggers/{name}), or leave '{name}' out of {key}")
+            problems.append(Problem("core.component", f"{shown}: {exc.message}", fix, key))
+    return problems
+
+
+def _failure(error: BaseException, default_fix: str) -> str:
+    """``<what went wrong>. Fix: <fix>`` for a sink's exception (a :class:`SinkError` or a ``ComponentError``
+    brings its own fix)."""
+    message, fix = getattr(error, "message", None), getattr(error, "fix", None)
+    if not (isinstance(message, str) and isinstance(fix, str)):
+        message, fix = f"{type(error).__name__}: {error}", default_fix
+    return f"{message}. Fix: {fix}"
+
+
 class MetricsLogger:
     """Fan one step's metrics out to every sink and the progress display.
 
-    A sink that raises is reported once (a logging warning naming it) and
-    disabled for the rest of the run; the others go on. Usable as a context
-    manager; ``close`` closes every sink, even disabled ones, and never raises.
+    A sink that raises is reported once (a logging warning naming it, what went
+    wrong and the fix) and disabled for the rest of the run; the others go on.
+    ``names`` (one per sink) name the sinks in those reports. Usable as a
+    context manager; ``close`` closes every sink, even disabled ones, and never
+    raises.
     """
 
     def __init__(
-        self, sinks: Iterable[MetricsSink] = (), progress: ProgressDisplay | None = None
+        self, sinks: Iterable[MetricsSink] = (), progress: ProgressDisplay | None = None, *,
+        names: Sequence[str] | None = None,
     ) -> None:
         self.sinks: list[MetricsSink] = list(sinks)
         self.progress = progress
         self.disabled: list[MetricsSink] = []
+        self._names = {id(sink): name for sink, name in zip(self.sinks, names or ())}
         self._closed = False
+
+    def _label(self, sink: MetricsSink) -> str:
+        name = self._names.get(id(sink))
+        return f"metrics logger '{name}' ({sink!r})" if name else f"metrics sink {sink!r}"
 
     @classmethod
     def for_run(
         cls,
         run_dir: str | os.PathLike[str],
         *,
+        loggers: Sequence[str] = DEFAULT_LOGGERS,
+        config: Mapping[str, Any] | None = None,
         total_steps: int | None = None,
         resume_step: int | None = None,
-        tensorboard: bool = True,
         progress: bool = True,
         progress_fields: Mapping[str, str] | Sequence[str] = DEFAULT_PROGRESS_FIELDS,
     ) -> MetricsLogger:
-        """The usual set for a run: JSONL, TensorBoard (if installed) and a progress bar.
+        """The run's sinks, built from the metrics loggers named in ``loggers`` (``metrics.loggers``), and a
+        progress bar.
 
-        A missing tensorboardX is a warning, not an error."""
-        sinks: list[MetricsSink] = [JsonlSink(run_dir, resume_step)]
-        if tensorboard:
+        Each is found in the entry-point group ``areal.loggers`` and called as ``factory(run_dir,
+        resume_step=resume_step, config=config)``. One that cannot be imported or built is reported once (a
+        warning with the fix) and left out; only ``jsonl`` failing raises, as the run cannot go without
+        metrics.jsonl. ``config``: the resolved run config (``config.yaml``'s content), for the loggers that
+        record hyperparameters and name the run.
+        """
+        from areal_core.registry import find, resolve
+
+        sinks: list[MetricsSink] = []
+        names: list[str] = []
+        for name in dict.fromkeys(loggers):  # each once, in order
             try:
-                sinks.append(TensorboardSink(run_dir, resume_step))
-            except ImportError as e:
-                log.warning("TensorBoard logging is off: %s", e)
+                factory = resolve("logger", name)
+                sink = factory(Path(run_dir), resume_step=resume_step, config=dict(config or {}))
+            except Exception as e:
+                if name == REQUIRED_LOGGER:
+                    raise
+                try:
+                    entry = find("logger", name)
+                except Exception:
+                    entry = None
+                fix = f"correct the cause, or leave '{name}' out of metrics.loggers"
+                if isinstance(e, ImportError) and entry is not None:  # a library the logger needs
+                    fix = (f"install what it needs (`pip install --force-reinstall {entry.distribution}` brings its "
+                           f"dependencies), or leave '{name}' out of metrics.loggers")
+                log.warning("metrics logger '%s'%s is off for this run (training goes on; metrics.jsonl has every "
+                            "step): %s", name, f" from {entry.owner}" if entry else "", _failure(e, fix))
+                continue
+            sinks.append(sink)
+            names.append(name)
         display = ProgressDisplay(
             total_steps, progress_fields, enabled=progress, start_step=resume_step or 0
         )
-        return cls(sinks, display)
+        return cls(sinks, display, names=names)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Record ``metrics`` for ``step`` everywhere; never raises because of a sink.
@@ -307,8 +416,10 @@ class MetricsLogger:
                 self.sinks.remove(sink)
                 self.disabled.append(sink)
                 log.warning(
-                    "metrics sink %r failed at step %d and is disabled for the rest of the run: %s: %s",
-                    sink, step, type(e).__name__, e,
+                    "%s failed at step %d and is off for the rest of the run (training goes on; metrics.jsonl has "
+                    "every step): %s", self._label(sink), step,
+                    _failure(e, "correct the cause and continue with --resume to log to it again (from the last "
+                                "checkpoint), or leave it out of metrics.loggers"),
                 )
         if self.progress is not None:
             self.progress.update(step, metrics)
@@ -321,7 +432,7 @@ class MetricsLogger:
             try:
                 sink.close()
             except Exception as e:
-                log.warning("metrics sink %r failed to close: %s: %s", sink, type(e).__name__, e)
+                log.warning("%s failed to close: %s: %s", self._label(sink), type(e).__name__, e)
         if self.progress is not None:
             self.progress.close()
 

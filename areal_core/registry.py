@@ -22,11 +22,12 @@ KINDS: dict[str, tuple[str, str, str]] = {
     "reward": ("areal.rewards", "reward", "reward.name"),
     "launcher": ("areal.launchers", "launcher", "launcher.name"),
     "dataset": ("areal.datasets", "dataset", "dataset.name"),
+    "logger": ("areal.loggers", "metrics logger", "metrics.loggers"),
 }
 
 
 def contract_for(kind: str) -> type | None:
-    """The class a component of ``kind`` must subclass (None for rewards: any callable)."""
+    """The class a component of ``kind`` must subclass (None for rewards and metrics loggers: any callable)."""
     from areal_core import api  # lazily: listing components needs no contract
 
     _check_kind(kind)
@@ -38,6 +39,7 @@ def contract_for(kind: str) -> type | None:
         "launcher": api.Launcher,
         "dataset": api.Dataset,
         "reward": None,
+        "logger": None,  # a callable (run_dir, *, resume_step, config) -> areal_core.metrics.MetricsSink
     }[kind]
 
 

@@ -241,7 +241,8 @@ class Trainer:
             truncate_jsonl(self.run_dir / "samples.jsonl", self.step + 1)
         total = self.cfg.trainer.total_steps
         # Steps are logged 1-based; everything after the resumed step is dropped and redone.
-        logger = MetricsLogger.for_run(self.run_dir, resume_step=self.step + 1, progress=False) \
+        logger = MetricsLogger.for_run(self.run_dir, resume_step=self.step + 1, progress=False,
+                                       loggers=self.cfg.metrics.loggers, config=self.run.resolved_dict()) \
             if self.rank == 0 else None  # the launcher draws the progress bar from metrics.jsonl
         try:
             if self.controller is not None:

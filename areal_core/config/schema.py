@@ -170,6 +170,22 @@ class EvalConfig:
     success: float = spec(1.0, help="a sample counts as correct when its reward is at least this")
 
 
+def _default_loggers() -> list[str]:
+    return ["jsonl", "tensorboard"]
+
+
+@dataclass
+class MetricsConfig:
+    """Where each step's metrics go (rank 0 of the trainer writes them; the launcher's live bar reads
+    metrics.jsonl)."""
+
+    loggers: list[str] = spec(factory=_default_loggers, min_length=1,
+                              help="metrics loggers (areal.loggers), each given every step's scalars: jsonl "
+                                   "(required: the live bar, `areal plot` and --resume read metrics.jsonl), "
+                                   "tensorboard, and plugins' (wandb, mlflow, trackio); one that fails is "
+                                   "reported once and switched off, training goes on")
+
+
 @dataclass
 class RunConfig:
     experiment: str = spec("areal", pattern=NAME_PATTERN)
@@ -186,6 +202,7 @@ class RunConfig:
     launcher: LauncherConfig = spec(factory=LauncherConfig)
     trainer: TrainerConfig = spec(factory=TrainerConfig)
     eval: EvalConfig = spec(factory=EvalConfig)
+    metrics: MetricsConfig = spec(factory=MetricsConfig)
 
     def allocation_text(self) -> str:
         """The allocation as written, or the single-machine CPU default."""

@@ -1,0 +1,1 @@
+"""areal metrics logger for MLflow: ``metrics.loggers: [jsonl, tensorboard, mlflow]``."""

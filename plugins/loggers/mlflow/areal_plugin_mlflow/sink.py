@@ -1,0 +1,117 @@
+"""The ``mlflow`` metrics logger: each step's scalars to an MLflow run.
+
+The store is ``MLFLOW_TRACKING_URI`` when set (a server, ``sqlite:///...``, or a ``file:`` store, which MLflow 3
+only opens with ``MLFLOW_ALLOW_FILE_STORE=true``), else ``sqlite:///<run_dir>/mlflow/mlflow.db``, MLflow's own
+default backend, made on first use; ``mlflow ui --backend-store-uri <that>`` shows it. The experiment is
+``MLFLOW_EXPERIMENT_NAME`` or the run's ``experiment``, the run's name its ``trial``; the resolved run config is
+logged as parameters (``actor.optimizer.lr``, ...). The run's id and store are kept in
+``<run_dir>/mlflow/areal-run.json``, so ``areal run --resume`` continues the same MLflow run.
+
+mlflow is imported when the logger is built, never when the plugin is listed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from areal_core.metrics import SinkError, finite_scalars
+
+RUN_FILE = "areal-run.json"
+MAX_PARAMS_PER_BATCH = 100  # MLflow's limits per log_batch call
+MAX_METRICS_PER_BATCH = 1000
+MAX_PARAM_LENGTH = 6000
+_INVALID_KEY_CHARS = re.compile(r"[^/\w.\- ]")  # MLflow accepts letters, digits, _ - . space and /
+
+
+def default_tracking_uri(run_dir: Path) -> str:
+    return f"sqlite:///{(run_dir / 'mlflow' / 'mlflow.db').resolve()}"
+
+
+def metric_key(key: str) -> str:
+    """``key`` with every character MLflow refuses in a name replaced by ``_``."""
+    return _INVALID_KEY_CHARS.sub("_", str(key))
+
+
+def flatten(config: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, str]]:
+    """Dotted keys and text values of a nested config (lists as JSON), each value at most MLflow's limit."""
+    for key, value in config.items():
+        if isinstance(value, Mapping) and value:
+            yield from flatten(value, f"{prefix}{key}.")
+            continue
+        text = value if isinstance(value, str) else json.dumps(value, default=str)
+        yield metric_key(f"{prefix}{key}"), text[:MAX_PARAM_LENGTH]
+
+
+def _chunks(items: list, size: int) -> Iterator[list]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+class MlflowSink:
+    """One MLflow run per areal run; ``write`` logs a step's finite scalars at that step."""
+
+    def __init__(self, run_dir: str | os.PathLike[str], resume_step: int | None = None,
+                 config: Mapping[str, Any] | None = None) -> None:
+        try:
+            from mlflow.entities import Metric, Param
+            from mlflow.tracking import MlflowClient
+        except ImportError as e:
+            raise SinkError(f"mlflow cannot be imported ({e})",
+                            "pip install areal-plugin-mlflow (it brings mlflow-skinny), or leave mlflow out of "
+                            "metrics.loggers") from e
+        self._metric = Metric
+        self.run_dir = Path(run_dir)
+        config = dict(config or {})
+        (self.run_dir / "mlflow").mkdir(parents=True, exist_ok=True)
+        self.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(self.run_dir)
+        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        self.run_id = self._stored_run()
+        if self.run_id is not None:
+            self.client.update_run(self.run_id, status="RUNNING")
+            return
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or config.get("experiment") or self.run_dir.parent.name
+        experiment = self.client.get_experiment_by_name(name)
+        experiment_id = experiment.experiment_id if experiment is not None else self.client.create_experiment(name)
+        run = self.client.create_run(experiment_id, run_name=config.get("trial") or self.run_dir.name,
+                                     tags={"areal.run_dir": str(self.run_dir.resolve())})
+        self.run_id = run.info.run_id
+        params = [Param(key, value) for key, value in flatten(config)]
+        for chunk in _chunks(params, MAX_PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=chunk)
+        (self.run_dir / "mlflow" / RUN_FILE).write_text(
+            json.dumps({"tracking_uri": self.tracking_uri, "run_id": self.run_id}) + "\n", encoding="utf-8")
+
+    def _stored_run(self) -> str | None:
+        """The run an earlier start of this areal run made in the same store, if it is still there."""
+        try:
+            stored = json.loads((self.run_dir / "mlflow" / RUN_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        if not isinstance(stored, dict) or stored.get("tracking_uri") != self.tracking_uri:
+            return None
+        run_id = stored.get("run_id")
+        try:
+            run = self.client.get_run(run_id)
+        except Exception:  # deleted, or another store under the same address
+            return None
+        return run_id if run.info.lifecycle_stage == "active" else None
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        now = int(time.time() * 1000)
+        batch = [self._metric(metric_key(key), float(number), now, int(step))
+                 for key, number in finite_scalars(metrics).items()]
+        for chunk in _chunks(batch, MAX_METRICS_PER_BATCH):
+            self.client.log_batch(self.run_id, metrics=chunk)
+
+    def close(self) -> None:
+        run_id, self.run_id = self.run_id, None
+        if run_id is not None:
+            self.client.set_terminated(run_id, "FINISHED")
+
+    def __repr__(self) -> str:
+        return f"MlflowSink(run {self.run_id}, {self.tracking_uri})"

@@ -1,0 +1,1 @@
+"""areal metrics logger for Weights & Biases: ``metrics.loggers: [jsonl, tensorboard, wandb]``."""
