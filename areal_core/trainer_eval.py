@@ -4,7 +4,9 @@ This part owns the validation items, the workflow that samples them
 (``eval.samples`` per item at ``eval.temperature``), the one evaluation that
 may be running (an evaluation runs on the rollout controller's engines while
 training goes on, see :meth:`RolloutController.evaluate`) and the
-``eval/*`` metrics it gives.
+``eval/*`` metrics it gives. ``areal eval`` (:mod:`areal_core.evaluate`)
+scores a checkpoint or a base model with the same :class:`Evaluation` and
+:func:`eval_metrics`, so its figures are the trainer's.
 """
 
 from __future__ import annotations
@@ -60,13 +62,31 @@ class Evaluation:
         return eval_metrics(results, self.items, self.cfg.eval.success, step, time.monotonic() - began)
 
 
-def eval_metrics(results: list[Any], items: list[Any], success: float, step: int, seconds: float) -> dict[str, float]:
-    """``eval/accuracy`` (pass@k: an item counts when one of its samples reaches ``success``) and friends.
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k estimate for one item with ``c`` correct samples out of ``n`` (Chen et al. 2021,
+    "Evaluating Large Language Models Trained on Code"): 1 - C(n-c, k) / C(n, k), the chance that ``k`` of
+    the ``n`` samples drawn without replacement hold a correct one, in the paper's numerically stable product
+    form. With ``k == n`` (how evaluation uses it: ``eval.samples`` samples, pass@``eval.samples``) it is 1 when
+    any sample is correct, else 0."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    product = 1.0
+    for i in range(n - c + 1, n + 1):
+        product *= 1.0 - k / i
+    return 1.0 - product
 
-    ``results`` holds one entry per item: its trajectories, None (rejected by
-    the workflow: counted wrong) or an exception (raised here with the item).
+
+def eval_metrics(results: list[Any], items: list[Any], success: float, step: int, seconds: float) -> dict[str, float]:
+    """The ``eval/*`` metrics of one evaluation, for the trainer's metrics.jsonl and ``areal eval`` alike.
+
+    ``eval/accuracy`` is pass@k (k = the samples per item, ``eval.samples``: an item counts when one of its
+    samples reaches ``success``), ``eval/mean_at_k`` mean@k (the share of an item's samples that reach it,
+    averaged over the items). ``results`` holds one entry per item: its trajectories, None (rejected by the
+    workflow: counted wrong) or an exception (raised here with the item).
     """
-    correct, rewards, lengths = 0, [], []
+    passed, means, rewards, lengths = 0.0, 0.0, [], []
     for item, result in zip(items, results):
         if isinstance(result, BaseException):
             raise RuntimeError(f"evaluation failed on validation item {str(item)[:80]}: "
@@ -75,9 +95,12 @@ def eval_metrics(results: list[Any], items: list[Any], success: float, step: int
         item_rewards = [t.reward for t in trajectories]
         rewards += item_rewards
         lengths += [sum(t.loss_mask) for t in trajectories]
-        correct += any(r >= success for r in item_rewards)
-    out = {"eval/accuracy": correct / len(items), "eval/items": float(len(items)),
-           "eval/after_step": float(step), "eval/seconds": seconds}
+        n, c = len(item_rewards), sum(r >= success for r in item_rewards)
+        if n:
+            passed += pass_at_k(n, c, n)
+            means += c / n
+    out = {"eval/accuracy": passed / len(items), "eval/mean_at_k": means / len(items),
+           "eval/items": float(len(items)), "eval/after_step": float(step), "eval/seconds": seconds}
     if rewards:
         out["eval/reward_mean"] = sum(rewards) / len(rewards)
         out["eval/completion_tokens_mean"] = sum(lengths) / len(lengths)

@@ -236,16 +236,44 @@ class ServerKeeper:
         write_discovery_file(self.discovery_file, self.listed.values())
 
 
+class InferenceServers:
+    """The inference servers of a run's allocation that run as processes of their own on this machine (engines
+    whose :meth:`~areal_core.api.InferenceEngine.server_process` gives one; the others live in the process that
+    uses them), each on a free port of 127.0.0.1. ``areal run`` (the local launcher) and ``areal eval`` start
+    them through this class, so a server is started one way only."""
+
+    def __init__(self, run: Any) -> None:
+        cfg, placement, engine_cls = run.config, run.placement("rollout"), run.components["rollout"]
+        self.make: Callable[[int, int], Any] = lambda i, port: engine_cls.server_process(
+            Context(config=cfg, options=run.options.get("rollout"), placement=placement), i, port)
+        self.ports = [free_port() for _ in range(placement.parallel.d)]
+        made = [self.make(i, port) for i, port in enumerate(self.ports)]
+        self.servers = [(i, s) for i, s in enumerate(made) if s is not None]
+
+    def start(self, sup: Supervisor, threads: list[int], keeper: ServerKeeper | None = None,
+              prefix: str = "rollout") -> dict[int, str]:
+        """Start every server (``threads[j]`` for the j-th), then wait for each with its own startup timeout;
+        returns each server's address by index (``ProcessFailed`` or ``TimeoutError`` when one does not come
+        up). Their logs are ``sup.log_dir/<prefix>-<index>.log``."""
+        started, addresses = [], {}
+        for (i, server), n in zip(self.servers, threads):
+            managed = sup.start(ProcessSpec(f"{prefix}-{i}", server.argv, env=server.env, threads=n))
+            started.append((managed, server))
+            addresses[i] = f"127.0.0.1:{self.ports[i]}"
+            if keeper is not None:
+                keeper.track(managed.name, i, self.ports[i])
+        for managed, server in started:
+            sup.wait_ready(managed, server.ready, server.startup_timeout_s, server.what)
+        return addresses
+
+
 class LocalLauncher(Launcher):
     def launch(self, run: Any, run_dir: Path, *, resume: bool = False) -> int:
         run_dir = Path(run_dir)
         cfg = run.config
-        actor, rollout = run.placement("actor"), run.placement("rollout")
-        engine_cls = run.components["rollout"]
-        ports = [free_port() for _ in range(rollout.parallel.d)]
-        servers = [engine_cls.server_process(Context(config=cfg, options=run.options.get("rollout"), placement=rollout),
-                                             i, port) for i, port in enumerate(ports)]
-        servers = [(i, s) for i, s in enumerate(servers) if s is not None]
+        actor = run.placement("actor")
+        inference = InferenceServers(run)
+        servers = inference.servers
         server_threads, rank_threads = thread_plan(len(servers), actor.world_size, cfg.rollout.max_head_offpolicyness)
         master_port = free_port()
         restored_step = checkpoint_step(run_dir)
@@ -254,23 +282,14 @@ class LocalLauncher(Launcher):
             with Supervisor(run_dir / "logs") as sup:
                 sup.install_signal_handlers()
                 addresses = {}
-                started = []
                 keeper = None
                 if cfg.rollout.elastic.enabled and servers:
                     keeper = ServerKeeper(
-                        sup, lambda i, port: engine_cls.server_process(
-                            Context(config=cfg, options=run.options.get("rollout"), placement=rollout), i, port),
-                        cfg.rollout.elastic.restarts, run_dir / "restarted-servers.txt", progress.say,
-                        {i: n for (i, _), n in zip(servers, server_threads)})
+                        sup, inference.make, cfg.rollout.elastic.restarts, run_dir / "restarted-servers.txt",
+                        progress.say, {i: n for (i, _), n in zip(servers, server_threads)})
                     addresses[LAUNCHER_DISCOVERY_ENV] = str(keeper.discovery_file)
-                for (i, server), n in zip(servers, server_threads):
-                    managed = sup.start(ProcessSpec(f"rollout-{i}", server.argv, env=server.env, threads=n))
-                    started.append((managed, server))
-                    addresses[f"AREAL_ROLLOUT_{i}_ADDRESS"] = f"127.0.0.1:{ports[i]}"
-                    if keeper is not None:
-                        keeper.track(managed.name, i, ports[i])
-                for managed, server in started:
-                    sup.wait_ready(managed, server.ready, server.startup_timeout_s, server.what)
+                for i, address in inference.start(sup, server_threads, keeper).items():
+                    addresses[f"AREAL_ROLLOUT_{i}_ADDRESS"] = address
                 ranks = []
                 for rank, n in zip(range(actor.world_size), rank_threads):
                     argv = [sys.executable, "-m", "areal_core.trainer", str(run_dir)] + (["--resume"] if resume else [])

@@ -317,3 +317,6 @@ def areal_register_commands(registrar) -> None:
     registrar.add_command(plot, "plot")
     registrar.add_command(check, "check")
     registrar.add_command(plugins, "plugins")
+    from areal_cli.evaluate import eval_command  # here: that module imports this one
+
+    registrar.add_command(eval_command, "eval")

@@ -1,0 +1,105 @@
+"""`areal eval`: a checkpoint scored as the trainer scored it, a base model, and what it refuses.
+
+The end-to-end test trains a tiny model for two steps through `areal run` (the demo config: embedded engine
+server, FSDP trainer, the arithmetic dataset), with a reward that scores each completion by its exact text
+(tests/doubles/eval_doubles.py): the same mean reward then means the same completions, greedy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from areal_core.testing.processes import read_jsonl
+
+AREAL = str(Path(sys.executable).with_name("areal"))
+DOUBLES = Path(__file__).parent / "doubles"
+# What decides the scores, for the run and for the evaluations of its checkpoint and its base model alike.
+EVAL_KEYS = ["eval.size=8", "eval.success=0.5", "reward.name=function",
+             "reward.target=eval_doubles:text_digest_reward_double"]
+COMPARED = ("eval/accuracy", "eval/mean_at_k", "eval/reward_mean", "eval/completion_tokens_mean", "eval/items")
+
+
+def areal(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(DOUBLES), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([AREAL, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_areal_eval_of_a_checkpoint_equals_the_trainers_own_evaluation_of_that_step(tmp_path):
+    pytest.importorskip("areal_fsdp")
+    pytest.importorskip("areal_local")
+    from areal_core.testing import tiny_model
+
+    model = tiny_model(tmp_path / "tiny", seed=0)
+    trained = areal("run", f"output_dir={tmp_path / 'runs'}", f"model.path={model}", "model.dtype=float32",
+                    "trainer.total_steps=2", "rollout.batch_size=2", "rollout.group_size=2",
+                    "rollout.max_head_offpolicyness=2", "actor.optimizer.lr=1e-2", "rollout.dynamic_filtering=false",
+                    *EVAL_KEYS, cwd=tmp_path)
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    run_dir = tmp_path / "runs" / "demo" / "run0"
+    logged = {int(r["eval/after_step"]): r for r in read_jsonl(run_dir / "metrics.jsonl") if "eval/accuracy" in r}
+    assert sorted(logged) == [0, 2]
+
+    # The run folder: its latest checkpoint (step 2), with the run's own config.yaml.
+    scored = areal("eval", str(run_dir), cwd=tmp_path)
+    assert scored.returncode == 0, scored.stdout + scored.stderr
+    checkpoint = run_dir / "checkpoints" / "step-00000002"
+    report = json.loads((checkpoint / "eval.json").read_text())
+    assert report["evaluated"]["kind"] == "checkpoint" and report["evaluated"]["step"] == 2
+    assert report["evaluated"]["path"] == str(checkpoint)
+    assert report["config"]["file"] == str(run_dir / "config.yaml")
+    assert {key: report["metrics"][key] for key in COMPARED} == {key: logged[2][key] for key in COMPARED}
+    assert report["metrics"]["eval/after_step"] == 2
+    assert (report["k"], report["pass@k"], report["mean@k"], report["reward_mean"], report["items"]) == \
+        (1, logged[2]["eval/accuracy"], logged[2]["eval/mean_at_k"], logged[2]["eval/reward_mean"], 8)
+    assert "pass@1" in scored.stdout and "mean reward" in scored.stdout
+    assert not list(checkpoint.glob(".eval.json.tmp*"))
+
+    # The base model with the demo config (the default for a model) and the same keys: the step-0 evaluation.
+    base = areal("eval", str(model), "model.dtype=float32", *EVAL_KEYS, "--out", str(tmp_path / "base.json"),
+                 cwd=tmp_path)
+    assert base.returncode == 0, base.stdout + base.stderr
+    base_report = json.loads((tmp_path / "base.json").read_text())
+    assert base_report["evaluated"]["kind"] == "model" and base_report["evaluated"]["step"] == 0
+    assert {key: base_report["metrics"][key] for key in COMPARED} == {key: logged[0][key] for key in COMPARED}
+    # The reward reads the completions' text: had both evaluations served the same weights, they would agree.
+    assert base_report["metrics"]["eval/reward_mean"] != report["metrics"]["eval/reward_mean"]
+
+
+def assert_refused(proc: subprocess.CompletedProcess, *expected: str) -> None:
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    for text in expected:
+        assert text in proc.stderr, proc.stderr
+
+
+def test_bad_input_is_refused_naming_the_argument_and_the_fix_and_writes_nothing(tmp_path):
+    from areal_core.testing import tiny_model
+
+    model = tiny_model(tmp_path / "tiny", seed=0)
+    not_a_model = tmp_path / "notes"
+    not_a_model.mkdir()
+    (not_a_model / "readme.txt").write_text("hello")
+    run_without_checkpoint = tmp_path / "runs" / "x" / "run0"
+    run_without_checkpoint.mkdir(parents=True)
+    (run_without_checkpoint / "config.yaml").write_text("{}\n")
+
+    assert_refused(areal("eval", str(tmp_path / "missing"), cwd=tmp_path),
+                   f"CHECKPOINT_OR_MODEL '{tmp_path / 'missing'}' does not exist", "Fix: pass a checkpoint folder")
+    assert_refused(areal("eval", str(not_a_model), cwd=tmp_path),
+                   f"CHECKPOINT_OR_MODEL '{not_a_model}' is a folder, but not a checkpoint", "Fix: pass")
+    assert_refused(areal("eval", str(run_without_checkpoint), cwd=tmp_path),
+                   "is a run folder without a complete checkpoint", "Fix: let the run save one")
+    assert_refused(areal("eval", str(model), "eval.size=0", cwd=tmp_path),
+                   "eval.size is 0: there is nothing to evaluate. Fix: eval.size=64")
+    assert_refused(areal("eval", str(model), "eval.size=-1", cwd=tmp_path), "eval.size")
+    assert_refused(areal("eval", str(model), f"model.path={model}", cwd=tmp_path),
+                   "model.path: the model evaluated is CHECKPOINT_OR_MODEL", "Fix: drop the model.path override")
+    assert_refused(areal("eval", str(model), "--out", str(tmp_path / "nowhere" / "eval.json"), cwd=tmp_path),
+                   "--out: the folder", "does not exist", "Fix: pass --out")
+    assert not list(tmp_path.rglob("eval.json")) and not list(tmp_path.rglob(".eval.json*"))
