@@ -78,6 +78,26 @@ def _as_number(value: Any) -> float | int | None:
         return None
 
 
+def import_for_logger(module: str, logger: str, distribution: str) -> Any:
+    """Import ``module``, the library metrics logger ``logger`` needs, or raise :class:`SinkError` naming the fix
+    (``distribution`` is the logger's, which depends on the library)."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise SinkError(f"{module} cannot be imported ({e})",
+                        f"pip install {distribution} (it brings {module.partition('.')[0]}), or leave {logger} out "
+                        f"of metrics.loggers") from e
+
+
+def run_names(run_dir: str | os.PathLike[str], config: Mapping[str, Any]) -> tuple[str, str]:
+    """(experiment, trial) of a run, for a tracker's project and run names: the config's, else read from the run
+    folder, ``<output_dir>/<experiment>/<trial>``."""
+    folder = Path(run_dir).resolve()
+    return str(config.get("experiment") or folder.parent.name), str(config.get("trial") or folder.name)
+
+
 def finite_scalars(metrics: Mapping[str, Any]) -> dict[str, float | int]:
     """The finite numbers of ``metrics`` as plain Python numbers (numpy and 0-d torch scalars converted, bools as
     0 / 1); text, NaN and infinities left out. For sinks whose library takes only such values."""

@@ -157,3 +157,17 @@ def test_a_run_with_broken_loggers_trains_to_the_end_and_reports_each_once(logge
     assert "Fix: set TRACKER_API_KEY to a valid key" in log
     assert "failed at step 2 and is off for the rest of the run" in log
     assert "Traceback" not in log
+
+
+def test_the_helpers_for_plugin_loggers():
+    from areal_core.metrics import SinkError, finite_scalars, import_for_logger, run_names
+
+    with pytest.raises(SinkError) as caught:
+        import_for_logger("areal_test_tracker_library_that_is_not_installed.client", "mine", "areal-plugin-mine")
+    assert caught.value.fix == ("pip install areal-plugin-mine (it brings "
+                                "areal_test_tracker_library_that_is_not_installed), or leave mine out of metrics.loggers")
+    assert import_for_logger("json", "mine", "areal-plugin-mine") is json
+    assert run_names(Path("runs/exp/t1"), {}) == ("exp", "t1")
+    assert run_names(Path("runs/exp/t1"), {"experiment": "e", "trial": "t"}) == ("e", "t")
+    assert finite_scalars({"a": 1, "b": 2.5, "c": True, "d": float("nan"), "e": "x", "f": float("-inf")}) == {
+        "a": 1, "b": 2.5, "c": 1}

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from areal_core.metrics import SinkError, finite_scalars
+from areal_core.metrics import finite_scalars, import_for_logger, run_names
 
 RUN_FILE = "areal-run.json"
 MAX_PARAMS_PER_BATCH = 100  # MLflow's limits per log_batch call
@@ -57,27 +57,24 @@ class MlflowSink:
 
     def __init__(self, run_dir: str | os.PathLike[str], resume_step: int | None = None,
                  config: Mapping[str, Any] | None = None) -> None:
-        try:
-            from mlflow.entities import Metric, Param
-            from mlflow.tracking import MlflowClient
-        except ImportError as e:
-            raise SinkError(f"mlflow cannot be imported ({e})",
-                            "pip install areal-plugin-mlflow (it brings mlflow-skinny), or leave mlflow out of "
-                            "metrics.loggers") from e
+        tracking = import_for_logger("mlflow.tracking", "mlflow", "areal-plugin-mlflow")
+        from mlflow.entities import Metric, Param
+
         self._metric = Metric
         self.run_dir = Path(run_dir)
         config = dict(config or {})
+        experiment, trial = run_names(self.run_dir, config)
         (self.run_dir / "mlflow").mkdir(parents=True, exist_ok=True)
         self.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(self.run_dir)
-        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        self.client = tracking.MlflowClient(tracking_uri=self.tracking_uri)
         self.run_id = self._stored_run()
         if self.run_id is not None:
             self.client.update_run(self.run_id, status="RUNNING")
             return
-        name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or config.get("experiment") or self.run_dir.parent.name
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or experiment
         experiment = self.client.get_experiment_by_name(name)
         experiment_id = experiment.experiment_id if experiment is not None else self.client.create_experiment(name)
-        run = self.client.create_run(experiment_id, run_name=config.get("trial") or self.run_dir.name,
+        run = self.client.create_run(experiment_id, run_name=trial,
                                      tags={"areal.run_dir": str(self.run_dir.resolve())})
         self.run_id = run.info.run_id
         params = [Param(key, value) for key, value in flatten(config)]

@@ -19,7 +19,7 @@ import string
 from pathlib import Path
 from typing import Any, Mapping
 
-from areal_core.metrics import SinkError, finite_scalars
+from areal_core.metrics import SinkError, finite_scalars, import_for_logger, run_names
 
 ID_FILE = "areal-run-id"
 _ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -44,22 +44,18 @@ class WandbSink:
 
     def __init__(self, run_dir: str | os.PathLike[str], resume_step: int | None = None,
                  config: Mapping[str, Any] | None = None) -> None:
-        try:
-            import wandb
-        except ImportError as e:
-            raise SinkError(f"wandb cannot be imported ({e})",
-                            "pip install areal-plugin-wandb (it brings wandb), or leave wandb out of "
-                            "metrics.loggers") from e
+        wandb = import_for_logger("wandb", "wandb", "areal-plugin-wandb")
         self.run_dir = Path(run_dir)
         config = dict(config or {})
+        experiment, trial = run_names(self.run_dir, config)
         (self.run_dir / "wandb").mkdir(parents=True, exist_ok=True)
         run_id = os.environ.get("WANDB_RUN_ID") or stored_run_id(self.run_dir) or new_run_id()
         (self.run_dir / "wandb" / ID_FILE).write_text(run_id + "\n", encoding="utf-8")
         self.run_id = run_id
         kwargs: dict[str, Any] = {}
         for env, arg, value in (("WANDB_MODE", "mode", "offline"),
-                                ("WANDB_PROJECT", "project", config.get("experiment") or self.run_dir.parent.name),
-                                ("WANDB_NAME", "name", config.get("trial") or self.run_dir.name),
+                                ("WANDB_PROJECT", "project", experiment),
+                                ("WANDB_NAME", "name", trial),
                                 ("WANDB_DIR", "dir", str(self.run_dir))):
             if not os.environ.get(env):
                 kwargs[arg] = value

@@ -1,0 +1,1 @@
+"""areal metrics logger for Trackio: ``metrics.loggers: [jsonl, tensorboard, trackio]``."""
