@@ -9,6 +9,7 @@ versions apply as to any workflow).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from dataclasses import replace
@@ -56,6 +57,42 @@ class BadRequest(ValueError):
     """A request the proxy cannot serve; answered with HTTP 400 and this message."""
 
 
+def tool_format(parser: str, template: str) -> str:
+    """``hermes`` or ``llama3``: how this model writes a tool call (``workflow.tool_parser``, or its template's)."""
+    if parser in ("hermes", "llama3"):
+        return parser
+    if "<tool_call>" not in template and ("<|python_tag|>" in template or "parameters" in template):
+        return "llama3"
+    return "hermes"
+
+
+def forced_opening(tool_choice: Any, tools: list | None, style: str) -> str:
+    """The text a reply must begin with for ``tool_choice`` (``required`` or one named function), else "".
+
+    The engines sample freely (no grammar), so the proxy writes the start of the call in the model's format
+    and lets the model continue: with ``required`` from the function's name on, with a named function from its
+    arguments on. The opening goes into the prompt (not trained: the model did not sample it). Arguments that
+    then do not parse come back as content, as any garbled tool call does.
+    """
+    if tool_choice in (None, "auto", "none"):
+        return ""
+    names = [(t.get("function") or {}).get("name") for t in tools or []]
+    if tool_choice == "required":
+        if not names:
+            raise BadRequest("tool_choice is 'required' but the request sends no tools; send tools or "
+                             "tool_choice 'auto'")
+        return '<tool_call>\n{"name": "' if style == "hermes" else '{"name": "'
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        name = (tool_choice.get("function") or {}).get("name")
+        if name not in names:
+            raise BadRequest(f"tool_choice names the function {name!r}, which is not among the request's tools "
+                             f"({', '.join(map(str, names)) or 'none sent'})")
+        key = "arguments" if style == "hermes" else "parameters"
+        return ("<tool_call>\n" if style == "hermes" else "") + f'{{"name": {json.dumps(name)}, "{key}": '
+    raise BadRequest(f"tool_choice is {tool_choice!r}; send 'auto', 'none', 'required' or "
+                     f"{{'type': 'function', 'function': {{'name': ...}}}}")
+
+
 class Proxy:
     """Serves the OpenAI endpoints for every session of one workflow."""
 
@@ -63,6 +100,7 @@ class Proxy:
         self.chat = ChatTokenizer(tokenizer)
         self.sampling, self.options, self.model_name = sampling, options, model_name
         self.stop_ids = tuple(i for i in {tokenizer.eos_token_id} if i is not None)
+        self.tool_style = tool_format(options.tool_parser, str(getattr(tokenizer, "chat_template", "") or ""))
 
     # ------------------------------------------------------------ sampling
     def params(self, body: Any, k: int) -> SamplingParams:
@@ -87,16 +125,17 @@ class Proxy:
         timeout = self.options.agent_timeout_s
         return list(await asyncio.gather(*(session.generate(r, timeout) for r in requests)))
 
-    def choice(self, response: Any, parse_tools: bool) -> Choice:
+    def choice(self, response: Any, parse_tools: bool, opening: str = "") -> Choice:
+        """What the proxy answers for one engine reply; ``opening``: the text the proxy began the reply with."""
         ids = list(response.output_ids)
         text = self.chat.decode(ids)
         choice = Choice(ids, list(response.output_logprobs), list(response.output_versions), response.stop_reason,
-                        text, content=text)
-        if parse_tools:
+                        text, content=opening + text)
+        if parse_tools or opening:
             raw = self.chat.decode(ids, skip_special=False)
             if ids and ids[-1] in self.chat.special_ids:  # the end-of-turn marker is not part of the reply
                 raw = raw[:len(raw) - len(self.chat.decode(ids[-1:], skip_special=False))]
-            parsed = parse_tool_calls(raw, self.options.tool_parser)
+            parsed = parse_tool_calls(opening + raw, self.tool_style if opening else self.options.tool_parser)
             if parsed.tool_calls:
                 choice.content, choice.tool_calls = parsed.content, parsed.tool_calls
                 if choice.content is not None:
@@ -137,14 +176,20 @@ class Proxy:
     async def chat_completion(self, session: Session, body: ChatRequest) -> tuple[CallRecord, dict]:
         if not body.messages:
             raise BadRequest("messages is empty; send at least one message")
+        if body.top_logprobs:
+            raise BadRequest(f"top_logprobs is {body.top_logprobs}; the engines return the sampled token's logprob "
+                             f"only: leave top_logprobs out or send 0 (logprobs=true still gives each token's)")
         use_tools = body.tools if body.tool_choice != "none" else None
+        opening = forced_opening(body.tool_choice, use_tools, self.tool_style)
         call_id = f"chatcmpl-{uuid.uuid4().hex}"
         began = time.monotonic()
         prompt_ids, prefix, parent = self.prompt_for(session, body.messages, use_tools)
+        if opening:  # part of the prompt: the model continues it, and it is not trained
+            prompt_ids = prompt_ids + self.chat.encode(opening)
         responses = await self.sample(session, prompt_ids, body, call_id)
-        choices = [self.choice(r, bool(use_tools)) for r in responses]
-        info = {"prefix": prefix}
-        if prefix["reused"]:
+        choices = [self.choice(r, bool(use_tools), opening) for r in responses]
+        info = {"prefix": prefix, **({"forced_opening": opening} if opening else {})}
+        if prefix["reused"] and not opening:
             drift = self.chat.drift(prompt_ids, body.messages, use_tools)
             if drift is not None:
                 info["template_drift"] = drift

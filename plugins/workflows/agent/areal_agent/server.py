@@ -1,7 +1,7 @@
 """The HTTP side: a FastAPI app served by uvicorn on its own thread and event loop.
 
 Endpoints: ``/v1/chat/completions`` (streamed as server-sent events when
-asked), ``/v1/completions``, ``/v1/responses`` (text in, text out),
+asked), ``/v1/completions``, ``/v1/responses`` (items, function tools, streaming: :mod:`areal_agent.responses`),
 ``/v1/models``, ``/rl/set_reward`` (also under ``/v1``), ``/health``; in online
 mode also ``/rl/sessions`` and ``/rl/end_session`` (:mod:`areal_agent.online`). Every other call needs
 ``Authorization: Bearer <the session's key>`` (``/rl/sessions``: a client key); a missing, unknown
@@ -27,6 +27,7 @@ from pydantic import BaseModel
 
 from areal_agent.online import NotReady, OnlineHub
 from areal_agent.proxy import BadRequest, ChatRequest, CompletionRequest, Proxy
+from areal_agent.responses import chat_request, conversation_before, response_body, response_events
 from areal_agent.sessions import Session, SessionClosed, SessionStore
 
 log = logging.getLogger("areal.agent")
@@ -124,25 +125,24 @@ def build_app(proxy: Proxy, sessions: SessionStore, hub: OnlineHub | None = None
             data = await request.json()
         except ValueError:
             return error(400, "the body is not JSON", "invalid_request_error")
-        messages = responses_messages(data)
-        if isinstance(messages, str):
-            return error(400, messages, "invalid_request_error")
-        body = ChatRequest(messages=messages, model=data.get("model", ""),
-                           max_tokens=data.get("max_output_tokens"), temperature=data.get("temperature"),
-                           top_p=data.get("top_p"))
-        result, failure = await serve(request, lambda s: proxy.chat_completion(s, body))
+
+        async def work(session: Session) -> dict:
+            conversation = conversation_before(session.responses, data.get("previous_response_id"))
+            body = chat_request(data, conversation)
+            _, answer = await proxy.chat_completion(session, body)
+            response, reply = response_body(data, answer)
+            session.responses[response["id"]] = [*body.messages, reply]
+            return response
+
+        if not isinstance(data, dict):
+            return error(400, "the body must be a JSON object", "invalid_request_error")
+        response, failure = await serve(request, work)
         if failure is not None:
             return failure
-        record, answer = result
-        text = answer["choices"][0]["message"]["content"] or ""
-        return {"id": "resp_" + record.call_id.removeprefix("chatcmpl-"), "object": "response",
-                "created_at": answer["created"], "status": "completed", "model": answer["model"],
-                "output": [{"type": "message", "id": "msg_" + record.call_id[-24:], "status": "completed",
-                            "role": "assistant", "content": [{"type": "output_text", "text": text,
-                                                              "annotations": []}]}],
-                "usage": {"input_tokens": answer["usage"]["prompt_tokens"],
-                          "output_tokens": answer["usage"]["completion_tokens"],
-                          "total_tokens": answer["usage"]["total_tokens"]}}
+        if not data.get("stream"):
+            return JSONResponse(response)
+        return StreamingResponse((f"event: {e['type']}\n{sse(e)}" for e in response_events(response)),
+                                 media_type="text/event-stream")
 
     @app.post("/rl/set_reward")
     @app.post("/v1/rl/set_reward")  # under the base URL too: client.post("/rl/set_reward") from an OpenAI client
@@ -186,24 +186,6 @@ def build_app(proxy: Proxy, sessions: SessionStore, hub: OnlineHub | None = None
             return {"ok": True, "session": session.id, "rewarded": reward is not None}
 
     return app
-
-
-def responses_messages(data: dict) -> list[dict] | str:
-    """The Responses API's ``instructions`` + ``input`` as chat messages, or what is wrong with them."""
-    messages = [{"role": "system", "content": data["instructions"]}] if data.get("instructions") else []
-    given = data.get("input")
-    if isinstance(given, str):
-        return [*messages, {"role": "user", "content": given}]
-    if not isinstance(given, list):
-        return "input must be a string or a list of messages"
-    for entry in given:
-        if not isinstance(entry, dict) or "role" not in entry:
-            return f"input entry {entry!r} is not a message (only messages are served, not items)"
-        content = entry.get("content")
-        if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        messages.append({"role": entry["role"], "content": content or ""})
-    return messages
 
 
 def sse(data: Any) -> str:

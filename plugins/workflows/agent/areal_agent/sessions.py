@@ -59,6 +59,7 @@ class Session:
         self._texts: list[tuple[str, CallRecord, int]] = []  # (prompt + output text, call, choice) of completions
         self._in_flight: set[concurrent.futures.Future] = set()
         self._calls_started = 0
+        self.responses: dict[str, list[dict]] = {}  # Responses API: id -> its messages + reply (previous_response_id)
 
     # ------------------------------------------------------------ calls
     def begin_call(self) -> None:
