@@ -30,7 +30,9 @@ def areal(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedPr
     return subprocess.run([AREAL, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_areal_eval_of_a_checkpoint_equals_the_trainers_own_evaluation_of_that_step(tmp_path):
+def short_run(tmp_path: Path, *overrides: str) -> tuple[Path, Path, dict[int, dict]]:
+    """A tiny model trained 2 steps by `areal run` (the demo config): (the model, the run folder, the trainer's
+    evaluations by the step whose weights they scored)."""
     pytest.importorskip("areal_fsdp")
     pytest.importorskip("areal_local")
     from areal_core.testing import tiny_model
@@ -39,11 +41,23 @@ def test_areal_eval_of_a_checkpoint_equals_the_trainers_own_evaluation_of_that_s
     trained = areal("run", f"output_dir={tmp_path / 'runs'}", f"model.path={model}", "model.dtype=float32",
                     "trainer.total_steps=2", "rollout.batch_size=2", "rollout.group_size=2",
                     "rollout.max_head_offpolicyness=2", "actor.optimizer.lr=1e-2", "rollout.dynamic_filtering=false",
-                    *EVAL_KEYS, cwd=tmp_path)
+                    *EVAL_KEYS, *overrides, cwd=tmp_path)
     assert trained.returncode == 0, trained.stdout + trained.stderr
     run_dir = tmp_path / "runs" / "demo" / "run0"
     logged = {int(r["eval/after_step"]): r for r in read_jsonl(run_dir / "metrics.jsonl") if "eval/accuracy" in r}
     assert sorted(logged) == [0, 2]
+    # The reward reads the completions' text: the trained and the initial weights score apart, so equal figures
+    # below come from the checkpoint's weights, not the base model's.
+    assert logged[0]["eval/reward_mean"] != logged[2]["eval/reward_mean"]
+    return model, run_dir, logged
+
+
+def scores(metrics: dict) -> dict:
+    return {key: metrics[key] for key in COMPARED}
+
+
+def test_areal_eval_of_a_checkpoint_equals_the_trainers_own_evaluation_of_that_step(tmp_path):
+    _, run_dir, logged = short_run(tmp_path)
 
     # The run folder: its latest checkpoint (step 2), with the run's own config.yaml.
     scored = areal("eval", str(run_dir), cwd=tmp_path)
@@ -51,24 +65,52 @@ def test_areal_eval_of_a_checkpoint_equals_the_trainers_own_evaluation_of_that_s
     checkpoint = run_dir / "checkpoints" / "step-00000002"
     report = json.loads((checkpoint / "eval.json").read_text())
     assert report["evaluated"]["kind"] == "checkpoint" and report["evaluated"]["step"] == 2
-    assert report["evaluated"]["path"] == str(checkpoint)
-    assert report["config"]["file"] == str(run_dir / "config.yaml")
-    assert {key: report["metrics"][key] for key in COMPARED} == {key: logged[2][key] for key in COMPARED}
+    assert report["evaluated"]["path"] == str(checkpoint) and not report["evaluated"]["lora"]
+    assert report["config"] == {"file": str(run_dir / "config.yaml"), "overrides": [],
+                                "sha256": report["config"]["sha256"]} and len(report["config"]["sha256"]) == 64
+    assert scores(report["metrics"]) == scores(logged[2])
     assert report["metrics"]["eval/after_step"] == 2
     assert (report["k"], report["pass@k"], report["mean@k"], report["reward_mean"], report["items"]) == \
         (1, logged[2]["eval/accuracy"], logged[2]["eval/mean_at_k"], logged[2]["eval/reward_mean"], 8)
     assert "pass@1" in scored.stdout and "mean reward" in scored.stdout
-    assert not list(checkpoint.glob(".eval.json.tmp*"))
+    assert not list(checkpoint.glob(".eval.json*"))
+    assert (run_dir / "logs" / "eval-rollout-0.log").exists()
 
+
+@pytest.mark.slow
+def test_areal_eval_of_the_base_model_equals_the_evaluation_before_training_and_samples_give_pass_and_mean_at_k(
+        tmp_path):
+    model, run_dir, logged = short_run(tmp_path)
     # The base model with the demo config (the default for a model) and the same keys: the step-0 evaluation.
     base = areal("eval", str(model), "model.dtype=float32", *EVAL_KEYS, "--out", str(tmp_path / "base.json"),
                  cwd=tmp_path)
     assert base.returncode == 0, base.stdout + base.stderr
-    base_report = json.loads((tmp_path / "base.json").read_text())
-    assert base_report["evaluated"]["kind"] == "model" and base_report["evaluated"]["step"] == 0
-    assert {key: base_report["metrics"][key] for key in COMPARED} == {key: logged[0][key] for key in COMPARED}
-    # The reward reads the completions' text: had both evaluations served the same weights, they would agree.
-    assert base_report["metrics"]["eval/reward_mean"] != report["metrics"]["eval/reward_mean"]
+    report = json.loads((tmp_path / "base.json").read_text())
+    assert report["evaluated"]["kind"] == "model" and report["evaluated"]["step"] == 0
+    assert report["evaluated"]["model"] == str(model)
+    assert scores(report["metrics"]) == scores(logged[0])
+
+    # Sampled, 4 samples per item: pass@4 >= mean@4, and the overrides are recorded.
+    checkpoint = run_dir / "checkpoints" / "step-00000002"
+    sampled = areal("eval", str(checkpoint), "eval.samples=4", "eval.temperature=1.0", "--out",
+                    str(tmp_path / "sampled.json"), cwd=tmp_path)
+    assert sampled.returncode == 0, sampled.stdout + sampled.stderr
+    report = json.loads((tmp_path / "sampled.json").read_text())
+    assert report["k"] == 4 and report["config"]["overrides"] == ["eval.samples=4", "eval.temperature=1.0"]
+    assert 0.0 <= report["mean@k"] <= report["pass@k"] <= 1.0 and "pass@4" in sampled.stdout
+
+
+@pytest.mark.slow
+def test_areal_eval_of_a_lora_checkpoint_merges_its_adapters_as_the_trainer_exports_them(tmp_path):
+    pytest.importorskip("peft")
+    _, run_dir, logged = short_run(tmp_path, "actor.lora_rank=4", "actor.optimizer.lr=5e-2")
+    checkpoint = run_dir / "checkpoints" / "step-00000002"
+    assert (checkpoint / "actor" / "adapter").is_dir()
+    scored = areal("eval", str(checkpoint), cwd=tmp_path)
+    assert scored.returncode == 0, scored.stdout + scored.stderr
+    report = json.loads((checkpoint / "eval.json").read_text())
+    assert report["evaluated"]["lora"] and "LoRA merged" in scored.stdout
+    assert scores(report["metrics"]) == scores(logged[2])
 
 
 def assert_refused(proc: subprocess.CompletedProcess, *expected: str) -> None:
