@@ -1,0 +1,8 @@
+"""The checks every component kind shares: the entry point resolves, `areal plugins` lists it cleanly."""
+
+from areal_core.testing import ComponentConformance
+
+
+class TestTrackioLogger(ComponentConformance):
+    kind = "logger"
+    component_name = "trackio"
