@@ -253,6 +253,34 @@ def missing_module(found: Found) -> tuple[str, str] | None:
             f"{BLOCK_ENV}={found.distribution})")
 
 
+def unmet_requirements(distribution: str) -> list[tuple[str, str]]:
+    """(requirement, what is installed instead) for each of ``distribution``'s declared dependencies (extras left
+    out, markers evaluated here) that is not installed or not at an allowed version; read from installed
+    metadata, importing nothing. A component's module can be findable and still fail to import for this."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    try:
+        declared = metadata.requires(distribution) or []
+    except metadata.PackageNotFoundError:
+        return []
+    unmet = []
+    for text in declared:
+        try:
+            requirement = Requirement(text)
+        except InvalidRequirement:
+            continue
+        if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+            continue
+        try:
+            installed = metadata.version(requirement.name)
+        except metadata.PackageNotFoundError:
+            unmet.append((str(requirement), "not installed"))
+            continue
+        if requirement.specifier and not requirement.specifier.contains(installed, prereleases=True):
+            unmet.append((str(requirement), f"{installed} is installed"))
+    return unmet
+
+
 def closest(name: str, candidates: list[str]) -> str | None:
     """The candidate a typo most likely meant, or None (YAML keys may be numbers: compared as text)."""
     matches = difflib.get_close_matches(str(name), [str(c) for c in candidates], n=1, cutoff=0.6)

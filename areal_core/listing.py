@@ -1,7 +1,8 @@
 """What is installed, by distribution: hook plugins, components, declared backends, errors and warnings.
 
 Gathered without importing any component (entry points and hook calls only): a component whose module
-cannot be found is listed as an error all the same (:func:`areal_core.discovery.missing_module`).
+cannot be found is listed as an error all the same (:func:`areal_core.discovery.missing_module`), and so is a
+distribution whose declared requirements are not installed (:func:`areal_core.discovery.unmet_requirements`).
 ``areal plugins`` renders it; the conformance kit reads it. Data here, the
 presentation in the CLI (as datasette keeps ``get_plugins()`` in its core).
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from areal_core.discovery import claimed_twice, entry_points, missing_module, normalize
+from areal_core.discovery import claimed_twice, entry_points, missing_module, normalize, unmet_requirements
 from areal_core.plugins import get_plugin_manager
 from areal_core.registry import KINDS
 
@@ -33,6 +34,7 @@ def collect_listing() -> dict:
         e["hooks"] = sorted(set(e["hooks"]) | set(info.hooks))
         e["errors"].extend(info.errors)
         e["warnings"].extend(info.warnings)
+    unmet: dict[str, list] = {}  # distribution -> its unmet requirements, checked once
     for kind, (group, label, _) in KINDS.items():
         claims: dict[str, list] = {}
         for found in entry_points(group):
@@ -42,6 +44,11 @@ def collect_listing() -> dict:
             if missing:  # told without importing it (a healthy component is never imported here)
                 e["errors"].append(f"{label} '{found.name}' ({found.name} = {found.value}) cannot be imported: "
                                    f"{missing[0]}. Fix: {missing[1]}.")
+            elif found.distribution not in unmet:  # its module is there; what it imports may not be
+                unmet[found.distribution] = unmet_requirements(found.distribution)
+                for requirement, instead in unmet[found.distribution]:
+                    e["errors"].append(f"{found.owner} requires {requirement} ({instead}), so its components may "
+                                       f"fail to import. Fix: pip install '{requirement}'.")
             claims.setdefault(found.name, []).append(found)
         for name, founds in claims.items():
             if len(founds) > 1:

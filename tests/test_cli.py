@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -338,3 +339,22 @@ def test_areal_plugins_flags_a_component_whose_module_is_missing_and_exits_1(tmp
         "module ghost_mod. Fix: its entry point is wrong, so reinstalling will not help: the maintainers of "
         "areal-plugin-ghost must name a module the distribution contains (uninstall it, or block it with "
         "AREAL_DISABLE_PLUGINS=areal-plugin-ghost)."]
+
+
+def test_areal_plugins_flags_a_plugin_whose_requirements_are_not_installed_without_importing_it(tmp_path):
+    """The module is there, so only importing it would fail: the declared requirements tell without importing."""
+    eps = {"areal.rewards": {"needy": "needy_mod:score"}}
+    files = {"needy_mod.py": "raise RuntimeError('imported')\n"}  # importing it would fail the listing loudly
+    requires = ["no-such-dist-xyz>=1.0", "pytest>=1", "pluggy<0.1", "colorama; sys_platform == 'nonexistent'",
+                "rich; extra == 'fancy'"]
+    with install_fake_distribution(tmp_path, "areal-plugin-needy", "0.2.0", eps, files, requires=requires):
+        result, _ = invoke("plugins", "--json")
+    assert result.exit_code == 1
+    listed = {d["distribution"]: d for d in json.loads(result.stdout)["distributions"]}
+    pluggy = importlib.metadata.version("pluggy")
+    assert listed["areal-plugin-needy"]["errors"] == [
+        "areal-plugin-needy 0.2.0 requires no-such-dist-xyz>=1.0 (not installed), so its components may fail to "
+        "import. Fix: pip install 'no-such-dist-xyz>=1.0'.",
+        f"areal-plugin-needy 0.2.0 requires pluggy<0.1 ({pluggy} is installed), so its components may fail to "
+        f"import. Fix: pip install 'pluggy<0.1'."]
+    assert "needy_mod" not in sys.modules

@@ -53,6 +53,7 @@ def install_fake_distribution(
     version: str,
     entry_points: dict[str, dict[str, str]],
     files: dict[str, str],
+    requires: tuple[str, ...] | list[str] = (),
 ) -> Iterator[Path]:
     """Make distribution ``name`` ``version`` look installed inside the ``with`` block.
 
@@ -62,7 +63,8 @@ def install_fake_distribution(
     ``PYTHONPATH=site``. ``entry_points``: group -> {entry-point name ->
     ``"module:attr"``}, e.g. ``{"areal.rewards": {"mine": "my_reward:MyReward"}}``.
     ``files``: path relative to ``tmp_path`` -> source text
-    (``{"my_reward.py": "..."}``, ``{"my_pkg/__init__.py": ""}``).
+    (``{"my_reward.py": "..."}``, ``{"my_pkg/__init__.py": ""}``). ``requires``:
+    its declared dependencies (``Requires-Dist`` lines, e.g. ``"wandb>=0.17"``).
 
     Several distributions may share one folder. On exit the distribution is
     uninstalled (its ``*.dist-info`` removed; module files stay for
@@ -78,7 +80,8 @@ def install_fake_distribution(
         target.write_text(source)
     info = site / _dist_info_name(name, version)
     info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                                   + "".join(f"Requires-Dist: {r}\n" for r in requires))
     (info / "entry_points.txt").write_text(_entry_points_txt(entry_points))
     (info / "INSTALLER").write_text("areal_core.testing\n")
     (info / "RECORD").write_text("".join(f"{p},,\n" for p in files))
