@@ -43,8 +43,10 @@ import argparse
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -92,7 +94,11 @@ def main() -> None:
     parser.add_argument("--whole-path-only", action="store_true", help="only the whole path to the embedded engine")
     args = parser.parse_args()
     from safetensors.torch import save_file
+
+    from areal_core.allocator import retain_freed_memory
     from areal_local.shm import WeightStage
+
+    retain_freed_memory()  # as the trainer does (areal_core.trainer): exports reuse the pages of the last one
 
     with tempfile.TemporaryDirectory(prefix="areal-weight-sync-") as tmp:
         tmp = Path(tmp)
@@ -161,6 +167,43 @@ def memcpy_s(named: list, threads: int | None, repeats: int) -> float:
         torch.set_num_threads(before)
 
 
+def plain_memcpy_s(nbytes: int, repeats: int) -> float:
+    """The median time of one libc ``memcpy`` of ``nbytes`` between two buffers already paged in (one thread)."""
+    import ctypes
+
+    source, target = bytearray(b"\1") * nbytes, bytearray(nbytes)  # both written: every page is resident
+    src = (ctypes.c_char * nbytes).from_buffer(source)
+    dst = (ctypes.c_char * nbytes).from_buffer(target)
+    try:
+        return timed(lambda: ctypes.memmove(dst, src, nbytes), repeats)
+    finally:
+        del src, dst
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+# The whole path's rows, in the order the rollout controller makes the calls: (key, label, which of the issue's
+# phases it belongs to). Rows of the engine's load come from its /health (last_load_phases).
+ROWS = [("export", "export (export_tensors)", "export"),
+        ("digest_trainer", "digest, trainer (xxh3, on)", "digest"),
+        ("pause", "pause (HTTP)", "pause / resume"),
+        ("transfer", "transfer (/dev/shm stage write)", "transfer"),
+        ("load_read", "load: map + header", "load"),
+        ("load_checked", "load: names / shapes checked", "load"),
+        ("load_copied", "load: copy into the model", "load"),
+        ("load_derived", "load: packed / fused copies", "load"),
+        ("load_rest", "load: the rest (HTTP, requeue)", "load"),
+        ("digest_engine", "digest, engine (xxh3, on)", "digest"),
+        ("resume", "resume + first token", "pause / resume"),
+        ("whole", "whole path", None)]
+PHASES = ("export", "transfer", "load", "pause / resume", "digest")
+
+
 def whole_path(train_engine, model: Path, dtype: str, bucket: int, repeats: int, tmp: Path) -> None:
     """One tensors update to a real embedded server holding ``model`` (the train engine's shapes), phase by phase
     (see the module's docstring)."""
@@ -169,6 +212,7 @@ def whole_path(train_engine, model: Path, dtype: str, bucket: int, repeats: int,
     from areal_core.api import Context, GenerationRequest, SamplingParams
     from areal_core.config.schema import RunConfig
     from areal_core.remote import ServerFleet
+    from areal_core.threads import serial_torch
     from areal_core.weight_check import compare_digests, digest_named
     from areal_local.engine import LocalEngine, LocalEngineConfig
     from areal_local.shm import WeightStage
@@ -177,6 +221,7 @@ def whole_path(train_engine, model: Path, dtype: str, bucket: int, repeats: int,
     cfg.model.path, cfg.model.dtype = str(model), dtype
     cfg.output_dir, cfg.experiment, cfg.trial = str(tmp / "runs"), "bench", "weights"
     options = LocalEngineConfig(max_batch=8)
+    load_before = loadavg()
     with ServerFleet(tmp / "logs") as fleet:
         server = fleet.launch(lambda i, port: LocalEngine.server_process(Context(config=cfg, options=options), i,
                                                                         port))[0]
@@ -187,65 +232,84 @@ def whole_path(train_engine, model: Path, dtype: str, bucket: int, repeats: int,
         def add(name: str, seconds: float) -> None:
             rows.setdefault(name, []).append(seconds)
 
-        async def one(version: int) -> None:
-            began = time.perf_counter()
-            named = [pair for b in train_engine.export_tensors(bucket) for pair in b]
-            add("export (export_tensors)", time.perf_counter() - began)
-            at = time.perf_counter()
-            sent = digest_named(named, "on")
-            add("digest, trainer (xxh3, on)", time.perf_counter() - at)
-            at = time.perf_counter()
-            folder = stage.write(named, version)
-            add("transfer (/dev/shm stage write)", time.perf_counter() - at)
+        # As in the trainer: export and digest on the training thread (torch's threads), the hand-over on the
+        # rollout controller's event-loop thread, whose torch ops run on one thread (areal_core.threads).
+        loop = asyncio.new_event_loop()
+        controller = threading.Thread(target=lambda: (serial_torch(), loop.run_forever()), daemon=True)
+        controller.start()
+
+        def on_controller(coroutine: Any) -> Any:
+            return asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout=600)
+
+        async def hand_over(named: list, sent: dict, version: int, began: float) -> None:
             at = time.perf_counter()
             await client.pause()
             add("pause", time.perf_counter() - at)
             at = time.perf_counter()
+            folder = stage.write(named, version)  # inside the pause, as update_weights_from_tensors does
+            add("transfer", time.perf_counter() - at)
+            at = time.perf_counter()
             health = await client.request("POST", "/update_weights_from_disk",
                                           json={"path": str(folder), "version": version})
             took = time.perf_counter() - at
-            add("load, in the server", health["last_load_s"])
-            add("load, HTTP around it", took - health["last_load_s"])
+            phases = {key: (health.get("last_load_phases") or {}).get(key, 0.0)
+                      for key in ("read", "checked", "copied", "derived")}
+            for key, seconds in phases.items():
+                add(f"load_{key}", seconds)
+            add("load_rest", took - sum(phases.values()))
             at = time.perf_counter()
             held = await client.weight_digest("on")
-            add("digest, engine (xxh3, on)", time.perf_counter() - at)
+            add("digest_engine", time.perf_counter() - at)
             if compare_digests(sent, held):
                 raise RuntimeError(f"the engine's digests differ from the trainer's: {compare_digests(sent, held)[:3]}")
             at = time.perf_counter()
             await client.resume()
             first = await client.agenerate(GenerationRequest([1, 2, 3, 4], SamplingParams(max_new_tokens=1,
                                                                                           temperature=0.0)))
-            add("resume + first token", time.perf_counter() - at)
+            add("resume", time.perf_counter() - at)
             if first.output_versions != [version]:
                 raise RuntimeError(f"the first token carries version {first.output_versions}, not {version}")
-            add("whole path", time.perf_counter() - began)
+            add("whole", time.perf_counter() - began)
 
-        async def run() -> None:
-            await client.start()
-            try:
-                for version in range(1, repeats + 2):  # the first is a warm-up
-                    await one(version)
-            finally:
-                await client.aclose()
-
-        asyncio.run(run())
+        on_controller(client.start())
+        try:
+            for version in range(1, repeats + 2):  # the first is a warm-up
+                began = time.perf_counter()
+                named = [pair for b in train_engine.export_tensors(bucket) for pair in b]
+                add("export", time.perf_counter() - began)
+                at = time.perf_counter()
+                sent = digest_named(named, "on")
+                add("digest_trainer", time.perf_counter() - at)
+                on_controller(hand_over(named, sent, version, began))
+                del named
+        finally:
+            on_controller(client.aclose())
+            loop.call_soon_threadsafe(loop.stop)
+            controller.join(timeout=60)
         stage.close()
+    load_after = loadavg()
     named = [pair for b in train_engine.export_tensors(bucket) for pair in b]
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    plain = plain_memcpy_s(nbytes, repeats)
     copy_all, copy_one = memcpy_s(named, None, repeats), memcpy_s(named, 1, repeats)
+    del named
+    median = {key: statistics.median(times[1:]) for key, times in rows.items()}
     print(f"whole path of one update to a real embedded server ({nbytes / 2**20:.0f} MiB; median of {repeats} after "
-          f"a warm-up):")
-    for name, times in rows.items():
-        t = statistics.median(times[1:])
-        rate = f"{nbytes / t / 1e9:6.2f} GB/s" if name not in ("pause", "load, HTTP around it",
-                                                                "resume + first token") else " " * 11
-        print(f"  {name:34s} {t:7.3f} s  {rate}")
-    total = statistics.median(rows["whole path"][1:])
-    print(f"  memcpy of the same bytes, {torch.get_num_threads()} threads {copy_all:7.3f} s  "
-          f"{nbytes / copy_all / 1e9:6.2f} GB/s")
-    print(f"  memcpy of the same bytes, 1 thread   {copy_one:7.3f} s  {nbytes / copy_one / 1e9:6.2f} GB/s")
-    print(f"  whole path / memcpy: {total / copy_all:.1f}x ({torch.get_num_threads()} threads), "
-          f"{total / copy_one:.1f}x (1 thread); the issue's target is 2x")
+          f"a warm-up; load average {load_before} before, {load_after} after):")
+    print(f"  {'':38s} {'seconds':>8s} {'GB/s':>7s} {'x memcpy':>9s}")
+
+    def line(label: str, t: float) -> None:
+        print(f"  {label:38s} {t:8.3f} {nbytes / t / 1e9 if t > 0 else float('inf'):7.2f} {t / plain:9.1f}")
+
+    for key, label, _ in ROWS:
+        line(label, median[key])
+    print("  the issue's phases:")
+    for phase in PHASES:
+        line(f"  {phase}", sum(median[key] for key, _, p in ROWS if p == phase))
+    line("plain memcpy (libc, one thread)", plain)
+    line(f"memcpy, torch copy_ ({torch.get_num_threads()} threads)", copy_all)
+    line("memcpy, torch copy_ (1 thread)", copy_one)
+    print(f"  whole path / plain memcpy: {median['whole'] / plain:.1f}x; the issue's target is 2x")
 
 
 if __name__ == "__main__":

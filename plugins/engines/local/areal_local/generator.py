@@ -57,6 +57,7 @@ from __future__ import annotations
 import inspect
 import os
 import random
+import time
 from collections import deque
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
@@ -150,6 +151,8 @@ class Generator:
             raise ValueError(f"Generator: lean_decode=True but {type(model).__name__} is not a Llama-family model "
                              f"with full attention ({', '.join(SUPPORTED_MODEL_TYPES)}); leave lean_decode unset")
         self._lean = LeanDecoder(model, packed=self._packed) if lean_decode else None
+        self._mapped = None  # areal_local.shm.MappedWeights, on the first load_safetensors_dir
+        self.load_phases: dict[str, float] = {}  # seconds of the last load's phases: read, checked, copied, derived
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_batch = max_batch
@@ -461,6 +464,7 @@ class Generator:
         the queue: the KV cache computed under the old weights is dropped and
         the next step prefills prompt + output under the new weights.
         """
+        began = time.perf_counter()
         own = self.model.state_dict()
         problems = []
         for name, tensor in state_dict.items():
@@ -483,27 +487,45 @@ class Generator:
         if problems:
             shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
             raise ValueError(f"Generator.load_state_dict: refused, nothing was loaded: {shown}")
+        copied = time.perf_counter()
         with torch.no_grad():
             for name, tensor in state_dict.items():
                 own[name].copy_(tensor)
+        derived = time.perf_counter()
+        self._refresh_derived()
+        self.load_phases = dict(checked=copied - began, copied=derived - copied, derived=time.perf_counter() - derived)
+        self._requeue_running()
+
+    def _refresh_derived(self) -> None:
+        """Rebuild the copies made of the weights for speed (oneDNN-packed linears, the lean decoder's fused ones)."""
         if self._packed is not None:
             self._packed.refresh()
         if self._lean is not None:
             self._lean.refresh()
-        self._requeue_running()
 
-    def load_safetensors_dir(self, path: str | Path, *, strict: bool = True) -> None:
-        """:meth:`load_state_dict` from every ``*.safetensors`` file in folder ``path`` (HF names)."""
-        from safetensors.torch import load_file
+    def load_safetensors_dir(self, path: str | Path, version: int | None = None, *, strict: bool = True) -> None:
+        """:meth:`load_state_dict` from every ``*.safetensors`` file in folder ``path`` (HF names), copied
+        straight from the mapped files into the parameters (:class:`areal_local.shm.MappedWeights`: the
+        ``/dev/shm`` stage stays mapped between versions). A stage file must hold ``version`` and be whole;
+        anything refused leaves the weights as they were."""
+        from areal_local.shm import MappedWeights
 
         folder = Path(path)
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise ValueError(f"Generator.load_safetensors_dir: no *.safetensors file in {folder}")
+        if self._mapped is None:
+            self._mapped = MappedWeights()
+        began = time.perf_counter()
         state: dict[str, torch.Tensor] = {}
         for file in files:
-            state.update(load_file(str(file)))
-        self.load_state_dict(state, strict=strict)
+            state.update(self._mapped.tensors(file, version))
+        read = time.perf_counter() - began
+        try:
+            self.load_state_dict(state, strict=strict)
+        finally:
+            state.clear()  # views of the mapping: none outlives the load
+        self.load_phases["read"] = read
 
     def load_delta_dir(self, path: str | Path, base_version: int, version: int) -> None:
         """Apply the :class:`areal_core.weight_delta.WeightDelta` saved in folder ``path`` (its named form) to the
@@ -519,10 +541,7 @@ class Generator:
         for file in files:
             named.update(load_file(str(file)))
         apply_delta(self.model.state_dict(), delta_from_named(named, base_version, version))
-        if self._packed is not None:
-            self._packed.refresh()
-        if self._lean is not None:
-            self._lean.refresh()
+        self._refresh_derived()
         self._requeue_running()
 
     def _requeue_running(self) -> None:

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from areal_core.api.inference import SamplingParams
+from areal_core.threads import torch_threads
 
 log = logging.getLogger("areal.local.server")
 
@@ -89,6 +90,13 @@ def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
         future.set_exception(exc)
 
 
+# A weight load is memory copies (into the parameters, then the packed / fused copies): on one thread, which
+# the kernel cannot leave waiting for a descheduled second one (areal_core.threads.torch_threads). Whole path of
+# SmolLM2-135M float32 on the 2-core test machine under load 7 (benchmarks/weight_sync.py): the load took
+# 16.4 s on the engine thread's two threads.
+LOAD_THREADS = 1
+
+
 class DeltaBaseError(Exception):
     """A delta whose base is not the version this server holds (answered 409: the client sends the full weights)."""
 
@@ -96,11 +104,14 @@ class DeltaBaseError(Exception):
 class EngineLoop:
     """The one thread that touches the model. Commands arrive through a queue."""
 
-    def __init__(self, generator: Any, load_weights: Any, threads: int | None = None) -> None:
-        """``threads``: torch threads of the engine thread (None: the process's count when it starts)."""
+    def __init__(self, generator: Any, load_weights: Any, threads: int | None = None,
+                 load_threads: int = LOAD_THREADS) -> None:
+        """``threads``: torch threads of the engine thread (None: the process's count when it starts);
+        ``load_threads``: its torch threads while it copies new weights in (see LOAD_THREADS)."""
         self.gen = generator
         self.load_weights = load_weights
         self.threads = threads
+        self.load_threads = load_threads
         self.version = 0
         self.paused = False
         self.pending: dict[str, Pending] = {}
@@ -123,6 +134,7 @@ class EngineLoop:
         return {"status": "ok" if self.error is None else "error", "version": self.version,
                 "running": self.gen.num_running, "waiting": self.gen.num_waiting, "paused": self.paused,
                 "threads": self.threads, "last_load_s": self.last_load_s,
+                "last_load_phases": dict(getattr(self.gen, "load_phases", {})),
                 "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}"}
 
     # -- the engine thread -------------------------------------------------
@@ -210,10 +222,11 @@ class EngineLoop:
             pending = self.pending[done.rid]
             pending.extend(done.output_ids, done.logprobs, self.version)
             interrupted.append(pending)
-        if load is None:
-            self.load_weights(path)
-        else:
-            load()
+        with torch_threads(self.load_threads):
+            if load is None:
+                self.load_weights(path, version)
+            else:
+                load()
         self.version = version
         for pending in interrupted:
             left = pending.sampling.max_new_tokens - len(pending.output_ids)

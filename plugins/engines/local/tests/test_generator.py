@@ -442,6 +442,32 @@ def test_load_safetensors_dir_and_refusals_leave_the_weights_alone(folders, tmp_
     assert drain(gen, {0: [("a", PROMPTS[0], greedy(8))]})[0]["a"].output_ids == hf_greedy(new, PROMPTS[0], 8, eos=None)
 
 
+def test_the_shm_stage_loads_bit_exact_and_a_half_written_one_changes_nothing(folders, tmp_path):
+    """Weights through the /dev/shm stage (areal_local.shm) land in the parameters bit for bit, version after
+    version through the one mapping the generator keeps; a stage whose write failed half way, or that holds
+    another version, is refused before anything is copied."""
+    from areal_local.shm import IncompleteWeights, WeightStage
+
+    gen = Generator(load(folders["llama"], seed=0), eos_token_ids=[])
+    stage = WeightStage(tmp_path)
+    for version, seed in ((1, 1), (2, 2)):
+        sent = {k: v.clone() for k, v in load(folders["llama"], seed=seed).state_dict().items()}
+        gen.load_safetensors_dir(stage.write(sent.items(), version), version)
+        held = gen.model.state_dict()
+        assert all(torch.equal(held[k].view(torch.uint8), v.view(torch.uint8)) for k, v in sent.items())
+        assert set(gen.load_phases) == {"read", "checked", "copied", "derived"}
+    expected = drain(gen, {0: [("a", PROMPTS[0], greedy(6))]})[0]["a"].output_ids
+    before = {k: v.clone() for k, v in gen.model.state_dict().items()}
+    with pytest.raises(IncompleteWeights, match="holds version 2, not the version 3"):
+        gen.load_safetensors_dir(stage.folder, 3)
+    (stage.folder / "model.safetensors").open("r+b").write(bytes(8))  # what a write that failed half way leaves
+    with pytest.raises(IncompleteWeights, match="never finished"):
+        gen.load_safetensors_dir(stage.folder, 2)
+    assert all(torch.equal(before[k], v) for k, v in gen.model.state_dict().items())
+    assert drain(gen, {0: [("b", PROMPTS[0], greedy(6))]})[0]["b"].output_ids == expected
+    stage.close()
+
+
 # ---------------------------------------------------------------------------
 # bfloat16
 # ---------------------------------------------------------------------------

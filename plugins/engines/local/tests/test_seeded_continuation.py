@@ -109,7 +109,7 @@ class Driver:
         self.engine = EngineLoop(self.gen, self.load)
         self.loop = asyncio.new_event_loop()
 
-    def load(self, path: str) -> None:  # the same weights again: only the interruption differs
+    def load(self, path: str, version: int) -> None:  # the same weights again: only the interruption differs
         self.loaded.append(path)
         self.gen.load_state_dict(self.weights)
 
