@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from areal_core.rollout import RolloutController  # noqa: E402
-from areal_core.threads import serial_torch  # noqa: E402
+from areal_core.threads import serial_torch, torch_threads  # noqa: E402
 from areal_core.testing.latency_engine import GroupWorkflowDouble, LatencyEngineDouble  # noqa: E402
 
 
@@ -55,3 +55,20 @@ def test_rollout_controller_threads_are_serial(two_threads):
 
         assert ctrl._call(counts(), "thread counts") == (1, 1, 1)
     assert torch.get_num_threads() == 2
+
+
+def test_torch_threads_sets_the_block_and_restores_the_count_even_on_error(two_threads):
+    """A weight load's copies run on one thread (the embedded server, the fsdp export); the thread's count comes
+    back after the block, also when the block raises."""
+    seen = []
+    with torch_threads(1):
+        seen.append(torch.get_num_threads())
+        target = torch.empty(1 << 20)
+        target.copy_(torch.ones(1 << 20))
+    assert seen[0] == 1 and torch.get_num_threads() == 2 and bool((target == 1).all())
+    with pytest.raises(RuntimeError, match="half way"):
+        with torch_threads(1):
+            raise RuntimeError("half way")
+    assert torch.get_num_threads() == 2
+    with torch_threads(2):  # already so: nothing to change
+        assert torch.get_num_threads() == 2
