@@ -38,6 +38,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from areal_local.packed import repack
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
@@ -100,8 +102,9 @@ class LeanDecoder:
     @torch.no_grad()
     def refresh(self) -> None:
         """Rebuild the fused / packed weights (after a weight load)."""
-        self._qkv = [self._fuse(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
-                     for layer in self.layers]
+        old = self._qkv if len(self._qkv) == len(self.layers) else [None] * len(self.layers)
+        self._qkv = [self._fuse(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, into=was)
+                     for layer, was in zip(self.layers, old)]
         if self._packs is not None:  # call after the PackedLinears' own refresh
             self._mlp = [(self._packed(layer.mlp.gate_proj), self._packed(layer.mlp.up_proj),
                           self._packed(layer.mlp.down_proj)) for layer in self.layers]
@@ -112,7 +115,9 @@ class LeanDecoder:
     def _packed(self, linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self._packs.weight_of(linear), linear.bias
 
-    def _fuse(self, *linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _fuse(self, *linears: torch.nn.Linear,
+              into: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One weight (and bias) for ``linears`` stacked; packed, into ``into``'s packed weight when given."""
         weight = torch.cat([m.weight.detach() for m in linears])
         biases = [m.bias for m in linears]
         if all(b is None for b in biases):
@@ -121,7 +126,7 @@ class LeanDecoder:
             bias = torch.cat([b.detach() if b is not None else weight.new_zeros(m.weight.shape[0])
                               for b, m in zip(biases, linears)])
         if self.packed:
-            weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            weight = repack(into[0] if into is not None else None, weight)
         return weight, bias
 
     def _linear(self, x: torch.Tensor, fused: tuple[torch.Tensor, torch.Tensor | None],

@@ -47,6 +47,24 @@ def onednn_bf16_supported() -> bool:
     return bool(probe()) if probe is not None else False
 
 
+def repack(packed: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` in oneDNN's packed layout: written into ``packed`` (the packed copy of an earlier weight of
+    the same shape and dtype) when there is one, else a fresh ``_reorder_linear_weight``.
+
+    ``copy_`` between mkldnn tensors reorders into the destination's layout, the one oneDNN chose for this
+    shape, so the result is bit for bit the fresh reorder's and so are the matmuls on it (checked in the
+    tests), and it is faster: every linear of SmolLM2-135M in float32 on one thread of the 2-core test
+    machine took 0.14 s against 0.33 s for fresh reorders (no new memory to fault in, no layout query).
+    """
+    if packed is not None and packed.shape == weight.shape and packed.dtype == weight.dtype:
+        try:
+            packed.copy_(weight.to_mkldnn())
+            return packed
+        except RuntimeError:  # a dtype this torch's mkldnn copy does not take: the fresh reorder below
+            pass
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
 class PackedLinears:
     """Route every ``nn.Linear`` of ``model`` through a prepacked copy of its weight.
 
@@ -80,9 +98,9 @@ class PackedLinears:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Repack every weight (after a weight load)."""
+        """Repack every weight (after a weight load), into the packed copies already there (:func:`repack`)."""
         for module in self.modules:
-            self._packed[id(module)] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
+            self._packed[id(module)] = repack(self._packed.get(id(module)), module.weight.detach())
 
     def detach(self) -> None:
         for module in self.modules:

@@ -515,6 +515,29 @@ def test_packed_linears_are_the_default_and_agree_with_torchs_own_kernels(folder
         assert max(abs(a - b) for a, b in zip(packed[rid].logprobs, plain[rid].logprobs)) < 1e-4
 
 
+def test_a_weight_load_repacks_in_place_bit_exact_with_fresh_packing(folders):
+    """After a load the packed and fused copies are rewritten in the tensors already there (areal_local.packed.repack),
+    and they are bit for bit what packing the new weights afresh gives: the same tokens and logprobs as a new
+    generator built on the new weights."""
+    model = load(folders["qwen2"], seed=3)
+    gen = Generator(model, eos_token_ids=[])
+    packed_before = dict(gen._packed._packed)
+    qkv_before = [w for w, _ in gen._lean._qkv]
+    new = load(folders["qwen2"], seed=4)
+    gen.load_state_dict(new.state_dict())
+    assert all(gen._packed._packed[k] is t for k, t in packed_before.items())
+    assert all(w is was for (w, _), was in zip(gen._lean._qkv, qkv_before))
+    fresh = Generator(new, eos_token_ids=[])
+    for mine, theirs in zip(gen._packed.modules, fresh._packed.modules, strict=True):
+        assert torch.equal(gen._packed.weight_of(mine).to_dense(), fresh._packed.weight_of(theirs).to_dense())
+    for (mine, mine_bias), (theirs, theirs_bias) in zip(gen._lean._qkv, fresh._lean._qkv):
+        assert torch.equal(mine.to_dense(), theirs.to_dense()) and torch.equal(mine_bias, theirs_bias)
+    schedule = {0: [(f"r{i}", p, SamplingParams(max_new_tokens=10, seed=i)) for i, p in enumerate(PROMPTS)]}
+    got, want = drain(gen, schedule)[0], drain(fresh, schedule)[0]
+    for rid in want:
+        assert got[rid].output_ids == want[rid].output_ids and got[rid].logprobs == want[rid].logprobs
+
+
 def test_bfloat16_models_keep_torchs_linears_on_a_cpu_without_onednn_bf16(folders, monkeypatch):
     """An AVX2-only CPU (this project's CI machine) has no oneDNN bf16 kernels: packing a bf16 model there raised
     in mkldnn_reorder_linear_weight, so the generator must fall back to torch's linears; float32 still packs."""
