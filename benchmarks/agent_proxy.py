@@ -139,18 +139,30 @@ def agent_flow(model_dir: str, agent: str, tokens: int, calls: int) -> AgentWork
                                                                     agent_timeout_s=60.0 * (calls + 1))))
 
 
+CPU: dict[str, float] = {"direct": 0.0, "proxy": 0.0}  # this process's CPU seconds (every thread) per arm
+
+
 def run_blocks(ctrl: RolloutController, calls: int, block: int) -> None:
     for b in range(max(1, calls // block)):
         for arm in (("direct", "proxy") if b % 2 == 0 else ("proxy", "direct")):
+            began = time.process_time()
             ctrl.submit({"id": f"{arm}-{b}", "arm": arm, "calls": block})
             ctrl.wait(1, timeout=3600)
+            CPU[arm] += time.process_time() - began
+
+
+def reset() -> None:
+    TIMES["direct"].clear(), TIMES["proxy"].clear()
+    TOKENS.update(direct=0, proxy=0)
+    CPU.update(direct=0.0, proxy=0.0)
 
 
 def per_call(label: str, arm: str) -> float:
     times = TIMES[arm]
     mean = statistics.fmean(times)
     print(f"   {label:<34} {mean * 1e3:8.3f} ms/call (median {statistics.median(times) * 1e3:.3f}, "
-          f"{len(times)} calls, {TOKENS[arm] / len(times):.1f} tokens/call)")
+          f"{len(times)} calls, {TOKENS[arm] / len(times):.1f} tokens/call; this process's CPU "
+          f"{CPU[arm] / len(times) * 1e3:.2f} ms/call)")
     return mean
 
 
@@ -159,8 +171,7 @@ def null_engine(args: argparse.Namespace, model_dir: str) -> None:
     print(f"1a) null engine ({args.null_ms_per_token:g} ms a token), {args.calls} sequential calls of "
           f"{args.null_tokens} tokens, direct vs proxy")
     for client, agent in (("openai client", "openai_agent"), ("plain httpx", "httpx_sequential_agent")):
-        TIMES["direct"].clear(), TIMES["proxy"].clear()
-        TOKENS.update(direct=0, proxy=0)
+        reset()
         flow = agent_flow(model_dir, f"agent_proxy_bench:{agent}", args.null_tokens, args.calls)
         with RolloutController([NullEngine(per_token_s)], BenchWorkflow(flow), batch_size=1,
                                max_head_offpolicyness=64) as ctrl:
@@ -201,8 +212,7 @@ def embedded_engine(args: argparse.Namespace) -> None:
     config.model.path, config.model.dtype = model_dir, "float32"
     print(f"2) embedded engine (SmolLM2-135M-Instruct float32, CPU), {args.calls} calls of <= {args.tokens} "
           f"tokens, one at a time, alternating blocks of 50")
-    TIMES["direct"].clear(), TIMES["proxy"].clear()
-    TOKENS.update(direct=0, proxy=0)
+    reset()
     with tempfile.TemporaryDirectory() as logs, ServerFleet(Path(logs)) as fleet:
         context = Context(config=config, options=LocalEngine.config_class())
         (server,) = fleet.launch(lambda index, port: LocalEngine.server_process(context, index, port), 1,
@@ -212,8 +222,7 @@ def embedded_engine(args: argparse.Namespace) -> None:
         flow = agent_flow(model_dir, "agent_proxy_bench:openai_agent", args.tokens, args.calls)
         with RolloutController([engine], BenchWorkflow(flow), batch_size=1, max_head_offpolicyness=64) as ctrl:
             run_blocks(ctrl, 100, 50)  # warm-up, not counted
-            TIMES["direct"].clear(), TIMES["proxy"].clear()
-            TOKENS.update(direct=0, proxy=0)
+            reset()
             run_blocks(ctrl, args.calls, 50)
         flow.close()
     direct, proxy = per_call("direct (controller's engine)", "direct"), per_call("through the proxy", "proxy")
