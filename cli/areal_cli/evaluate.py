@@ -153,7 +153,7 @@ def _write_and_show(target, run, metrics: dict[str, float], config_file: str, ov
     if data["reward_mean"] is not None:
         table.add_row("mean reward", f"{data['reward_mean']:.4f}")
     if "eval/completion_tokens_mean" in metrics:
-        table.add_row("completion tokens", f"{metrics['eval/completion_tokens_mean']:.1f} (mean)")
+        table.add_row("completion tokens", f"{metrics['eval/completion_tokens_mean']:.2f} (mean)")
     table.add_row("time", f"{seconds:.1f} s")
     table.add_row("written", str(destination))
     console.print(table)
