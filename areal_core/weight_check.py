@@ -44,6 +44,10 @@ SAMPLE_BLOCKS = 16
 PROBE_PROMPT_IDS = (17, 42, 7, 99, 3, 61, 28, 5, 64, 11)
 PROBE_NEW_TOKENS = 8
 PROBE_SEED = 20261126
+# What an engine reports, as ``"not checkable: <why>"``, for a tensor it holds in a form it cannot map back to what
+# was sent (quantised, split over ranks, repacked before it could be read): skipped by :func:`compare_digests`,
+# named in the run log (:func:`not_checkable`).
+NOT_CHECKABLE = "not checkable"
 
 
 class WeightCheckError(RuntimeError):
@@ -157,15 +161,24 @@ def digest_folder(path: str | Path, mode: str = "on") -> dict[str, str]:
 
 def compare_digests(sent: dict[str, str], held: dict[str, str]) -> list[str]:
     """Each tensor the trainer sent that the engine does not hold as sent, as ``"name: why"``. Tensors the engine
-    holds beyond those sent (buffers, a tied alias the trainer left out) are not judged."""
+    holds beyond those sent (buffers, a tied alias the trainer left out) are not judged, nor those it reports
+    :data:`NOT_CHECKABLE` (:func:`not_checkable` lists them)."""
     differences = []
     for name, digest in sent.items():
         got = held.get(name)
+        if got is not None and got.startswith(NOT_CHECKABLE):
+            continue
         if got is None:
             differences.append(f"{name}: sent {digest}, the engine reports no such tensor")
         elif got != digest:
             differences.append(f"{name}: sent {digest}, the engine holds {got}")
     return differences
+
+
+def not_checkable(sent: dict[str, str], held: dict[str, str]) -> dict[str, str]:
+    """The tensors sent that the engine reports as :data:`NOT_CHECKABLE`, each with the engine's reason."""
+    return {name: held[name].partition(":")[2].strip() or held[name] for name in sent
+            if held.get(name, "").startswith(NOT_CHECKABLE)}
 
 
 # ------------------------------------------------------------------ the parity probe

