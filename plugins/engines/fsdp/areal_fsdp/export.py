@@ -21,7 +21,6 @@ import torch
 
 from areal_core.engine_kit import packing
 from areal_core.engine_kit.hf_folder import checkpoint_names, write_hf_folder
-from areal_core.threads import torch_threads
 from areal_fsdp.lora import export_items, is_adapter, write_adapter
 
 
@@ -132,15 +131,13 @@ class ExportMixin:
                         value.wait()
             return []
         tensors = {}
-        # Memory-bound copies: on one thread, never left waiting for a descheduled second one (torch_threads)
-        with torch_threads(1):
-            for name, values, combine in gathered:
-                value = combine(values) if combine is not None else values[0]
-                fresh = combine is not None  # a combined tensor is already new
-                if dtype is not None and value.is_floating_point() and value.dtype != dtype:
-                    value, fresh = value.to(dtype), True
-                # One pass per tensor: a cast on the CPU already made the copy the contract asks for
-                tensors[name] = value if fresh and value.device.type == "cpu" else value.to("cpu", copy=True)
+        for name, values, combine in gathered:
+            value = combine(values) if combine is not None else values[0]
+            fresh = combine is not None  # a combined tensor is already new
+            if dtype is not None and value.is_floating_point() and value.dtype != dtype:
+                value, fresh = value.to(dtype), True
+            # One pass per tensor: a cast on the CPU already made the copy the contract asks for
+            tensors[name] = value if fresh and value.device.type == "cpu" else value.to("cpu", copy=True)
         if dtype is None:
             return list(tensors.items())  # module names: the HF-folder writer renames
         return list(checkpoint_names(self.lm, tensors).items())
