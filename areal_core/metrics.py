@@ -348,6 +348,84 @@ def _failure(error: BaseException, default_fix: str) -> str:
     return f"{message}. Fix: {fix}"
 
 
+_WRITE_FIX = ("correct the cause and continue with --resume to log to it again (from the last checkpoint), or "
+              "leave it out of metrics.loggers")
+
+
+class BackgroundSink:
+    """Another sink's writes on a thread of its own, so a slow tracker (a database, a network store that retries)
+    never holds a training step.
+
+    Steps are queued in order (at most ``max_queued``; past that a step is dropped for this sink, said once, rather
+    than block training). A write that raises is handed to ``on_failure(step, error)`` once and the sink takes no
+    more. :meth:`close` waits for the queue to drain, at most ``close_timeout_s``, then closes the sink on the
+    writer's thread; a sink still writing then is named in a warning with how many steps it had left.
+    Hand-written: a thread and a queue per sink is all it needs, and the standard library's QueueHandler is for
+    log records.
+    """
+
+    _DONE = object()
+
+    def __init__(self, sink: MetricsSink, label: str, on_failure: Any, *, max_queued: int = 10_000,
+                 close_timeout_s: float = 30.0) -> None:
+        import queue
+        import threading
+
+        self.sink, self.label, self.on_failure = sink, label, on_failure
+        self.close_timeout_s = close_timeout_s
+        self._queue: Any = queue.Queue(max_queued)
+        self._failed = self._dropping = False
+        self._thread = threading.Thread(target=self._run, name=f"areal-metrics-{label}"[:60], daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is self._DONE:
+                break
+            if self._failed:
+                continue
+            step, metrics = item
+            try:
+                self.sink.write(step, metrics)
+            except Exception as e:
+                self._failed = True
+                self.on_failure(step, e)
+        try:
+            self.sink.close()
+        except Exception as e:
+            log.warning("%s failed to close: %s: %s", self.label, type(e).__name__, e)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        import queue
+
+        try:
+            self._queue.put_nowait((step, dict(metrics)))
+        except queue.Full:
+            if not self._dropping:
+                self._dropping = True
+                log.warning("%s is %d steps behind; step %d and later ones it cannot take are dropped for it "
+                            "(training goes on; metrics.jsonl has every step)", self.label,
+                            self._queue.maxsize, step)
+
+    def close(self) -> None:
+        import queue
+        import time
+
+        deadline = time.monotonic() + self.close_timeout_s
+        try:
+            self._queue.put(self._DONE, timeout=self.close_timeout_s)
+        except queue.Full:
+            pass
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive():
+            log.warning("waited %.0f s for %s to write its last %d queued steps and close; left it (metrics.jsonl "
+                        "has every step)", self.close_timeout_s, self.label, self._queue.qsize())
+
+    def __repr__(self) -> str:
+        return repr(self.sink)
+
+
 class MetricsLogger:
     """Fan one step's metrics out to every sink and the progress display.
 
@@ -420,7 +498,28 @@ class MetricsLogger:
         display = ProgressDisplay(
             total_steps, progress_fields, enabled=progress, start_step=resume_step or 0
         )
-        return cls(sinks, display, names=names)
+        logger = cls(sinks, display, names=names)
+        # metrics.jsonl is written in the step (a checkpoint's steps always have their metrics); the others on
+        # threads of their own (BackgroundSink), so a slow tracker never holds training
+        logger.sinks = [sink if name == REQUIRED_LOGGER else logger._in_background(sink)
+                        for sink, name in zip(logger.sinks, names)]
+        return logger
+
+    @property
+    def targets(self) -> list[MetricsSink]:
+        """The sinks still written to, as the loggers built them (without their background writers)."""
+        return [sink.sink if isinstance(sink, BackgroundSink) else sink for sink in self.sinks]
+
+    def _in_background(self, sink: MetricsSink) -> BackgroundSink:
+        label = self._label(sink)
+
+        def failed(step: int, error: Exception) -> None:
+            log.warning("%s failed at step %d and is off for the rest of the run (training goes on; metrics.jsonl "
+                        "has every step): %s", label, step, _failure(error, _WRITE_FIX))
+
+        wrapped = BackgroundSink(sink, label, failed)
+        self._names[id(wrapped)] = self._names.get(id(sink), "")
+        return wrapped
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Record ``metrics`` for ``step`` everywhere; never raises because of a sink.
@@ -437,9 +536,7 @@ class MetricsLogger:
                 self.disabled.append(sink)
                 log.warning(
                     "%s failed at step %d and is off for the rest of the run (training goes on; metrics.jsonl has "
-                    "every step): %s", self._label(sink), step,
-                    _failure(e, "correct the cause and continue with --resume to log to it again (from the last "
-                                "checkpoint), or leave it out of metrics.loggers"),
+                    "every step): %s", self._label(sink), step, _failure(e, _WRITE_FIX),
                 )
         if self.progress is not None:
             self.progress.update(step, metrics)

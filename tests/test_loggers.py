@@ -105,7 +105,7 @@ def test_for_run_builds_the_named_loggers_and_reports_each_broken_one_once(logge
     with caplog.at_level(logging.WARNING, logger="areal_core.metrics"):
         with MetricsLogger.for_run(run_dir, loggers=names_given, config={"experiment": "exp"}, resume_step=1,
                                    progress=False) as logger:
-            assert [type(s).__name__ for s in logger.sinks] == ["JsonlSink", "RecordingSinkDouble",
+            assert [type(s).__name__ for s in logger.targets] == ["JsonlSink", "RecordingSinkDouble",
                                                                 "DiskFullSinkDouble"]
             for step in (1, 2, 3, 4):
                 logger.log(step, {"x": float(step)})

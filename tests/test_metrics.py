@@ -10,10 +10,13 @@ import math
 import struct
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 from areal_core.metrics import (
+    BackgroundSink,
     JsonlSink,
     MetricsLogger,
     MetricsSink,
@@ -195,8 +198,71 @@ def test_for_run_writes_jsonl_and_tensorboard(tmp_path):
     pytest.importorskip("tensorboardX")
     with MetricsLogger.for_run(tmp_path, total_steps=2, progress=False) as logger:
         logger.log(0, {"loss": 1.0})
+        # metrics.jsonl in the step, the other loggers on threads of their own
+        assert [type(s) for s in logger.sinks] == [JsonlSink, BackgroundSink]
     assert read_jsonl(tmp_path)[0]["loss"] == 1.0
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+class SlowSink(ListSink):
+    """A tracker whose every write takes ``seconds`` (a database, a store that retries), or waits for ``gate``."""
+
+    def __init__(self, seconds=0.0, gate=None, fail_at=None):
+        super().__init__()
+        self.seconds, self.gate, self.fail_at, self.closed_after = seconds, gate, fail_at, None
+        self.entered = threading.Event()
+
+    def write(self, step, metrics):
+        self.entered.set()
+        if self.gate is not None:
+            self.gate.wait(30)
+        time.sleep(self.seconds)
+        if step == self.fail_at:
+            raise OSError("store refused")
+        super().write(step, metrics)
+
+    def close(self):
+        self.closed_after = len(self.rows)
+
+
+def test_a_background_sink_never_holds_the_step_and_keeps_every_step_in_order():
+    slow, failures = SlowSink(seconds=0.3), []
+    sink = BackgroundSink(slow, "slow", lambda step, e: failures.append(step))
+    began = time.monotonic()
+    for step in range(4):
+        sink.write(step, {"loss": float(step)})
+    assert time.monotonic() - began < 0.25  # four writes of 0.3 s each, none waited for
+    sink.close()
+    assert [(step, m["loss"]) for step, m in slow.rows] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0)]
+    assert slow.closed_after == 4 and failures == []  # closed after the last write, on the writer's thread
+
+
+def test_a_background_sink_that_fails_is_reported_once_and_takes_no_more():
+    bad, failures = SlowSink(fail_at=1), []
+    sink = BackgroundSink(bad, "bad", lambda step, e: failures.append((step, str(e))))
+    for step in range(4):
+        sink.write(step, {"loss": 0.0})
+    sink.close()
+    assert failures == [(1, "store refused")] and [s for s, _ in bad.rows] == [0] and bad.closed_after == 1
+
+
+def test_a_stuck_background_sink_is_named_at_close_and_a_full_queue_drops_steps_once(caplog):
+    gate = threading.Event()
+    stuck = SlowSink(gate=gate)
+    sink = BackgroundSink(stuck, "metrics logger 'stuck'", lambda step, e: None, max_queued=2, close_timeout_s=0.3)
+    with caplog.at_level(logging.WARNING, logger="areal_core.metrics"):
+        sink.write(0, {"loss": 0.0})
+        assert stuck.entered.wait(10)
+        for step in range(1, 6):  # step 0 being written, two queued, three dropped
+            sink.write(step, {"loss": 0.0})
+        began = time.monotonic()
+        sink.close()
+    assert time.monotonic() - began < 5
+    messages = [r.getMessage() for r in caplog.records]
+    assert len([m for m in messages if "steps behind" in m]) == 1
+    assert any("metrics logger 'stuck' is 2 steps behind; step 3 and later ones" in m for m in messages)
+    assert any(m.startswith("waited 0 s for metrics logger 'stuck' to write its last") for m in messages)
+    gate.set()
 
 
 def test_summarize_and_histogram():

@@ -41,7 +41,7 @@ def history(client, run_id, key):
 def log_three_steps(run_dir, config=CONFIG):
     with MetricsLogger.for_run(run_dir, loggers=["jsonl", "mlflow"], config=config, resume_step=1,
                                progress=False) as logger:
-        assert [type(s).__name__ for s in logger.sinks] == ["JsonlSink", "MlflowSink"]
+        assert [type(s).__name__ for s in logger.targets] == ["JsonlSink", "MlflowSink"]
         for step in (1, 2, 3):
             logger.log(step, {"reward/mean": step / 4, "train/loss": 1.0 / step, "rollout/accepted": step * 8,
                               "eval/pass@4": 0.5, "bad": float("inf"), "note": "text"})

@@ -16,7 +16,7 @@ def log(run_dir: str, first: str, last: str) -> None:
 
     with MetricsLogger.for_run(Path(run_dir), loggers=["jsonl", "trackio"], config=CONFIG, resume_step=int(first),
                                progress=False) as logger:
-        assert [type(s).__name__ for s in logger.sinks] == ["JsonlSink", "TrackioSink"], logger.sinks
+        assert [type(s).__name__ for s in logger.targets] == ["JsonlSink", "TrackioSink"], logger.targets
         for step in range(int(first), int(last) + 1):
             logger.log(step, {"reward/mean": step / 4, "train/loss": 1.0 / step, "rollout/accepted": step * 8,
                               "bad": float("nan"), "note": "text"})

@@ -37,7 +37,7 @@ def test_a_few_steps_land_in_the_offline_run_with_the_config_and_names(tmp_path)
     run_dir = tmp_path / "exp" / "t1"
     with MetricsLogger.for_run(run_dir, loggers=["jsonl", "wandb"], config=CONFIG, resume_step=1,
                                progress=False) as logger:
-        assert [type(s).__name__ for s in logger.sinks] == ["JsonlSink", "WandbSink"]
+        assert [type(s).__name__ for s in logger.targets] == ["JsonlSink", "WandbSink"]
         for step in (1, 2, 3):
             logger.log(step, {"reward/mean": step / 4, "train/loss": 1.0 / step, "rollout/accepted": step * 8,
                               "bad": float("nan"), "note": "text"})
