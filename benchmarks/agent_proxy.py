@@ -18,10 +18,11 @@
       session (what a typical agent pays). Agents, proxy and controller share
       this one process (and its GIL), as in-process agents do.
 2. Embedded engine (``areal_local``, SmolLM2-135M-Instruct, float32, on CPU):
-   ``--calls`` short calls (``--tokens`` new tokens each) of one user message,
-   one at a time, direct and through the proxy in alternating blocks of 50 so
-   both arms see the same machine load; the proxy's share is the difference in
-   time per call. Target: under 5 % added per call.
+   ``--calls`` short calls (``--tokens`` new tokens each, greedy, so every
+   call of both arms generates the same tokens) of one user message, one at a
+   time, direct and through the proxy in alternating blocks of 50 so both arms
+   see the same machine load; the proxy's share is the difference in time per
+   call. Target: under 5 % added per call.
 
 No pass / fail: it prints figures and ratios.
 """
@@ -129,16 +130,19 @@ class _Defaults:
     max_tokens = max_completion_tokens = temperature = top_p = stop = seed = None
 
 
-def agent_flow(model_dir: str, agent: str, tokens: int, calls: int) -> AgentWorkflow:
+def agent_flow(model_dir: str, agent: str, tokens: int, calls: int, temperature: float = 1.0) -> AgentWorkflow:
     config = RunConfig()
     config.model.path, config.model.dtype = model_dir, "float32"
     config.rollout.sampling.max_new_tokens, config.rollout.group_size = tokens, 1
+    config.rollout.sampling.temperature = temperature
     # an episode is a block of up to ``calls`` calls: at 60 s a call it is stopped only if something hangs (the
     # default 600 s stopped a block of 50 short calls on a machine running other work at load 7)
     return AgentWorkflow(Context(config=config, options=AgentConfig(agent=agent, max_calls=calls + 1,
-                                                                    agent_timeout_s=60.0 * (calls + 1))))
+                                                                    agent_timeout_s=60.0 * (calls + 1),
+                                                                    proxy_loop=PROXY_LOOP[0])))
 
 
+PROXY_LOOP = ["episodes"]  # workflow.proxy_loop (--proxy-loop)
 CPU: dict[str, float] = {"direct": 0.0, "proxy": 0.0}  # this process's CPU seconds (every thread) per arm
 
 
@@ -219,7 +223,8 @@ def embedded_engine(args: argparse.Namespace) -> None:
                                  prefix="local")
         engine = LocalEngine.create(Context(config=config, options=LocalEngine.config_class(),
                                             extras={"address": server.address, "log_path": str(server.log_path)}))
-        flow = agent_flow(model_dir, "agent_proxy_bench:openai_agent", args.tokens, args.calls)
+        # greedy: every call of both arms generates the same tokens, so the arms differ only in the path
+        flow = agent_flow(model_dir, "agent_proxy_bench:openai_agent", args.tokens, args.calls, temperature=0.0)
         with RolloutController([engine], BenchWorkflow(flow), batch_size=1, max_head_offpolicyness=64) as ctrl:
             run_blocks(ctrl, 100, 50)  # warm-up, not counted
             reset()
@@ -241,9 +246,13 @@ def main() -> int:
     parser.add_argument("--null-ms-per-token", type=float, default=0.0,
                         help="1a's engine takes this long a token (e.g. 10: an 80 ms call, like a small model's)")
     parser.add_argument("--skip-sessions", action="store_true", help="leave out 1b")
+    parser.add_argument("--proxy-loop", choices=["episodes", "thread"], default="episodes",
+                        help="workflow.proxy_loop: the proxy on the controller's event loop, or on its own thread")
     parser.add_argument("--skip-embedded", action="store_true")
     parser.add_argument("--skip-null", action="store_true")
     args = parser.parse_args()
+    PROXY_LOOP[0] = args.proxy_loop
+    print(f"workflow.proxy_loop = {args.proxy_loop}")
     if not args.skip_null:
         from areal_core.testing import tiny_model
 

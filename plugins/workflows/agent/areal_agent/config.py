@@ -48,6 +48,9 @@ class AgentConfig:
                                                               "come after this is dropped")
     max_calls: int = spec(64, ge=1, help="model calls per episode at most; later calls get HTTP 429")
     start_timeout_s: float = spec(30.0, gt=0.0, help="how long the proxy may take to start listening")
+    proxy_loop: str = spec("episodes", choices=["episodes", "thread"],
+                           help="where the proxy serves: 'episodes' = on the rollout controller's event loop, so a "
+                                "call generates without changing threads; 'thread' = on a thread and loop of its own")
 
 
 def config_problems(options: Any) -> list[tuple[str, str, str]]:

@@ -28,7 +28,7 @@ from pydantic import BaseModel
 from areal_agent.online import NotReady, OnlineHub
 from areal_agent.proxy import BadRequest, ChatRequest, CompletionRequest, Proxy
 from areal_agent.responses import chat_request, conversation_before, response_body, response_events
-from areal_agent.sessions import Session, SessionClosed, SessionStore
+from areal_agent.sessions import Session, SessionClosed, SessionStore, on_loop
 
 log = logging.getLogger("areal.agent")
 
@@ -226,17 +226,17 @@ class ProxyServer:
         self.proxy, self.sessions, self.host, self.port, self.hub = proxy, sessions, host, port, hub
         self._server: Any = None
         self._thread: threading.Thread | None = None
+        self._task: asyncio.Task | None = None  # serving on an episode loop (serve_here), and that loop
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._failure: BaseException | None = None
 
     @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}/v1"
 
-    def start(self, timeout_s: float) -> ProxyServer:
+    def _bind(self) -> socket.socket:
         import uvicorn
 
-        if self._thread is not None:
-            return self
         # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on such sockets, and without it every response
         # (headers, then body) waits ~40 ms for the client's delayed ACK.
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -251,6 +251,41 @@ class ProxyServer:
         config = uvicorn.Config(build_app(self.proxy, self.sessions, self.hub), log_level="warning", lifespan="off",
                                 access_log=False, timeout_graceful_shutdown=1)
         self._server = uvicorn.Server(config)
+        return sock
+
+    @property
+    def on_thread(self) -> bool:
+        return self._thread is not None
+
+    def serving_on(self, loop: asyncio.AbstractEventLoop) -> bool:
+        return self._task is not None and not self._task.done() and self._loop is loop
+
+    async def serve_here(self, timeout_s: float) -> ProxyServer:
+        """Serve on the running event loop (the episodes' loop: a call then generates without changing threads)."""
+        if self._thread is not None or self._task is not None:
+            return self
+        sock = self._bind()
+        loop = asyncio.get_running_loop()
+        self._task, self._loop = loop.create_task(self._server.serve(sockets=[sock])), loop
+        self._task.add_done_callback(lambda _: sock.close())
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if self._task.done():
+                failure = None if self._task.cancelled() else self._task.exception()
+                self._task = None
+                raise RuntimeError(f"the agent proxy on {self.host}:{self.port} failed to start: {failure!r}")
+            if time.monotonic() > deadline:
+                self._server.should_exit = True
+                raise TimeoutError(f"waited {timeout_s:.0f} s for the agent proxy (uvicorn) to listen on "
+                                   f"{self.host}:{self.port}; raise workflow.start_timeout_s on a loaded machine")
+            await asyncio.sleep(0.005)
+        log.info("agent proxy listening on %s (on the episodes' event loop)", self.base_url)
+        return self
+
+    def start(self, timeout_s: float) -> ProxyServer:
+        if self._thread is not None or self._task is not None:
+            return self
+        sock = self._bind()
 
         def run() -> None:
             try:
@@ -275,7 +310,17 @@ class ProxyServer:
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop serving and join the thread; idempotent."""
+        """Stop serving and join the thread (or wait for the task on the episodes' loop); idempotent."""
+        if self._task is not None:
+            task, loop, self._task = self._task, self._loop, None
+            self._server.should_exit = True  # uvicorn's main loop looks at it every 0.1 s
+            if loop is not None and not loop.is_closed() and not task.done() and not on_loop(loop):
+                try:
+                    asyncio.run_coroutine_threadsafe(asyncio.wait({task}), loop).result(timeout_s)
+                except Exception:
+                    log.warning("the agent proxy on %s:%s did not stop within %.0f s", self.host, self.port,
+                                timeout_s)
+            return
         if self._server is None or self._thread is None:
             return
         self._server.should_exit = True

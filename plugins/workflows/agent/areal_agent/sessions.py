@@ -57,7 +57,7 @@ class Session:
         self._lock = threading.Lock()
         self._prefixes: dict[tuple[str, ...], tuple[CallRecord, int]] = {}  # messages + reply -> (call, choice)
         self._texts: list[tuple[str, CallRecord, int]] = []  # (prompt + output text, call, choice) of completions
-        self._in_flight: set[concurrent.futures.Future] = set()
+        self._in_flight: set[Any] = set()  # concurrent.futures.Future, or an asyncio task on the episode's loop
         self._calls_started = 0
         self.responses: dict[str, list[dict]] = {}  # Responses API: id -> its messages + reply (previous_response_id)
 
@@ -72,15 +72,20 @@ class Session:
             self._calls_started += 1
 
     async def generate(self, request: Any, timeout_s: float) -> Any:
-        """``engine.agenerate(request)`` on the episode's event loop (where the controller's engine lives)."""
-        future = asyncio.run_coroutine_threadsafe(self.engine.agenerate(request), self.loop)
+        """``engine.agenerate(request)`` on the episode's event loop (where the controller's engine lives): awaited
+        in place when the proxy serves on that loop, else handed to it from the proxy's thread."""
+        if asyncio.get_running_loop() is self.loop:
+            future: Any = asyncio.ensure_future(self.engine.agenerate(request))
+        else:
+            future = asyncio.run_coroutine_threadsafe(self.engine.agenerate(request), self.loop)
         with self._lock:
             if self.closed:
                 future.cancel()
                 raise SessionClosed(f"session {self.id} has ended")
             self._in_flight.add(future)
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+            return await asyncio.wait_for(future if isinstance(future, asyncio.Future) else asyncio.wrap_future(future),
+                                          timeout_s)
         except asyncio.TimeoutError:
             future.cancel()
             raise TimeoutError(f"waited {timeout_s:.0f} s for the inference engine to answer request "
@@ -134,7 +139,10 @@ class Session:
             in_flight, self._in_flight = list(self._in_flight), set()
             records = list(self.records)
         for future in in_flight:
-            future.cancel()
+            if isinstance(future, asyncio.Future) and not on_loop(future.get_loop()):
+                future.get_loop().call_soon_threadsafe(future.cancel)
+            else:
+                future.cancel()
         return records
 
 
@@ -166,3 +174,11 @@ class SessionStore:
     def __len__(self) -> int:
         with self._lock:
             return len(self._by_key)
+
+
+def on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether the calling code runs on ``loop``."""
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False

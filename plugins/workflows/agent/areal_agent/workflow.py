@@ -98,8 +98,27 @@ class AgentWorkflow(Workflow):
                                      "AREAL_REWARD_URL": base_url.removesuffix("/v1") + "/rl/set_reward"})
 
     async def _ensure_started(self) -> None:
-        if not self._started:
-            await asyncio.get_running_loop().run_in_executor(None, self.start)
+        loop = asyncio.get_running_loop()
+        if self._started and (self.server.on_thread or self.server.serving_on(loop)):
+            return
+        # Online mode serves clients that come before and between episodes: on a thread of its own, as does a
+        # proxy started by start() before the first episode.
+        if self.options.proxy_loop != "episodes" or self.hub is not None:
+            await loop.run_in_executor(None, self.start)
+            return
+        async with self._serving_lock():
+            if self._started and not self.server.serving_on(loop):  # its loop has ended (a new controller)
+                self.close()
+            if not self._started:
+                await self.server.serve_here(self.options.start_timeout_s)
+                self._started = True
+
+    def _serving_lock(self) -> asyncio.Lock:
+        """One start at a time among the episodes of this loop (they all find the proxy not yet started)."""
+        loop = asyncio.get_running_loop()
+        if getattr(self, "_serving", (None, None))[0] is not loop:
+            self._serving = (loop, asyncio.Lock())
+        return self._serving[1]
 
     async def _online_episode(self, engine: InferenceEngine, item: Any) -> list[Trajectory] | None:
         """Train the next finished online session (see :mod:`areal_agent.online`), or reject ``item``."""

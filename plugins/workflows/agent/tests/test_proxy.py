@@ -38,9 +38,18 @@ async def chat_once(item, base_url, api_key):
     return 1.0
 
 
-def test_chat_with_the_openai_client(make_flow, say, tokenizer, tiny_model_dir):
+@pytest.mark.parametrize("proxy_loop", ["episodes", "thread"])
+def test_chat_with_the_openai_client(make_flow, say, tokenizer, tiny_model_dir, proxy_loop):
     engine = ScriptedInferenceEngine([say("It is 42.")], version=5)
-    (t,) = run(make_flow(agent="agent_test_doubles:chat_once"), engine)
+    flow = make_flow(agent="agent_test_doubles:chat_once", proxy_loop=proxy_loop)
+    (t,) = run(flow, engine)
+    assert flow.server.on_thread == (proxy_loop == "thread")
+    if proxy_loop == "episodes":  # its loop has ended: the next loop's episodes get the proxy served there
+        other = asyncio.new_event_loop()
+        assert not flow.server.serving_on(other)
+        other.close()
+        (again,) = run(flow, ScriptedInferenceEngine([say("It is 42.")], version=6))
+        assert again.versions[-1] == 6 and SEEN["chat"].choices[0].message.content == "It is 42."
     reply = SEEN["chat"]
     assert reply.choices[0].message.content == "It is 42." and reply.choices[0].finish_reason == "stop"
     assert reply.choices[0].message.tool_calls is None
@@ -192,12 +201,19 @@ async def key_checks(item, base_url, api_key):
 def test_a_missing_wrong_or_ended_key_gets_401(make_flow, say):
     flow = make_flow(agent="agent_test_doubles:key_checks")
     engine = ScriptedInferenceEngine([say("ok")])
-    assert run(flow, engine) is not None
+
+    async def episode_then_its_old_key():  # the proxy serves on the episodes' loop: ask while it runs
+        group = await flow.arun_episode(engine, ITEM)
+        async with httpx.AsyncClient(timeout=30) as h:
+            after = await h.post(f"{SEEN['base_url']}/chat/completions", json={"model": "policy", "messages":
+                                 ITEM["messages"]}, headers={"Authorization": f"Bearer {SEEN['old_key']}"})
+        return group, after
+
+    group, after = asyncio.run(episode_then_its_old_key())
+    assert group is not None
     assert SEEN["keys"] == {"none": 401, "wrong": 401, "models_none": 401, "reward_none": 401, "empty": 400,
                             "openai": 401}
     assert len(engine.requests) == 1  # only the authorised call reached the engine
-    after = httpx.post(f"{SEEN['base_url']}/chat/completions", headers={"Authorization": f"Bearer {SEEN['old_key']}"},
-                       json={"model": "policy", "messages": ITEM["messages"]}, timeout=30)
     assert after.status_code == 401 and "invalid API key" in after.json()["error"]["message"]  # the episode ended
 
 
@@ -213,8 +229,9 @@ async def echo_my_item(item, base_url, api_key):
     return float(item["reward"])
 
 
-def test_two_concurrent_sessions_never_mix(make_flow, say, tokenizer):
-    flow = make_flow(agent="agent_test_doubles:echo_my_item", group_size=2)
+@pytest.mark.parametrize("proxy_loop", ["episodes", "thread"])
+def test_two_concurrent_sessions_never_mix(make_flow, say, tokenizer, proxy_loop):
+    flow = make_flow(agent="agent_test_doubles:echo_my_item", group_size=2, proxy_loop=proxy_loop)
     engine = ScriptedInferenceEngine([say("a"), say("b"), say("c")])
     items = [{"id": f"w/{w}", "word": w, "reward": r, "messages": [{"role": "user", "content": f"say {w}"}]}
              for w, r in (("apple", 1.0), ("melon", 0.0))]
