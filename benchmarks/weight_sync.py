@@ -1,7 +1,7 @@
-"""Weight export time of the fsdp train engine: a safetensors folder on disk vs tensors in memory.
+"""Weight sync: the fsdp engine's export (disk vs tensors), then the whole path to an embedded server vs memcpy.
 
     .venv/bin/python benchmarks/weight_sync.py [--model DIR] [--dtype bfloat16|float32] [--repeats 3]
-                                               [--bucket-mb 256]
+                                               [--bucket-mb 256] [--whole-path-only]
 
 Model: ``--model`` (an HF folder), else a random Llama with SmolLM2-135M's
 shapes (30 layers, hidden 576, 9 / 3 heads, MLP 1536, vocab 49,152, tied
@@ -27,14 +27,23 @@ disk / that way. No pass / fail.
 Then the whole path of one ``tensors`` update to a real embedded server
 (``areal_local.server`` on 127.0.0.1, started here with the same model), from
 the trainer's last optimizer step to the first token generated under the new
-version, phase by phase, in the order the rollout controller makes the calls:
-export (``export_tensors``), the trainer's digest (``rollout.weight_check``),
-transfer (the ``/dev/shm`` stage written), pause, load (the server's own time,
-then the HTTP call around it), the engine's digest, resume and the first token
-(one greedy token of a short prompt). Each in seconds and bytes/s, beside a
-plain ``memcpy`` of the same bytes on this machine (torch ``copy_`` into
-preallocated tensors, at torch's threads and at one), and the whole path as a
-multiple of that memcpy. ``--whole-path-only`` skips the export comparison.
+version, in the order the rollout controller makes the calls and on the
+threads it makes them on: export (``export_tensors``) and the trainer's digest
+(``rollout.weight_check``) on the training thread; then, on an event-loop
+thread whose torch ops run on one thread (the controller's, see
+``areal_core.threads``), pause, transfer (the ``/dev/shm`` stage written),
+load (the server's own phases from ``/health``'s ``last_load_phases``: map and
+header, names and shapes checked, copy into the model, the packed / fused
+copies; then the rest: HTTP and requeue), the engine's digest, resume and the
+first token (one greedy token of a short prompt). Each row in seconds, bytes/s
+and as a multiple of a plain ``memcpy`` of the same bytes on this machine (one
+libc ``memcpy`` between two resident buffers, one thread), then the issue's
+phases (export, transfer, load, pause / resume, digest) summed, the torch
+``copy_`` of every tensor at torch's threads and at one, and the whole path as
+a multiple of the plain memcpy (the issue's target: 2x). The line names the
+load average before and after: on a shared machine every phase that runs a
+two-thread OpenMP team slows down many times over with the load, single-thread
+copies much less. ``--whole-path-only`` skips the export comparison.
 """
 
 from __future__ import annotations
