@@ -201,10 +201,10 @@ class VLLMEngine(RemoteEngine):
         (``/collective_rpc areal_weight_digest``, see ``areal_vllm_worker``); a tensor the workers cannot map back
         is ``"not checkable: <why>"``. The workers' answers are merged: a tensor held by several (replicated)
         must have one digest on all, else the differing digests are reported, which fails the check."""
-        if mode not in ("on", "sample"):
-            raise ValueError(f"weight_digest: mode {mode!r}: choose 'on' or 'sample'")
+        from areal_core.weight_check import check_mode
+
         out = await self.request("POST", "/collective_rpc", json={"method": "areal_weight_digest",
-                                                                  "kwargs": {"mode": mode}})
+                                                                  "kwargs": {"mode": check_mode(mode)}})
         return merge_worker_digests(out.get("results") or [])
 
     async def agenerate(self, request: GenerationRequest) -> GenerationResponse:

@@ -17,10 +17,13 @@ models, tensor parallel 1):
   ``packed_modules_mapping``). The fused tensor is split back along its output
   rows by the layer's ``output_partition_sizes`` (q, kv, kv; intermediate,
   intermediate) and each slice digested under the name the trainer sent.
-- On CPU a linear layer's weight is repacked for oneDNN (or the SGL kernel)
-  right after loading and the parameter emptied: there is nothing left to
-  read. A load hook (on ``UnquantizedLinearMethod.process_weights_after_loading``,
-  installed when vLLM imports this module, before the model loads) digests
+- On CPU a linear layer's weight is handed to oneDNN (or the SGL kernel) right
+  after loading, which keeps its own packed copy, and the parameter is emptied:
+  nothing is left to read (float32 on the test machine; bf16 only on CPUs with
+  AVX-512 BF16 or AMX, elsewhere vLLM keeps the parameter for plain torch, and
+  a parameter still there in the loaded dtype is read live). A load hook (on
+  ``UnquantizedLinearMethod.process_weights_after_loading``, installed when
+  vLLM imports this module, before the model loads) digests
   each linear layer's weight and bias once the loader has written them (fused,
   in the dtype vLLM computes in), just before the repacking; those digests
   are reported for the layer until its next load. The repacked copy itself
