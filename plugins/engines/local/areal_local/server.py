@@ -91,9 +91,9 @@ def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
 
 
 # A weight load is memory copies (into the parameters, then the packed / fused copies): on one thread, which
-# the kernel cannot leave waiting for a descheduled second one (areal_core.threads.torch_threads). Whole path of
-# SmolLM2-135M float32 on the 2-core test machine under load 7 (benchmarks/weight_sync.py): the load took
-# 16.4 s on the engine thread's two threads.
+# the kernel cannot leave waiting for a descheduled second one (areal_core.threads.torch_threads).
+# SmolLM2-135M float32 on the 2-core test machine under load 7-9 (benchmarks/weight_sync.py): the load took
+# 3.9-4.2 s on the engine thread's two threads, 0.27-0.40 s on one.
 LOAD_THREADS = 1
 
 
