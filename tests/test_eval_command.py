@@ -103,7 +103,7 @@ def test_areal_eval_of_the_base_model_equals_the_evaluation_before_training_and_
 @pytest.mark.slow
 def test_areal_eval_of_a_lora_checkpoint_merges_its_adapters_as_the_trainer_exports_them(tmp_path):
     pytest.importorskip("peft")
-    _, run_dir, logged = short_run(tmp_path, "actor.lora_rank=4", "actor.optimizer.lr=5e-2")
+    _, run_dir, logged = short_run(tmp_path, "actor.lora_rank=4", "actor.optimizer.lr=3e-1")
     checkpoint = run_dir / "checkpoints" / "step-00000002"
     assert (checkpoint / "actor" / "adapter").is_dir()
     scored = areal("eval", str(checkpoint), cwd=tmp_path)
