@@ -23,7 +23,7 @@ from typing import Any, Callable
 from areal_core.pending import PendingCall
 from areal_core.rollout import RolloutController
 from areal_core.threads import serial_torch
-from areal_core.weight_check import SentDigests, WeightCheckError, compare_probe, digest_folder, digest_named, probe_due
+from areal_core.weight_check import SentDigests, WeightCheckError, compare_probe, digest_weights, probe_due
 from areal_core.weight_delta import MAX_DELTA_SHARE, WeightDelta, make_delta
 
 WEIGHT_BUCKET_BYTES = 256 * 1024**2  # rollout.weight_sync=tensors: the most bytes gathered at once
@@ -121,7 +121,7 @@ class WeightHandOver:
                 def export_and_send() -> float:
                     serial_torch()  # see areal_core.threads: a helper thread's torch ops run on one thread
                     named = [pair for bucket in buckets for pair in bucket]
-                    sent = self._digests(version, lambda mode: digest_named(named, mode))
+                    sent = self._digests(version, named)
                     return self.controller.update_weights_from_tensors(
                         named, version, wait=False, sent=sent, delta=self._delta(named, version)).result()
 
@@ -133,14 +133,14 @@ class WeightHandOver:
             if self.rank == 0:
                 # export_tensors hands out copies (its contract), so the next optimizer step cannot change what the
                 # engines are still reading at eta > 0
-                sent = self._digests(version, lambda mode: digest_named(named, mode))
+                sent = self._digests(version, named)
                 pending = self.controller.update_weights_from_tensors(named, version, wait=wait, sent=sent,
                                                                       probe=probe, delta=self._delta(named, version))
         else:
             weights = self.run_dir / "weights" / f"v{version:06d}"
             self.actor.export_to_disk(str(weights))  # collective: every rank takes part in the gather
             if self.rank == 0:
-                sent = self._digests(version, lambda mode: digest_folder(weights, mode))
+                sent = self._digests(version, str(weights))
                 pending = self.controller.update_weights_from_disk(str(weights), version, wait=wait, sent=sent,
                                                                    probe=probe)
                 _prune_weights(self.run_dir / "weights", keep=2)  # the two newest: the one loading now is kept
@@ -170,13 +170,17 @@ class WeightHandOver:
         self.delta_s = time.monotonic() - began
         return delta if delta.nbytes <= MAX_DELTA_SHARE * delta.full_nbytes else None
 
-    def _digests(self, version: int, digest: Callable[[str], dict]) -> SentDigests | None:
-        """Rank 0's digests of what it sends (``rollout.weight_check``), or None when the check is off."""
+    def _digests(self, version: int, weights: str | list) -> SentDigests | None:
+        """Rank 0's digests of what it sends (``rollout.weight_check``: a folder's path or (name, tensor) pairs), or
+        None when the check is off. The routed engines' backend says how (``InferenceEngine.sent_digests``: the
+        trainer's names and hash, or what its servers will report in their own layout)."""
         mode = self.cfg.rollout.weight_check
         if mode == "off":
             return None
         began = time.monotonic()
-        digests = digest(mode)
+        engines = self.controller.engines if self.controller is not None else []
+        digest = getattr(engines[0], "sent_digests", None) if engines else None
+        digests = digest(weights, mode) if digest is not None else digest_weights(weights, mode)
         self.digest_s = time.monotonic() - began
         return SentDigests(version, mode, digests, self.digest_s)
 

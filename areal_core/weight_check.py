@@ -8,7 +8,9 @@ Two checks, both on by default:
   ``weight_digest`` capability digests the tensors it holds once the update
   has landed, after whatever layout change it made (fused, transposed, cast
   weights mapped back to the names, shapes and dtype the trainer sent), with
-  the same function. The controller compares the two before the engine takes
+  the same function (an engine whose server hashes only its own layout
+  computes instead, from what is sent, what its server will report:
+  ``InferenceEngine.sent_digests``). The controller compares the two before the engine takes
   traffic again (:func:`compare_digests`).
 - **The parity probe**, at the first update and every
   ``rollout.weight_probe_every``-th: a fixed short prompt is sampled by each
@@ -157,6 +159,15 @@ def digest_folder(path: str | Path, mode: str = "on") -> dict[str, str]:
             finally:
                 view.release()
     return out
+
+
+def digest_weights(weights: str | Path | Iterable[tuple[str, Any]], mode: str = "on") -> dict[str, str]:
+    """The trainer's digests of what it sends: :func:`digest_folder` of a folder's path, :func:`digest_named` of
+    (name, tensor) pairs. What :meth:`InferenceEngine.sent_digests
+    <areal_core.api.inference.InferenceEngine.sent_digests>` returns unless an engine overrides it."""
+    if isinstance(weights, (str, Path)):
+        return digest_folder(weights, mode)
+    return digest_named(weights, mode)
 
 
 def compare_digests(sent: dict[str, str], held: dict[str, str]) -> list[str]:

@@ -149,6 +149,21 @@ class InferenceEngine(Component):
         when implemented; tensors beyond those the trainer sends may be reported and are ignored."""
         raise NotImplementedError(f"{type(self).__name__} does not declare 'weight_digest'")
 
+    def sent_digests(self, weights: str | list[tuple[str, Any]], mode: str = "on") -> dict[str, str]:
+        """The trainer's side of the integrity gate: per name, the digest :meth:`weight_digest` must report once
+        ``weights`` are loaded (a safetensors folder's path, or the (name, tensor) pairs handed over). Called on
+        the trainer's rank 0, on the first routed engine (every routed engine is of one backend and one server
+        shape), after ``start()``, for every update the gate checks; synchronous (it may run on a helper thread).
+
+        The default, right for every engine that maps what it holds back to what was sent, is the trainer's own
+        names and hash (:func:`areal_core.weight_check.digest_weights`). An engine whose server can only hash
+        the weights in its own layout (fused, sharded, its own hash function) overrides it to compute, from
+        what the trainer sends, what its server will report; such an engine reports a tensor it cannot map as
+        :data:`~areal_core.weight_check.NOT_CHECKABLE` from :meth:`weight_digest`, as any engine does."""
+        from areal_core.weight_check import digest_weights
+
+        return digest_weights(weights, mode)
+
     def weight_transport(self, weight_sync: str) -> str:
         """How this engine's new weights travel under ``rollout.weight_sync`` (logged, and counted in the
         metrics as ``weight_sync/servers_<transport>``). Engines whose path depends on where they run (shared

@@ -16,6 +16,10 @@ What SGLang adds to :class:`areal_core.remote.RemoteEngine`:
   every topology version): this engine only makes the HTTP calls
   (``/init_weights_update_group``, per bucket ``/update_weights_from_distributed``
   while the trainer broadcasts, ``/destroy_weights_update_group``);
+- the integrity gate's digests (``weight_digest``): SGLang's own
+  ``/weights_checker`` (action ``checksum``) hashes every tensor each rank holds,
+  in SGLang's layout; :meth:`SGLangEngine.sent_digests` computes on the trainer
+  what it will report from the tensors sent (:mod:`areal_sglang.weight_layout`);
 - the recipe the launcher uses to start a server from its own interpreter.
 
 SGLang serves on GPUs only (its CPU kernels are not on PyPI). This engine is
@@ -26,6 +30,7 @@ the version check at start refuses releases outside :data:`SUPPORTED`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
@@ -36,6 +41,8 @@ from areal_core.remote import RemoteEngine, attach_addresses, check_server_versi
 from areal_core.rollout.elastic import Member
 from areal_core.launch.nodes import NODE_ADDRESS_ENV
 from areal_core.rollout.weight_group import FleetWeightGroup, GroupLayout, GroupMemberFailed
+
+log = logging.getLogger(__name__)
 
 SUPPORTED = ">=0.5.0,<0.6"
 SUPPORTED_TEXT = "SGLang >=0.5.0,<0.6 (its /pause_generation takes a mode from 0.5)"
@@ -93,8 +100,12 @@ def _group_host(options: SGLangEngineConfig) -> str:
 
 class SGLangEngine(RemoteEngine):
     backend = "SGLang server"
-    capabilities = frozenset({"pause", "seed", "update_weights_from_disk", "update_weights_from_tensors"})
+    capabilities = frozenset({"pause", "seed", "update_weights_from_disk", "update_weights_from_tensors",
+                              "weight_digest"})
     config_class = SGLangEngineConfig
+    # The tensors the trainer's last sent_digests in this process could not place in SGLang's layout, each with
+    # why: every SGLang engine's weight_digest reports them not checkable (its server cannot name them).
+    not_mapped: dict[str, str] = {}
 
     @classmethod
     def server_process(cls, context: Any, index: int, port: int) -> ServerProcess | None:
@@ -117,12 +128,15 @@ class SGLangEngine(RemoteEngine):
         tensor_parallel = getattr(getattr(placement, "parallel", None), "t", 1) or 1
         return cls.from_context(context, options, weight_bucket_mb=options.weight_bucket_mb,
                                 weight_group_backend=options.weight_group_backend,
-                                weight_group_host=_group_host(options), tensor_parallel=tensor_parallel)
+                                weight_group_host=_group_host(options), tensor_parallel=tensor_parallel,
+                                model_path=getattr(getattr(context.config, "model", None), "path", "") or "")
 
     def __init__(self, context: Any = None, address: str = "", *, weight_bucket_mb: float = 512,
                  weight_group_backend: str = "nccl", weight_group_host: str = "127.0.0.1", tensor_parallel: int = 1,
-                 **kwargs: Any) -> None:
+                 model_path: str = "", **kwargs: Any) -> None:
         super().__init__(context, address, **kwargs)
+        self.model_path = model_path  # the model the server was started from: its config.json gives the layout
+        self._server_info: dict = {}
         self.server_version = ""
         self.weight_bucket_mb = weight_bucket_mb
         self.weight_group_backend = weight_group_backend
@@ -142,6 +156,69 @@ class SGLangEngine(RemoteEngine):
         check_version(self.server_version)
         tp = info.get("tp_size")
         self._server_tp = int(tp) if isinstance(tp, int) and tp >= 1 else None
+        self._server_info = info
+
+    # -------------------------------------------------------------- the integrity gate
+    def _hash_kind(self) -> str:
+        """SGLang hashes a CUDA tensor with its triton kernel, any other on the CPU with SHA-256."""
+        return "gpu" if str(self._server_info.get("device", "cuda")).startswith("cuda") else "sha256-8"
+
+    def sent_digests(self, weights: str | list, mode: str = "on") -> dict[str, str]:
+        """What this server's ``/weights_checker`` reports once ``weights`` (a folder's path, or (name, tensor)
+        pairs) are loaded: the tensors laid out and hashed as SGLang does (:mod:`areal_sglang.weight_layout`),
+        for its ``tp_size``, dtype and device (``/get_server_info``) and the model's ``config.json`` (``model.path``,
+        else the server's ``model_path``, else the folder's). ``mode`` changes nothing: SGLang hashes every byte.
+        The tensors that have no place in the layout are kept in :attr:`not_mapped` for :meth:`weight_digest`."""
+        from areal_core.weight_check import check_mode
+
+        from areal_sglang.weight_layout import expected_checksums, folder_tensors, read_config, server_dtype
+
+        check_mode(mode)
+        folder = weights if isinstance(weights, (str, os.PathLike)) else None
+        config = next((c for c in (read_config(p) for p in (self.model_path, self._server_info.get("model_path"),
+                                                               folder) if p) if c), {})
+        named = folder_tensors(folder) if folder is not None else weights
+        tp = self._server_tp or self.tensor_parallel
+        dtype = server_dtype(str(self._server_info.get("dtype", "auto")), config)
+        expected, unmapped = expected_checksums(named, config, tp, dtype, self._hash_kind())
+        type(self).not_mapped = unmapped
+        return {**expected, **{name: f"sent, not mapped ({why})" for name, why in unmapped.items()}}
+
+    async def weight_digest(self, mode: str = "on") -> dict[str, str]:
+        """Per tensor, the checksum SGLang's ``/weights_checker`` (action ``checksum``) reports, each of its
+        ranks hashing what it holds in its own layout; named as SGLang names it, ``@tp<rank>`` appended on a
+        server of several ranks, as :meth:`sent_digests` names them. SGLang hashes every byte whatever ``mode``
+        (``sample`` included). The tensors sent that have no place in SGLang's layout (:attr:`not_mapped`) are
+        reported not checkable. A name two ranks of one tp rank (data or pipeline parallel copies) report with
+        different checksums gets both, which fails the check."""
+        from areal_core.remote import RemoteError
+        from areal_core.weight_check import NOT_CHECKABLE, check_mode
+
+        check_mode(mode)
+        try:
+            out = await self.request("POST", "/weights_checker", json={"action": "checksum", "selector": "target"},
+                                     retries=0)
+        except RemoteError as missing:
+            if "HTTP 404" not in str(missing):
+                raise
+            raise RuntimeError(f"the {self.describe()} has no /weights_checker endpoint (SGLang {self.server_version}"
+                               "): its weights cannot be checked by digest. Use an SGLang release that has it "
+                               "(0.5.23 does), or rollout.weight_check=off") from None
+        if not (isinstance(out, dict) and out.get("success", False) and isinstance(out.get("ranks"), list)):
+            message = out.get("message") if isinstance(out, dict) else out
+            raise RuntimeError(f"the {self.describe()} could not compute the checksums of its weights "
+                               f"(/weights_checker action checksum): {message}")
+        kind, seen = self._hash_kind(), {}
+        for rank in out["ranks"]:
+            info = rank.get("parallelism_info") or {}
+            tp, tp_rank = int(info.get("tp_size", 1)), int(info.get("tp_rank", 0))
+            for name, value in (rank.get("checksums") or {}).items():
+                key = name if tp == 1 else f"{name}@tp{tp_rank}"
+                seen.setdefault(key, {})[int(info.get("rank", tp_rank))] = f"{kind}:{value}"
+        held = {key: values.popitem()[1] if len(set(values.values())) == 1 else
+                ", ".join(f"rank {r} {v}" for r, v in sorted(values.items())) for key, values in seen.items()}
+        held.update({name: f"{NOT_CHECKABLE}: {why}" for name, why in self.not_mapped.items()})
+        return held
 
     async def agenerate(self, request: GenerationRequest) -> GenerationResponse:
         s = request.sampling

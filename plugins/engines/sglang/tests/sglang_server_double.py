@@ -22,6 +22,29 @@ group name it does not hold is refused),
 ``/health``. A ``world_size`` that does not match the ranks that join fails
 the way torch fails: the rendezvous waits, then times out.
 
+``/weights_checker`` (action ``checksum``), as SGLang 0.5.23 answers it
+(``http_server.check_weights``, ``utils/weight_checker._compute_checksum``):
+``success``, ``message``, and per tensor-parallel rank its ``checksums`` (per
+parameter name, ``tensor_hash`` as 16 hex digits), ``per_gpu_checksum`` and
+``parallelism_info``. Started with ``--model-path`` (a folder with a Llama-family
+``config.json``; its safetensors, if any, are loaded at start as SGLang does), the
+double holds the weights IN SGLANG'S LAYOUT, written here from the layer facts
+(``QKVParallelLinear``, ``MergedColumnParallelLinear``, ``RowParallelLinear``,
+``VocabParallelEmbedding`` weight loaders), not from the plugin's mapping: each of
+its ``--tp`` ranks holds a ``qkv_proj`` whose q, k, v parts are copied at their
+offsets (kv heads replicated when tp exceeds them), a ``gate_up_proj``, its
+columns of ``o_proj`` / ``down_proj``, its rows of the vocabulary padded to 64
+with zero rows, whole norms; tied embeddings drop ``lm_head.weight``. Weights
+are cast to ``--dtype`` (``auto``: the config's, float32 as float16). Without
+``--model-path``, or for another architecture, tensors are held as sent. The
+hash: ``--hash cpu`` is SGLang's ``tensor_hash`` of a CPU tensor (the first 8
+bytes of SHA-256, big-endian); ``--hash gpu`` its CUDA kernel's algorithm (the
+double reports device ``cuda`` then), taken from the plugin's numpy port, which
+``gpu_hash_vectors.py`` checks against SGLang's real kernel. ``--corrupt``
+makes the loader wrong on purpose: ``swap-kv:L`` writes layer L's k at v's
+offset and v at k's, ``skip:PREFIX`` leaves every tensor whose name starts with
+PREFIX (a bucket) unloaded.
+
 Pause as SGLang does it (``TokenizerManager.pause_generation`` /
 ``generate_request`` in ``python/sglang/srt/managers/tokenizer_manager.py``):
 mode ``abort`` aborts what is running and waits until nothing runs; a
@@ -45,7 +68,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
+import json
+import re
 import zlib
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -82,6 +109,104 @@ def load_folder(path: str) -> dict | None:
     for file in files:
         tensors.update(load_file(str(file)))
     return tensors
+
+
+LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+class HeldWeights:
+    """The parameters each tensor-parallel rank of the server holds (see the module), loaded tensor by tensor."""
+
+    def __init__(self, config: dict, tp: int, dtype: str, corrupt: str = "") -> None:
+        import torch
+
+        self.tp, self.corrupt = tp, corrupt
+        self.ranks: list[dict] = [{} for _ in range(tp)]
+        self.llama = bool(config) and (config.get("architectures") or [""])[0] in LLAMA_FAMILY
+        self.config = config
+        if dtype == "auto":
+            dtype = config.get("torch_dtype") or config.get("dtype") or "float32"
+            dtype = "float16" if dtype == "float32" else dtype
+        self.dtype = getattr(torch, dtype) if config else None  # no model config: held as sent
+
+
+    def load(self, name: str, tensor) -> None:
+        if self.corrupt.startswith("skip:") and name.startswith(self.corrupt[5:]):
+            return
+        tensor = tensor if self.dtype is None else tensor.to(self.dtype)
+        for rank in range(self.tp):
+            if not self.llama:
+                self.ranks[rank][name] = tensor.clone()
+            else:
+                self._load_llama(rank, name, tensor)
+
+    def _load_llama(self, rank: int, name: str, w) -> None:
+        import torch
+
+        c, tp, held = self.config, self.tp, self.ranks[rank]
+        heads = c["num_attention_heads"]
+        kv_heads = c.get("num_key_value_heads") or heads
+        head_dim = c.get("head_dim") or c["hidden_size"] // heads
+        qkv = re.match(r"(.+)\.([qkv])_proj\.(weight|bias)$", name)
+        gate_up = re.match(r"(.+)\.(gate|up)_proj\.(weight|bias)$", name)
+        if qkv:
+            q_rows = heads // tp * head_dim
+            kv_rows = max(1, kv_heads // tp) * head_dim
+            kv_index = rank // (tp // kv_heads) if tp >= kv_heads else rank  # replicated kv heads
+            part = qkv.group(2)
+            layer = re.search(r"layers\.(\d+)\.", name)
+            if self.corrupt == f"swap-kv:{layer.group(1) if layer else ''}" and part in "kv":
+                part = "v" if part == "k" else "k"
+            offset = {"q": 0, "k": q_rows, "v": q_rows + kv_rows}[part]
+            rows = q_rows if part == "q" else kv_rows
+            index = rank if qkv.group(2) == "q" else kv_index
+            key = f"{qkv.group(1)}.qkv_proj.{qkv.group(3)}"
+            param = held.setdefault(key, torch.zeros((q_rows + 2 * kv_rows, *w.shape[1:]), dtype=self.dtype))
+            param[offset:offset + rows] = w[index * rows:(index + 1) * rows]
+        elif gate_up:
+            rows = w.shape[0] // tp
+            key = f"{gate_up.group(1)}.gate_up_proj.{gate_up.group(3)}"
+            param = held.setdefault(key, torch.zeros((2 * rows, *w.shape[1:]), dtype=self.dtype))
+            offset = 0 if gate_up.group(2) == "gate" else rows
+            param[offset:offset + rows] = w[rank * rows:(rank + 1) * rows]
+        elif re.search(r"\.(o_proj|down_proj)\.weight$", name):
+            cols = w.shape[1] // tp
+            held[name] = w[:, rank * cols:(rank + 1) * cols].clone()
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            if name == "lm_head.weight" and c.get("tie_word_embeddings"):
+                return  # SGLang's lm_head is embed_tokens then: the tensor sent is dropped
+            vocab, pad = c["vocab_size"], 64
+            if ((vocab + pad - 1) // pad * pad) % tp:
+                pad *= tp
+            per_rank = (vocab + pad - 1) // pad * pad // tp
+            param = torch.zeros((per_rank, w.shape[1]), dtype=self.dtype)
+            mine = w[rank * per_rank:min((rank + 1) * per_rank, vocab)]
+            param[:mine.shape[0]] = mine
+            held[name] = param
+        else:
+            held[name] = w.clone()  # norms, row-parallel biases: whole on every rank
+
+    def checksums(self, hash_kind: str) -> list[dict]:
+        """``/weights_checker``'s ``ranks``: each rank's checksums, as SGLang's ``_compute_checksum`` answers."""
+        import torch
+
+        if hash_kind == "gpu":
+            from areal_sglang.weight_layout import gpu_hash as kernel  # checked against SGLang's kernel
+        else:
+            def kernel(t) -> int:
+                data = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+                return int.from_bytes(hashlib.sha256(memoryview(data)).digest()[:8], "big")
+        out = []
+        for rank, held in enumerate(self.ranks):
+            checksums = {name: f"{kernel(t):016x}" for name, t in held.items()}
+            overall = hashlib.sha256()
+            for name in sorted(checksums):
+                overall.update(name.encode())
+                overall.update(checksums[name].encode())
+            out.append({"checksums": checksums, "per_gpu_checksum": overall.hexdigest(), "parallelism_info": {
+                "role": "target", "tp_rank": rank, "tp_size": self.tp, "dp_rank": 0, "dp_size": 1, "pp_rank": 0,
+                "pp_size": 1, "rank": rank, "size": self.tp}})
+        return out
 
 
 def join_group(body: dict, tp: int, timeout_s: float) -> list:
@@ -129,10 +254,16 @@ def receive(ranks: list, names: list, dtypes: list, shapes: list) -> dict:
 
 
 def build_app(version: str = "0.5.23", token_latency_s: float = 0.002, eos: int = 2, tp: int = 1,
-              group_timeout_s: float = 60.0) -> FastAPI:
+              group_timeout_s: float = 60.0, model_path: str = "", dtype: str = "auto", hash_kind: str = "cpu",
+              corrupt: str = "") -> FastAPI:
     app = FastAPI()
     state = {"weights": "initial", "paused": False, "aborted": set(), "running": 0, "requests": 0,
              "tensors": {}, "groups": {}, "buckets": 0, "held": 0}
+    config_file = Path(model_path) / "config.json" if model_path else None
+    config = json.loads(config_file.read_text()) if config_file and config_file.is_file() else {}
+    weights = HeldWeights(config, tp, dtype, corrupt)
+    for name, tensor in (load_folder(model_path) or {}).items() if model_path else ():
+        weights.load(name, tensor)
     resumed = asyncio.Event()
     resumed.set()
 
@@ -142,7 +273,9 @@ def build_app(version: str = "0.5.23", token_latency_s: float = 0.002, eos: int 
 
     @app.get("/get_server_info")
     async def server_info():
-        return {"version": version, "tp_size": tp, "weights": state["weights"], "requests": state["requests"],
+        return {"version": version, "tp_size": tp, "model_path": model_path, "dtype": dtype,
+                "device": "cuda" if hash_kind == "gpu" else "cpu",
+                "weights": state["weights"], "requests": state["requests"],
                 "buckets": state["buckets"], "held": state["held"],
                 "groups": {name: {"world_size": world, "ranks": [r[0] for r in ranks]}
                            for name, (world, ranks) in state["groups"].items()}}
@@ -214,6 +347,8 @@ def build_app(version: str = "0.5.23", token_latency_s: float = 0.002, eos: int 
             return {"success": False, "message": "model_path is required"}
         tensors = await asyncio.to_thread(load_folder, path)
         state["tensors"] = tensors or {}
+        for name, tensor in state["tensors"].items():
+            weights.load(name, tensor)
         state["weights"] = digest(tensors) if tensors else path
         return {"success": True, "message": "Succeeded to update model weights."}
 
@@ -243,9 +378,22 @@ def build_app(version: str = "0.5.23", token_latency_s: float = 0.002, eos: int 
         except Exception as exc:
             return {"success": False, "message": f"Failed to update parameter online: {type(exc).__name__}: {exc}"}
         state["tensors"] = {**state["tensors"], **received}
+        for name, tensor in received.items():
+            weights.load(name, tensor)
         state["weights"] = digest(state["tensors"])
         state["buckets"] += 1
         return {"success": True, "message": "Succeeded to update parameter online."}
+
+    @app.post("/weights_checker")
+    async def check_weights(request: Request):
+        body = await request.json()
+        if body.get("action", "checksum") != "checksum":
+            return JSONResponse({"success": False, "message": "the double implements action checksum only"}, 400)
+        ranks = await asyncio.to_thread(weights.checksums, hash_kind)
+        engine = hashlib.sha256()
+        for rank in ranks:
+            engine.update(rank["per_gpu_checksum"].encode())
+        return {"success": True, "message": "", "ranks": ranks, "per_engine_checksum": engine.hexdigest()}
 
     @app.post("/destroy_weights_update_group")
     async def destroy_group(request: Request):
@@ -264,8 +412,13 @@ def main() -> None:
     parser.add_argument("--token-latency-s", type=float, default=0.002)
     parser.add_argument("--tp", type=int, default=1, help="ranks the double joins a weight-update group with")
     parser.add_argument("--group-timeout-s", type=float, default=60.0)
+    parser.add_argument("--model-path", default="", help="a folder with config.json (and safetensors to load)")
+    parser.add_argument("--dtype", default="auto", help="the dtype the weights are held in (SGLang's --dtype)")
+    parser.add_argument("--hash", default="cpu", choices=["cpu", "gpu"], help="tensor_hash of a CPU or CUDA tensor")
+    parser.add_argument("--corrupt", default="", help="swap-kv:LAYER or skip:PREFIX: a loader bug on purpose")
     args = parser.parse_args()
-    uvicorn.run(build_app(args.version, args.token_latency_s, tp=args.tp, group_timeout_s=args.group_timeout_s),
+    uvicorn.run(build_app(args.version, args.token_latency_s, tp=args.tp, group_timeout_s=args.group_timeout_s,
+                          model_path=args.model_path, dtype=args.dtype, hash_kind=args.hash, corrupt=args.corrupt),
                 host="127.0.0.1", port=args.port, log_level="warning")
 
 

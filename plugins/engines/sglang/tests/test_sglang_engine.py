@@ -23,9 +23,9 @@ DOUBLE = Path(__file__).with_name("sglang_server_double.py")
 PROMPT = [5, 17, 33, 9]
 
 
-def double_recipe(version: str = "0.5.23"):
+def double_recipe(version: str = "0.5.23", *args: str):
     def recipe(index: int, port: int) -> ServerProcess:
-        return ServerProcess([sys.executable, str(DOUBLE), "--port", str(port), "--version", version],
+        return ServerProcess([sys.executable, str(DOUBLE), "--port", str(port), "--version", version, *args],
                              http_ready(port), f"the SGLang protocol double {index} on 127.0.0.1:{port}",
                              startup_timeout_s=60)
 
@@ -33,10 +33,19 @@ def double_recipe(version: str = "0.5.23"):
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
+def models(tmp_path_factory, make_model):
+    """A tiny Llama-family model the server starts from, and other weights of it to load."""
+    root = tmp_path_factory.mktemp("sglang-models")
+    return make_model(root / "base", 0), make_model(root / "update", 1)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, models):
     with ServerFleet(tmp_path_factory.mktemp("sglang") / "logs") as f:
         f.launch(double_recipe(), 1, prefix="sglang-double")
         f.launch(double_recipe("0.4.9"), 1, prefix="sglang-old")
+        # the conformance kit's: started from a model, so it holds (and checksums) its weights in SGLang's layout
+        f.launch(double_recipe("0.5.23", "--model-path", str(models[0])), 1, prefix="sglang-model")
         yield f
 
 
@@ -45,16 +54,17 @@ class TestSGLangConformanceOnDouble(InferenceEngineConformance):
     prompt_ids = PROMPT
     long_max_new_tokens = 2000
     fleet_: ServerFleet
+    update_: Path
 
     @pytest.fixture(autouse=True)
-    def _fleet(self, fleet):
-        type(self).fleet_ = fleet
+    def _fleet(self, fleet, models):
+        type(self).fleet_, type(self).update_ = fleet, models[1]
 
     def make(self, cls):
-        return cls.create(Context(config=RunConfig(), extras={"address": self.fleet_.servers[0].address}))
+        return cls.create(Context(config=RunConfig(), extras={"address": self.fleet_.servers[2].address}))
 
     def weights_path_for_update(self):
-        return "/weights/v1"
+        return str(self.update_)
 
 
 def run(coro):
