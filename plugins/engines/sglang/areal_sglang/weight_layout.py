@@ -180,12 +180,9 @@ def gpu_hash(tensor: Any, seed: int = GPU_HASH_SEED) -> int:
         i = np.arange(begin, begin + v.size, dtype=np.uint32)
         k1 = _fmix32(v ^ ((i * np.uint32(POS_C1) + s1) ^ _rotl32(i, 15)))
         k2 = _fmix32(v ^ ((i * np.uint32(POS_C2) + s2) ^ _rotl32(i, 13)))
-        tiles = -(-v.size // TILE_WORDS)
-        sums = []
-        for k in (k1, k2):
-            padded = np.zeros(tiles * TILE_WORDS, np.uint64)
-            padded[:v.size] = k
-            sums.append((padded.reshape(tiles, TILE_WORDS).sum(axis=1) & np.uint64(_M32)).astype(np.uint32))
+        tail = (-v.size) % TILE_WORDS  # the last tile's words past the end count 0, as the kernel's mask does
+        sums = [(np.pad(k, (0, tail)) if tail else k).reshape(-1, TILE_WORDS).sum(axis=1, dtype=np.uint64)
+                .astype(np.uint32) for k in (k1, k2)]  # the low 32 bits: the kernel's sum mod 2^32
         h1, h2 = (_fmix32(h ^ nbytes) for h in sums)
         total += int(((h1.astype(np.uint64) << np.uint64(32)) | h2.astype(np.uint64)).sum(dtype=np.uint64))
     return _splitmix64(total & _M64)
