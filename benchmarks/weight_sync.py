@@ -319,6 +319,10 @@ def whole_path(train_engine, model: Path, dtype: str, bucket: int, repeats: int,
     line(f"memcpy, torch copy_ ({torch.get_num_threads()} threads)", copy_all)
     line("memcpy, torch copy_ (1 thread)", copy_one)
     print(f"  whole path / plain memcpy: {median['whole'] / plain:.1f}x; the issue's target is 2x")
+    first_load = sum(rows[key][0] for key, _, phase in ROWS if phase == "load")
+    print(f"  the first update (the warm-up, not in the medians): whole path {rows['whole'][0]:.3f} s, load "
+          f"{first_load:.3f} s (copy into the model {rows['load_copied'][0]:.3f}, packed / fused copies "
+          f"{rows['load_derived'][0]:.3f})")
 
 
 if __name__ == "__main__":

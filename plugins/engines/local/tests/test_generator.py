@@ -592,3 +592,40 @@ def test_lean_decode_refuses_what_it_cannot_reproduce():
     assert not supports(windowed)
     with pytest.raises(ValueError, match="lean_decode=True but Qwen2ForCausalLM is not a Llama-family model"):
         Generator(windowed, eos_token_ids=[], lean_decode=True)
+
+
+def _mapped(path) -> bool:
+    return any(str(path) in line for line in open("/proc/self/maps").read().splitlines())
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="needs Linux's /proc/self/maps")
+def test_own_memory_lets_the_model_files_mapping_go_and_keeps_every_value(tmp_path):
+    """from_pretrained in the file's dtype leaves the weights as views of a copy-on-write mapping of the file, so
+    the server's first weight update would fault every page in (areal_local.server.own_memory); after
+    own_memory nothing maps the file, the values are the same and a tied head is still the embedding."""
+    import gc
+
+    from areal_local.server import own_memory
+
+    folder = tiny_model(tmp_path / "tied", arch="llama", tie_word_embeddings=True)
+    file = folder / "model.safetensors"
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    assert _mapped(file), "precondition: transformers maps the file (if this changes, own_memory may be moot)"
+    copied = own_memory(model)
+    gc.collect()
+    assert not _mapped(file)
+    assert copied == sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_warming_weight_loads_changes_no_packed_copy(folders):
+    """warm_weight_loads rebuilds the derived copies in place before any load: the same tensors, the same bits."""
+    gen = Generator(load(folders["llama"], seed=5), eos_token_ids=[])
+    packed = {k: (t, t.to_dense().clone()) for k, t in gen._packed._packed.items()}
+    qkv = [(w, w.to_dense().clone()) for w, _ in gen._lean._qkv]
+    gen.warm_weight_loads()
+    assert all(gen._packed._packed[k] is t and torch.equal(t.to_dense(), bits) for k, (t, bits) in packed.items())
+    assert all(w is t and torch.equal(w.to_dense(), bits) for (w, _), (t, bits) in zip(gen._lean._qkv, qkv))
