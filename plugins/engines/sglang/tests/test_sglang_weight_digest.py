@@ -207,3 +207,49 @@ def test_the_gpu_hash_port_over_more_than_1024_tiles(gpu_hash_vectors):
     for key, want in big.items():
         dtype, numel = key.split(":")
         assert f"{gpu_hash(gpu_hash_vectors.vector_tensor(dtype, int(numel))):016x}" == want, key
+
+
+@pytest.mark.parametrize("status,answer,says", [
+    (404, {"detail": "Not Found"}, r"has no /weights_checker endpoint \(SGLang 0.5.23\).*rollout.weight_check=off"),
+    (400, {"success": False, "message": "Unsupported action"}, r"refused POST /weights_checker: .*Unsupported"),
+    (200, {"success": False, "message": "rank 1 failed"}, r"could not compute the checksums .*: rank 1 failed"),
+])
+def test_a_server_that_cannot_checksum_says_so(status, answer, says):
+    """Answers of a server without the endpoint, or whose checksum failed (a transport double of the HTTP
+    protocol: no server process), each an error naming the server and what to do."""
+    import httpx
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/weights_checker":
+            return httpx.Response(status, json=answer)
+        return httpx.Response(200, json={"version": "0.5.23", "tp_size": 1, "device": "cuda"})
+
+    async def body():
+        engine = SGLangEngine(None, "127.0.0.1:9", transport=httpx.MockTransport(handle), retries=0)
+        engine.server_version = "0.5.23"
+        try:
+            return await engine.weight_digest()
+        finally:
+            await engine.aclose()
+
+    with pytest.raises((RuntimeError, ValueError), match=says) as failed:
+        asyncio.run(body())
+    assert "SGLang server at 127.0.0.1:9" in str(failed.value)
+
+
+def test_a_checksum_that_does_not_come_back_times_out_naming_the_server_and_the_wait():
+    import httpx
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("no answer", request=request)  # what httpx raises past the request's timeout
+
+    async def body():
+        engine = SGLangEngine(None, "127.0.0.1:9", transport=httpx.MockTransport(handle), request_timeout_s=7)
+        try:
+            return await engine.weight_digest()
+        finally:
+            await engine.aclose()
+
+    with pytest.raises(TimeoutError, match=r"waited 7 s .*for the SGLang server at 127.0.0.1:9 to answer POST "
+                                           r"/weights_checker"):
+        asyncio.run(body())
