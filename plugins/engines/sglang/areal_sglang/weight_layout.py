@@ -255,7 +255,8 @@ def expected_checksums(named: Iterable[tuple[str, Any]], config: dict, tp: int, 
                        hash_kind: str) -> tuple[dict[str, str], dict[str, str]]:
     """(the checksums an SGLang server of ``tp`` ranks holding the model in ``dtype`` reports for these tensors,
     per SGLang name, ``@tp<rank>`` appended when ``tp`` > 1; the tensors sent that have no place in its layout,
-    each with why). See the module for the layout."""
+    each with why). See the module for the layout. A tensor may be given as a function that reads it
+    (:func:`folder_tensors`): it is read when its SGLang parameter is hashed, and let go after."""
     shape = ModelShape.from_config(config)
     tensors = dict(named)
     why = shape.unmappable(tp)
@@ -292,6 +293,7 @@ def _rank_tensors(target: str, parts: dict, needed: tuple | None, shape: ModelSh
     import torch
 
     cast = getattr(torch, dtype)
+    parts = {split: tensor() if callable(tensor) else tensor for split, tensor in parts.items()}
     for rank in range(tp):
         if needed:
             yield rank, torch.cat([_shard(p, parts[p], shape, tp, rank) for p in needed]).to(cast)
@@ -306,10 +308,13 @@ def _rank_tensors(target: str, parts: dict, needed: tuple | None, shape: ModelSh
 
 
 def folder_tensors(path: str | Path) -> Iterator[tuple[str, Any]]:
-    """(name, tensor) of every tensor in the ``*.safetensors`` files of folder ``path``."""
+    """(name, a function that reads the tensor) of every tensor in the ``*.safetensors`` files of folder
+    ``path``: a model is read a fused parameter at a time, not held whole."""
+    from functools import partial
+
     from safetensors import safe_open
 
     for file in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        opened = safe_open(str(file), framework="pt")
+        for name in opened.keys():
+            yield name, partial(opened.get_tensor, name)
