@@ -295,8 +295,12 @@ def _rank_tensors(target: str, parts: dict, needed: tuple | None, shape: ModelSh
     cast = getattr(torch, dtype)
     parts = {split: tensor() if callable(tensor) else tensor for split, tensor in parts.items()}
     for rank in range(tp):
-        if needed:
-            yield rank, torch.cat([_shard(p, parts[p], shape, tp, rank) for p in needed]).to(cast)
+        if needed:  # stacked along dim 0: the parts' bytes one after the other (numpy: no torch threads)
+            import numpy as np
+
+            yield rank, torch.from_numpy(np.concatenate([
+                _shard(p, parts[p], shape, tp, rank).to(cast).contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+                for p in needed]))
             continue
         (split, tensor), = parts.items()
         if split == "columns":
