@@ -19,9 +19,10 @@ What vLLM adds to :class:`areal_core.remote.RemoteEngine`:
   ``PYTHONPATH``);
 - the integrity gate's digests (``weight_digest``): ``/collective_rpc``
   ``areal_weight_digest`` on every worker, which digests what the worker holds
-  under the trainer's tensor names (fused q/k/v and gate/up split back). A
-  server started without the extension (``rollout.addresses``) is not
-  digested; the parity probe still runs.
+  under the trainer's tensor names (fused q/k/v and gate/up split back; at
+  tensor parallel > 1 the shards gathered to the first rank, which alone
+  reports them). A server started without the extension
+  (``rollout.addresses``) is not digested; the parity probe still runs.
 
 vLLM's RL endpoints change between releases: the server's version is
 checked at start against :data:`SUPPORTED`, the range this plugin is tested on.
@@ -199,8 +200,10 @@ class VLLMEngine(RemoteEngine):
     async def weight_digest(self, mode: str = "on") -> dict[str, str]:
         """Per tensor name the trainer sends, the digest of what the server's workers hold
         (``/collective_rpc areal_weight_digest``, see ``areal_vllm_worker``); a tensor the workers cannot map back
-        is ``"not checkable: <why>"``. The workers' answers are merged: a tensor held by several (replicated)
-        must have one digest on all, else the differing digests are reported, which fails the check."""
+        is ``"not checkable: <why>"``. The workers' answers are merged: a tensor split over tensor-parallel
+        ranks is reported by the group's first rank alone (the others leave it out); a tensor held whole by
+        several (norms; a row-parallel bias) must have one digest on all, else the differing digests are
+        reported, which fails the check."""
         from areal_core.weight_check import check_mode
 
         out = await self.request("POST", "/collective_rpc", json={"method": "areal_weight_digest",

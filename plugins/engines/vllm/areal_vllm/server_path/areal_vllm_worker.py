@@ -10,7 +10,7 @@ and (for the load hook) vllm only, and it re-implements
 equal).
 
 What is digested, and where (vLLM >=0.32,<0.33, Llama- and Qwen2-family
-models, tensor parallel 1):
+models, any tensor-parallel size):
 
 - vLLM fuses ``q_proj``/``k_proj``/``v_proj`` into ``qkv_proj`` and
   ``gate_proj``/``up_proj`` into ``gate_up_proj`` (the model's
@@ -34,10 +34,31 @@ models, tensor parallel 1):
   ``lm_head.weight`` it is sent): it is reported with the embedding's digest,
   so a trainer that sends an output head other than its embeddings to a tied
   model fails the check, as it should.
+- Tensor parallel (tp > 1): each rank holds a shard of a split parameter
+  (column-parallel layers, fused ``qkv_proj``/``gate_up_proj`` included: rows
+  of each fused part; row-parallel ``o_proj``/``down_proj``: columns, their
+  bias whole on every rank; vocabulary-parallel embedding and output head: a
+  range of vocabulary rows, padding after the last real row of each shard).
+  The shards of each parameter are gathered to the first rank of vLLM's
+  tensor-parallel group (over its CPU group, as bytes) and put back together
+  in the trainer's layout there: each fused part's rows of every rank in rank
+  order; the k/v heads a rank shares with others when tp exceeds the model's
+  kv heads taken once, from the first rank holding them, and the copies held
+  by the others compared with it (a copy that differs is reported as such,
+  which fails the check naming the tensor); columns side by side; vocabulary
+  rows without padding. Only that rank digests a split parameter (the others
+  report nothing for it); a parameter every rank holds whole (norms, a
+  row-parallel bias) is digested on each and the client merges the answers (a
+  rank that differs fails the check). Every rank takes the same decisions in
+  the same module order, so the gathers match; on CPU the load hook gathers
+  each linear layer as it is loaded (the layers load in the same order on
+  every rank), otherwise the live parameters are gathered when digested.
 - What cannot be mapped back is reported as ``"not checkable: <why>"`` (the
   trainer's side skips it and says which in the run log): quantised layers,
-  tensor-parallel shards (tp > 1), a linear layer repacked before the hook
-  saw it, a name vLLM's weight mapper would not send to the parameter found.
+  a module split over tensor-parallel ranks in a layout not known here (or
+  over a group of its own rather than vLLM's tensor-parallel group), a linear layer
+  repacked before the hook saw it, a name vLLM's weight mapper would not send
+  to the parameter found.
 """
 
 from __future__ import annotations
@@ -106,20 +127,162 @@ def fused_digests(tensor: Any, sizes: list[int], modes: tuple[str, ...] = MODES)
     return {mode: [tensor_digest(p, mode) for p in parts] for mode in modes}
 
 
+def _dtype_name(tensor: Any) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+# ------------------------------------------------------------------ tensor parallel
+MAX_DIMS = 8  # of a gathered shard
+
+
+class GroupGather:
+    """Gathers one tensor from every rank of a vLLM ``GroupCoordinator`` (the tensor-parallel group) to the
+    group's first rank, over the group's CPU (gloo) group, as bytes (so any dtype travels). Shards may differ in
+    shape (the last vocabulary shard holds fewer real rows). Every rank of the group must call it, in the same
+    order, with a tensor of the same dtype."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.rank = int(group.rank_in_group)
+        self.size = int(group.world_size)
+
+    def __call__(self, tensor: Any) -> list[Any] | None:
+        """On the first rank, every rank's tensor in rank order (on CPU); None on the others."""
+        import torch
+        import torch.distributed as dist
+
+        t = tensor.detach().cpu().contiguous()
+        if t.dim() > MAX_DIMS:
+            raise ValueError(f"areal's tensor-parallel gather: a shard of {t.dim()} dimensions (at most {MAX_DIMS})")
+        meta = torch.full((MAX_DIMS + 1,), -1, dtype=torch.int64)
+        meta[0] = t.dim()
+        meta[1:1 + t.dim()] = torch.tensor(list(t.shape), dtype=torch.int64)
+        metas = [torch.empty_like(meta) for _ in range(self.size)]
+        dist.all_gather(metas, meta, group=self.group.cpu_group)
+        shapes = [[int(d) for d in m[1:1 + int(m[0])]] for m in metas]
+        itemsize = t.element_size()
+        nbytes = [itemsize * int(torch.tensor(s, dtype=torch.int64).prod()) if s else itemsize for s in shapes]
+        data = torch.zeros(max(1, *nbytes), dtype=torch.uint8)  # (gloo sends no empty tensor)
+        data[:nbytes[self.rank]] = t.reshape(-1).view(torch.uint8)
+        first = self.group.ranks[0]
+        received = [torch.empty_like(data) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(data, received, dst=first, group=self.group.cpu_group)
+        if received is None:
+            return None
+        return [r[:n].view(t.dtype).reshape(s) for r, n, s in zip(received, nbytes, shapes)]
+
+
+def tp_gather() -> GroupGather | None:
+    """The gather over vLLM's tensor-parallel group of this worker; None outside a vLLM worker or at tp 1."""
+    try:
+        from vllm.distributed import get_tp_group
+
+        group = get_tp_group()
+    except (ImportError, AssertionError):  # no vLLM; its groups not made (a test outside the server)
+        return None
+    return GroupGather(group) if group is not None and group.world_size > 1 else None
+
+
+def tp_layout(module: Any) -> str | None:
+    """How vLLM splits ``module``'s parameters over tensor-parallel ranks: ``"rows"`` (ColumnParallelLinear and
+    the fused QKVParallelLinear / MergedColumnParallelLinear: each fused part's rows), ``"columns"``
+    (RowParallelLinear: its weight's columns; its bias is whole on every rank), ``"vocab"``
+    (VocabParallelEmbedding, ParallelLMHead: vocabulary rows, padded per shard), ``"whole"`` (not split: tp 1,
+    ReplicatedLinear, a module without ``tp_size`` such as a norm); None: split in a layout not known here, or
+    over a group of its own (an embedding given a ``parallel_group``), which the gather does not run over."""
+    if int(getattr(module, "tp_size", 1) or 1) <= 1:
+        return "whole"
+    if getattr(module, "parallel_group", None) is not None:
+        return None
+    if hasattr(module, "input_is_parallel"):
+        return "columns"
+    if hasattr(module, "shard_indices"):
+        return "vocab"
+    if hasattr(module, "gather_output"):
+        return "rows"
+    if "ReplicatedLinear" in {c.__name__ for c in type(module).__mro__}:
+        return "whole"
+    return None
+
+
+def is_split(layout: str | None, attr: str) -> bool:
+    """Whether parameter ``attr`` of a module of ``layout`` is split over the ranks (a shard on each)."""
+    return layout in ("rows", "vocab") or (layout == "columns" and attr == "weight")
+
+
+def local_shard(module: Any, layout: str, tensor: Any) -> Any:
+    """What this rank contributes of a split parameter: its shard, less the padding rows of a vocabulary shard."""
+    if layout == "vocab":
+        return tensor[:int(module.shard_indices.num_org_elements)]
+    return tensor
+
+
+def assemble(module: Any, layout: str, shards: list[Any], sizes: list[int]) -> list[Any]:
+    """The trainer's tensors from every rank's shard (rank order), one per fused part (``sizes``: this rank's
+    rows of each part, as :func:`split_rows`). A k/v part whose heads are replicated over ranks
+    (``num_kv_head_replicas`` > 1) is taken from the first rank of each replica set; a copy on another rank that
+    differs from it is given as a text saying so (a digest no trainer sends: the check fails naming the tensor)."""
+    import torch
+
+    if layout == "columns":
+        return [torch.cat(shards, dim=1)]
+    if layout == "vocab":
+        return [torch.cat(shards, dim=0)]
+    per_rank = [split_rows(s, sizes) for s in shards]
+    replicas = int(getattr(module, "num_kv_head_replicas", 1) or 1)
+    out: list[Any] = []
+    for i in range(len(per_rank[0])):
+        step = replicas if i > 0 else 1  # QKVParallelLinear: q (part 0) is split, k and v may be replicated
+        held = [tensor_digest(per_rank[r][i]) for r in range(len(shards))] if step > 1 else []
+        differ = [r for r in range(len(shards)) if step > 1 and held[r] != held[r - r % step]]
+        if differ:
+            out.append("; ".join(f"tensor-parallel rank {r} holds {held[r]}, its replica on rank {r - r % step} "
+                                 f"{held[r - r % step]}" for r in differ))
+        else:
+            out.append(torch.cat([per_rank[r][i] for r in range(0, len(shards), step)], dim=0))
+    return out
+
+
+def gathered_digests(module: Any, layout: str, tensor: Any, sizes: list[int], modes: tuple[str, ...],
+                     gather: GroupGather) -> dict[str, list[str]] | None:
+    """Per mode, the digests of the trainer's tensors of a split parameter whose shard on this rank is
+    ``tensor``: gathered to the group's first rank and digested there (:func:`assemble`); None on the other
+    ranks. A collective: every rank calls it for the same parameter in turn."""
+    shards = gather(local_shard(module, layout, tensor))
+    if shards is None:
+        return None
+    parts = assemble(module, layout, shards, sizes)
+    return {mode: [p if isinstance(p, str) else tensor_digest(p, mode) for p in parts] for mode in modes}
+
+
 # ------------------------------------------------------------------ the load hook
-# layer -> {"weight"/"bias": {mode: [digest per fused part]}}, written as the layer's weights are loaded
-LOADED: "weakref.WeakKeyDictionary[Any, dict[str, dict[str, list[str]]]]" = weakref.WeakKeyDictionary()
+# layer -> {"weight"/"bias": {"dtype": the loaded dtype, "digests": {mode: [digest per fused part] or None (a
+# split parameter: the group's first rank holds its digests)}}}, written as the layer's weights are loaded
+LOADED: "weakref.WeakKeyDictionary[Any, dict[str, dict[str, Any]]]" = weakref.WeakKeyDictionary()
 
 
-def record_loaded(layer: Any) -> None:
-    """Digest a linear layer's weight and bias as the loader left them (before any kernel repacking)."""
+def record_loaded(layer: Any, gather: Any = None) -> None:
+    """Digest a linear layer's weight and bias as the loader left them (before any kernel repacking); a
+    parameter split over tensor-parallel ranks is gathered to the first rank (``gather``, default
+    :func:`tp_gather`) and digested there. Every rank loads the same layers in the same order, so the gathers
+    match."""
     modes = load_modes()
     sizes = list(getattr(layer, "output_partition_sizes", None) or [])
+    layout = tp_layout(layer)
+    tp = int(getattr(layer, "tp_size", 1) or 1)
+    if modes and tp > 1 and gather is None:
+        gather = tp_gather()
     entry = {}
     for attr in ("weight", "bias"):
         t = getattr(layer, attr, None)
-        if modes and t is not None and t.numel() and not t.is_meta:
-            entry[attr] = fused_digests(t.data, sizes, modes)
+        if not modes or t is None or not t.numel() or t.is_meta:
+            continue
+        if is_split(layout, attr) and gather is not None and gather.size == tp:
+            digests = gathered_digests(layer, layout, t.data, sizes, modes, gather)
+            digests = digests if digests is not None else dict.fromkeys(modes)
+        else:
+            digests = fused_digests(t.data, sizes, modes)
+        entry[attr] = {"dtype": _dtype_name(t), "digests": digests}
     LOADED[layer] = entry
 
 
@@ -157,11 +320,13 @@ def _quantised(module: Any) -> str | None:
 
 
 def module_digests(name: str, module: Any, mode: str, packed: dict[str, list[str]],
-                   loaded: dict[str, dict[str, list[str]]] | None) -> dict[str, str]:
+                   loaded: dict[str, dict[str, Any]] | None, gather: Any = None) -> dict[str, str]:
     """The digests of one module's own parameters under the trainer's names (see the module docstring).
 
     ``packed``: the model's ``packed_modules_mapping`` (fused module -> the trainer's module names);
-    ``loaded``: what the load hook recorded for this module, if anything."""
+    ``loaded``: what the load hook recorded for this module, if anything; ``gather``: the tensor-parallel
+    gather (:class:`GroupGather`; None at tp 1). A parameter split over ranks is reported by the group's first
+    rank only; the others leave its names out."""
     out: dict[str, str] = {}
     prefix, _, short = name.rpartition(".")
     parts = packed.get(short)
@@ -169,37 +334,53 @@ def module_digests(name: str, module: Any, mode: str, packed: dict[str, list[str
     params = dict(module.named_parameters(recurse=False))
     quantised = _quantised(module)
     tp = int(getattr(module, "tp_size", 1) or 1)
+    layout = tp_layout(module)
     for attr in sorted(set(params) | set(loaded or {})):
         names = [f"{m}.{attr}" for m in trainer_modules]
         if quantised:
             out.update({n: _not_checkable(f"vLLM quantised {name} ({quantised})") for n in names})
             continue
-        if tp > 1:
-            out.update({n: _not_checkable(f"{name} is split over {tp} tensor-parallel ranks; areal digests "
-                                          "tensor parallel 1 only") for n in names})
+        if layout is None:
+            group = " over a group of its own" if getattr(module, "parallel_group", None) is not None else ""
+            out.update({n: _not_checkable(f"{name} ({type(module).__name__}) is split over {tp} tensor-parallel "
+                                          f"ranks{group}, in a layout areal cannot put back together")
+                        for n in names})
+            continue
+        split = is_split(layout, attr)
+        if split and (gather is None or gather.size != tp):
+            group = "no tensor-parallel group" if gather is None else f"a tensor-parallel group of {gather.size}"
+            out.update({n: _not_checkable(f"{name} is split over {tp} tensor-parallel ranks, and this worker has "
+                                          f"{group} to gather it over") for n in names})
             continue
         live = params[attr].data if attr in params else None
         recorded = (loaded or {}).get(attr)
-        if recorded and mode not in recorded:
-            out.update({n: _not_checkable(f"the load hook digested {name}.{attr} in mode {'/'.join(recorded)} "
-                                          f"only (${LOAD_MODES_ENV}), not {mode}") for n in names})
+        if recorded and mode not in recorded["digests"]:
+            out.update({n: _not_checkable(f"the load hook digested {name}.{attr} in mode "
+                                          f"{'/'.join(recorded['digests'])} only (${LOAD_MODES_ENV}), not {mode}")
+                        for n in names})
             continue
-        if recorded and (live is None or not live.numel() or live.is_meta
-                         or not recorded[mode][0].startswith(str(live.dtype).removeprefix("torch.") + "[")):
+        sizes = [] if len(names) == 1 else list(getattr(module, "output_partition_sizes", []))
+        if recorded and (live is None or not live.numel() or live.is_meta or recorded["dtype"] != _dtype_name(live)):
             # the live parameter is gone (repacked for a CPU kernel) or was cast (a bias made float32 for the
             # SGL kernel): what the loader wrote is what the hook digested
-            digests = recorded[mode]
+            digests = recorded["digests"][mode]
+            if digests is None:  # split: the group's first rank reports it
+                continue
+        elif live is None or live.numel() == 0 or live.is_meta:
+            out.update({n: _not_checkable(f"vLLM repacked {name}.{attr} for its kernel before areal's load "
+                                          "hook digested it") for n in names})
+            continue
+        elif split:
+            gathered = gathered_digests(module, layout, live, sizes, (mode,), gather)
+            if gathered is None:  # not the group's first rank
+                continue
+            digests = gathered[mode]
         else:
             t = live
-            if t is None or t.numel() == 0 or t.is_meta:
-                out.update({n: _not_checkable(f"vLLM repacked {name}.{attr} for its kernel before areal's load "
-                                              "hook digested it") for n in names})
-                continue
             vocab = getattr(module, "org_vocab_size", None)
             if vocab is not None and t.dim() and t.shape[0] > vocab:
                 t = t[:vocab]  # the padding rows vLLM adds past the vocabulary
-            digests = [tensor_digest(p, mode) for p in split_rows(t, [] if len(names) == 1 else
-                                                                  list(getattr(module, "output_partition_sizes", [])))]
+            digests = [tensor_digest(p, mode) for p in split_rows(t, sizes)]
         if len(digests) != len(names):
             out.update({n: _not_checkable(f"{name}.{attr} holds {len(digests)} part(s), the model's packing "
                                           f"names {len(names)}") for n in names})
@@ -208,11 +389,16 @@ def module_digests(name: str, module: Any, mode: str, packed: dict[str, list[str
     return out
 
 
-def model_digests(model: Any, mode: str = "on", loaded: Any = None) -> dict[str, str]:
-    """The digests of every weight of a vLLM model, under the trainer's (Hugging Face) names."""
+def model_digests(model: Any, mode: str = "on", loaded: Any = None, gather: Any = None) -> dict[str, str]:
+    """The digests of every weight of a vLLM model, under the trainer's (Hugging Face) names. ``gather``: the
+    tensor-parallel gather (default :func:`tp_gather`, None at tp 1); every rank of the group must call this
+    at once (``/collective_rpc`` does): a split parameter is gathered to the first rank, which alone reports
+    it."""
     if mode not in MODES:
         raise ValueError(f"weight digest mode {mode!r}: choose 'on' or 'sample'")
     loaded = LOADED if loaded is None else loaded
+    gather = tp_gather() if gather is None else gather
+    elsewhere = gather is not None and gather.rank != 0  # split parameters are reported by the first rank
     packed = {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}
     out: dict[str, str] = {}
     owners: dict[int, str] = {}  # id of a parameter -> the name digested first (tied weights)
@@ -221,12 +407,15 @@ def model_digests(model: Any, mode: str = "on", loaded: Any = None) -> dict[str,
         mine = {attr: p for attr, p in own.items() if id(p) not in owners}
         for attr, p in own.items():
             if id(p) in owners:  # a tied weight (lm_head = embed_tokens): the tensor vLLM uses under this name
-                out[f"{name}.{attr}"] = out.get(owners[id(p)], _not_checkable(f"tied to {owners[id(p)]}"))
+                if owners[id(p)] in out:
+                    out[f"{name}.{attr}"] = out[owners[id(p)]]
+                elif not elsewhere:
+                    out[f"{name}.{attr}"] = _not_checkable(f"tied to {owners[id(p)]}")
         if not mine and module not in loaded:
             continue
         for attr, p in mine.items():
             owners[id(p)] = f"{name}.{attr}"
-        shown = module_digests(name, module, mode, packed, loaded.get(module))
+        shown = module_digests(name, module, mode, packed, loaded.get(module), gather)
         out.update({k: v for k, v in shown.items() if k not in out})
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     if mapper is not None and hasattr(mapper, "map_name"):
