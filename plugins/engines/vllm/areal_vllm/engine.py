@@ -102,15 +102,24 @@ def check_version(found: str) -> None:
 def server_argv(python: str, model: str, port: int, options: VLLMEngineConfig, dtype: str = "auto",
                 device: str = "cpu", host: str = "127.0.0.1", worker_extension: str = WORKER_EXTENSION,
                 python_path: Iterable[str] = (str(SERVER_PATH),),
-                digest_modes: Iterable[str] = ("on", "sample")) -> tuple[list[str], dict[str, str]]:
+                digest_modes: Iterable[str] = ("on", "sample"), tensor_parallel: int = 1,
+                pipeline_parallel: int = 1, expert_parallel: int = 1) -> tuple[list[str], dict[str, str]]:
     """The command and environment of one vLLM server on ``host:port`` (a cluster launcher gives the node's
     address; 127.0.0.1 otherwise), with ``worker_extension`` (importable from ``python_path``, put before
     any ``PYTHONPATH`` of this process) mixed into its workers; its load hook digests linear layers in
-    ``digest_modes`` (those ``rollout.weight_check`` asks for)."""
+    ``digest_modes`` (those ``rollout.weight_check`` asks for). ``tensor_parallel`` / ``pipeline_parallel``:
+    the t and p of the server's placement (``--tensor-parallel-size`` / ``--pipeline-parallel-size``);
+    ``expert_parallel`` > 1 turns vLLM's expert parallelism on (it spreads the experts over the server's
+    tensor-parallel ranks; the plan checks the sizes)."""
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
             "--port", str(port), "--max-model-len", str(options.max_model_len), "--dtype", dtype,
-            "--disable-uvicorn-access-log", "--worker-extension-cls", worker_extension,
-            *map(str, options.extra_args)]
+            "--disable-uvicorn-access-log", "--worker-extension-cls", worker_extension]
+    if tensor_parallel > 1:
+        argv += ["--tensor-parallel-size", str(tensor_parallel)]
+    if pipeline_parallel > 1:
+        argv += ["--pipeline-parallel-size", str(pipeline_parallel)]
+    if expert_parallel > 1:
+        argv += ["--enable-expert-parallel"]
     paths = [*python_path, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     env = {"VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /collective_rpc
            "PYTHONPATH": os.pathsep.join(paths), "AREAL_VLLM_DIGEST_MODES": ",".join(digest_modes)}
@@ -118,6 +127,7 @@ def server_argv(python: str, model: str, port: int, options: VLLMEngineConfig, d
         env["VLLM_CPU_KVCACHE_SPACE"] = str(int(options.kv_cache_gib))
     else:
         argv += ["--gpu-memory-utilization", str(options.gpu_memory_utilization)]
+    argv += [str(a) for a in options.extra_args]  # last: vLLM takes an option's last value, so the user's win
     return argv, env
 
 
@@ -152,12 +162,17 @@ class VLLMEngine(RemoteEngine):
         if attach_addresses(options):
             return None  # rollout.addresses: the servers run already; the engines attach to them
         python = options.python or default_python()
-        device = getattr(getattr(context, "placement", None), "device", "cpu") or "cpu"
+        placement = getattr(context, "placement", None)
+        device = getattr(placement, "device", "cpu") or "cpu"
+        parallel = getattr(placement, "parallel", None)
         dtype = getattr(config.model, "dtype", "auto") or "auto"
         host = context.extras.get("host") or "127.0.0.1"
         check = getattr(getattr(config, "rollout", None), "weight_check", "on")
         argv, env = server_argv(python, config.model.path, port, options, dtype=dtype, device=device, host=host,
-                                digest_modes=() if check == "off" else (check,))
+                                digest_modes=() if check == "off" else (check,),
+                                tensor_parallel=getattr(parallel, "t", 1) or 1,
+                                pipeline_parallel=getattr(parallel, "p", 1) or 1,
+                                expert_parallel=getattr(parallel, "e", 1) or 1)
         return ServerProcess(argv, http_ready(port, host=host), f"the /health endpoint of vLLM server {index} on "
                              f"{host}:{port} (interpreter {python})", env=env,
                              startup_timeout_s=options.startup_timeout_s)

@@ -64,6 +64,26 @@ def test_server_recipe_on_gpu_sets_memory_share_not_cpu_cache():
     assert "VLLM_CPU_KVCACHE_SPACE" not in env
 
 
+def test_server_recipe_passes_the_placements_tensor_pipeline_and_expert_parallel_sizes():
+    """A server placed over t x p devices is started over them (it ran with vLLM's default of one before)."""
+    from areal_core.config.allocation import parse_allocation
+
+    config = RunConfig()
+    config.model.path = "/models/tiny"
+    for text, flags in (("vllm:d2t4p2@gpu", ["--tensor-parallel-size", "4", "--pipeline-parallel-size", "2"]),
+                        ("vllm:t2e2@gpu", ["--tensor-parallel-size", "2", "--enable-expert-parallel"]),
+                        ("vllm:d2@gpu", [])):
+        (placement,) = parse_allocation(text).components
+        argv = VLLMEngine.server_process(Context(config=config, options=VLLMEngineConfig(extra_args=["--x"]),
+                                                 placement=placement), 0, 9).argv
+        given = [a for a in argv if a.startswith("--") and a.endswith(("-size", "-parallel"))]
+        assert given == [f for f in flags if f.startswith("--")], text
+        for flag, value in zip(flags, flags[1:]):
+            if flag.startswith("--") and not value.startswith("--"):
+                assert argv[argv.index(flag) + 1] == value, text
+        assert argv[-1] == "--x"  # the user's own arguments come last, so they can override
+
+
 def test_interpreter_comes_from_config_then_environment(monkeypatch, tmp_path):
     config = RunConfig()
     config.model.path = "/models/tiny"
