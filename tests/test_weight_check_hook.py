@@ -41,7 +41,7 @@ def in_own_layout(rig: HandOverRig) -> None:
         engine.sent_digests = lambda weights, mode="on": own_layout(weights)
 
 
-def test_the_default_is_the_trainers_names_and_hash(model, tmp_path):
+def test_the_default_is_the_trainers_names_and_hash():
     import torch
 
     named = [("a", torch.ones(3)), ("b", torch.zeros(2, 2))]
