@@ -90,8 +90,8 @@ class ModelShape:
     def unmappable(self, tp: int) -> str:
         """Why this model on ``tp`` ranks is outside the mapping ('' when inside)."""
         if self.architecture not in LLAMA_FAMILY:
-            return (f"architecture {self.architecture}: areal maps SGLang's layout of {', '.join(sorted(LLAMA_FAMILY))} "
-                    "only")
+            family = ", ".join(sorted(LLAMA_FAMILY))
+            return f"architecture {self.architecture}: areal maps SGLang's layout of {family} only"
         if not (self.heads and self.head_dim and self.vocab):
             return "config.json lacks num_attention_heads, hidden_size or vocab_size"
         if self.heads % tp or (self.kv_heads % tp if self.kv_heads >= tp else tp % self.kv_heads):
