@@ -103,9 +103,10 @@ class SGLangEngine(RemoteEngine):
     capabilities = frozenset({"pause", "seed", "update_weights_from_disk", "update_weights_from_tensors",
                               "weight_digest"})
     config_class = SGLangEngineConfig
-    # The tensors the trainer's last sent_digests in this process could not place in SGLang's layout, each with
-    # why: every SGLang engine's weight_digest reports them not checkable (its server cannot name them).
-    not_mapped: dict[str, str] = {}
+    # Per model (its path), the tensors the trainer's last sent_digests in this process could not place in SGLang's
+    # layout, each with why: every SGLang engine of that model reports them not checkable from weight_digest (its
+    # server cannot name tensors it never placed, and weight_digest is not told what was sent).
+    not_mapped: dict[str, dict[str, str]] = {}
 
     @classmethod
     def server_process(cls, context: Any, index: int, port: int) -> ServerProcess | None:
@@ -181,7 +182,7 @@ class SGLangEngine(RemoteEngine):
         tp = self._server_tp or self.tensor_parallel
         dtype = server_dtype(str(self._server_info.get("dtype", "auto")), config)
         expected, unmapped = expected_checksums(named, config, tp, dtype, self._hash_kind())
-        type(self).not_mapped = unmapped
+        type(self).not_mapped[self._model_key()] = unmapped
         return {**expected, **{name: f"sent, not mapped ({why})" for name, why in unmapped.items()}}
 
     async def weight_digest(self, mode: str = "on") -> dict[str, str]:
@@ -217,8 +218,13 @@ class SGLangEngine(RemoteEngine):
                 seen.setdefault(key, {})[int(info.get("rank", tp_rank))] = f"{kind}:{value}"
         held = {key: values.popitem()[1] if len(set(values.values())) == 1 else
                 ", ".join(f"rank {r} {v}" for r, v in sorted(values.items())) for key, values in seen.items()}
-        held.update({name: f"{NOT_CHECKABLE}: {why}" for name, why in self.not_mapped.items()})
+        held.update({name: f"{NOT_CHECKABLE}: {why}"
+                     for name, why in self.not_mapped.get(self._model_key(), {}).items()})
         return held
+
+    def _model_key(self) -> str:
+        """The model this engine's server runs, as :attr:`not_mapped` is keyed."""
+        return self.model_path or str(self._server_info.get("model_path", ""))
 
     async def agenerate(self, request: GenerationRequest) -> GenerationResponse:
         s = request.sampling
