@@ -208,14 +208,32 @@ def test_the_cpu_hash_is_sha256s_first_8_bytes():
     assert cpu_hash(t) == int.from_bytes(hashlib.sha256(t.numpy().tobytes()).digest()[:8], "big")
 
 
-def test_the_gpu_hash_port_gives_sglangs_kernel_answers(gpu_hash_vectors):
+@pytest.mark.parametrize("device", [None, "cpu", "cuda"], ids=["numpy", "torch", "torch-cuda"])
+def test_the_gpu_hash_port_gives_sglangs_kernel_answers(gpu_hash_vectors, device):
     """Known answers of SGLang 0.5.23's triton kernels (run by triton's interpreter; see gpu_hash_vectors.py):
     sizes from 1 byte up, not multiples of 4 bytes, one tile, many tiles, more than 1024 tiles (two levels of the
-    kernel's reduction), an empty tensor."""
+    kernel's reduction), an empty tensor. Both ports: numpy (the CPU's) and torch (a GPU's, run here on the CPU;
+    a chunk of 3 tiles so chunks end inside and at the end of a tensor, and an unaligned start)."""
+    import torch
+
+    from areal_sglang.weight_layout import _gpu_hash_torch
+
     assert len(gpu_hash_vectors.VECTORS) == len(gpu_hash_vectors.CASES) == 10
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (a device check)")
+    if device is None and torch.cuda.is_available():
+        pytest.skip("gpu_hash computes on this machine's GPU when device is None; the torch case covers it")
     for key, want in gpu_hash_vectors.VECTORS.items():
         dtype, numel = key.split(":")
-        assert f"{gpu_hash(gpu_hash_vectors.vector_tensor(dtype, int(numel))):016x}" == want, key
+        tensor = gpu_hash_vectors.vector_tensor(dtype, int(numel))
+        if device is None:
+            assert f"{gpu_hash(tensor):016x}" == want, key
+            continue
+        assert f"{_gpu_hash_torch(tensor, torch.device(device), chunk_tiles=3):016x}" == want, key
+        if tensor.numel() > 1:  # a view starting one element in: not 4-byte aligned for 1- and 2-byte dtypes
+            shifted = torch.cat([tensor[:1], tensor])[1:]  # the same bytes, one element into its storage
+            assert shifted.storage_offset() == 1
+            assert f"{_gpu_hash_torch(shifted, torch.device(device), chunk_tiles=3):016x}" == want, key
 
 
 @pytest.mark.parametrize("status,answer,says", [
