@@ -164,13 +164,20 @@ def gpu_hash(tensor: Any, seed: int = GPU_HASH_SEED, device: str | None = None) 
     (murmur3's finaliser); per tile of 8192 words, the sums of each mod 2^32, each xored with the tensor's byte
     count (padded, mod 2^32) and mixed by ``fmix32`` again, give ``h1 << 32 | h2``; the tiles' values summed mod
     2^64 and mixed by splitmix64's finaliser are the hash. An empty tensor hashes to 0."""
-    import numpy as np
     import torch
 
     if device is None and torch.cuda.is_available():
         device = "cuda"
     if device is not None:
         return _gpu_hash_torch(tensor, torch.device(device), seed)
+    return _gpu_hash_numpy(tensor, seed)
+
+
+def _gpu_hash_numpy(tensor: Any, seed: int = GPU_HASH_SEED) -> int:
+    """:func:`gpu_hash` in numpy on the CPU, 32-bit words throughout."""
+    import numpy as np
+    import torch
+
     data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
     pad = (-data.size) % 4
     if pad:

@@ -21,6 +21,16 @@ around SGLang's unmodified kernels, loaded from SGLang's source file. Run::
 (``/path/to/sglang`` is the ``sglang`` package of the SGLang 0.5.23 wheel, unpacked); it prints the
 ``VECTORS`` dict to paste here. Without arguments it checks the port against ``VECTORS`` instead.
 
+On a CUDA machine (a device check: its image has torch and triton, no SGLang; the kernel file is standalone)::
+
+    pip download sglang==0.5.23 --no-deps -d /tmp/sgl && unzip -o -q /tmp/sgl/sglang-0.5.23-*.whl \
+        'sglang/kernels/ops/memory/gpu_tensor_hash.py' -d .device   # here; .device is git-ignored, carried
+    PYTHONPATH=plugins/engines/sglang python3 plugins/engines/sglang/tests/gpu_hash_vectors.py \
+        --cuda .device/sglang/kernels/ops/memory/gpu_tensor_hash.py               # there
+
+runs SGLang's compiled kernel on CUDA tensors against ``VECTORS`` and areal's numpy and torch ports against it
+on random tensors, and times the torch port on 1 GiB (:func:`cuda_check`).
+
 The tensors (:func:`vector_tensor`) are bytes of an integer formula viewed as the dtype, so they are the same
 on every machine; their sizes cover a few bytes, sizes that are not a multiple of 4 bytes (zero padding), one
 tile (8192 words) exactly, several tiles with a partial last one, and more than 1024 tiles (two levels of the
@@ -88,7 +98,51 @@ def kernel_hash(module, tensor) -> int:
     return module._final_splitmix64(int(cur.item()))
 
 
+def cuda_check(module) -> int:
+    """On a CUDA machine: SGLang's own ``gpu_tensor_hash`` (compiled triton, CUDA tensors) against the vectors,
+    and areal's two ports (numpy on the CPU, torch on the GPU) against it on larger random tensors; the torch
+    port's speed on a 1 GiB tensor. Returns the number of mismatches."""
+    import time
+
+    import torch
+
+    from areal_sglang.weight_layout import _gpu_hash_numpy, _gpu_hash_torch
+
+    bad = 0
+    for key, want in VECTORS.items():
+        got = f"{module.gpu_tensor_hash(vector_tensor(*_case(key)).cuda()):016x}"
+        print(f"SGLang's kernel on CUDA, {key}: {got} {'ok' if got == want else 'DIFFERS from ' + want}")
+        bad += got != want
+    gen = torch.Generator().manual_seed(0)
+    for dtype, numel in (("bfloat16", 3 * 8192 * 1024 + 5), ("float32", 10**7 + 3), ("float16", 123457)):
+        t = torch.randn(numel, generator=gen).to(getattr(torch, dtype))
+        want = module.gpu_tensor_hash(t.cuda())
+        ports = {"numpy": _gpu_hash_numpy(t),
+                 "torch-cuda": _gpu_hash_torch(t.cuda(), torch.device("cuda"))}
+        for name, value in ports.items():
+            print(f"random {dtype}[{numel}]: {name} port {'ok' if value == want else 'DIFFERS'}")
+            bad += value != want
+    big = torch.randn(2**28, generator=gen).to(torch.float32).cuda()  # 1 GiB
+    _gpu_hash_torch(big, big.device)
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    _gpu_hash_torch(big, big.device)
+    torch.cuda.synchronize()
+    ours = time.perf_counter() - began
+    began = time.perf_counter()
+    module.gpu_tensor_hash(big)
+    torch.cuda.synchronize()
+    print(f"1 GiB on {torch.cuda.get_device_name()}: areal's torch port {ours:.3f} s, SGLang's kernel "
+          f"{time.perf_counter() - began:.3f} s")
+    return bad
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--cuda":
+        spec = importlib.util.spec_from_file_location("sglang_gpu_tensor_hash", sys.argv[2])
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.exit(1 if cuda_check(module) else 0)
     if len(sys.argv) < 2:
         from areal_sglang.weight_layout import gpu_hash
 
