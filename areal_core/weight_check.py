@@ -172,12 +172,14 @@ def digest_weights(weights: str | Path | Iterable[tuple[str, Any]], mode: str = 
 
 def compare_digests(sent: dict[str, str], held: dict[str, str]) -> list[str]:
     """Each tensor the trainer sent that the engine does not hold as sent, as ``"name: why"``. Tensors the engine
-    holds beyond those sent (buffers, a tied alias the trainer left out) are not judged, nor those it reports
-    :data:`NOT_CHECKABLE` (:func:`not_checkable` lists them)."""
+    holds beyond those sent (buffers, a tied alias the trainer left out) are not judged, nor those either side
+    marks :data:`NOT_CHECKABLE` (the engine: held in a form it cannot map back; the trainer's side, an engine's
+    ``sent_digests``: sent in a form it cannot say what the server will report for) (:func:`not_checkable`
+    lists them)."""
     differences = []
     for name, digest in sent.items():
         got = held.get(name)
-        if got is not None and got.startswith(NOT_CHECKABLE):
+        if digest.startswith(NOT_CHECKABLE) or (got is not None and got.startswith(NOT_CHECKABLE)):
             continue
         if got is None:
             differences.append(f"{name}: sent {digest}, the engine reports no such tensor")
@@ -187,9 +189,14 @@ def compare_digests(sent: dict[str, str], held: dict[str, str]) -> list[str]:
 
 
 def not_checkable(sent: dict[str, str], held: dict[str, str]) -> dict[str, str]:
-    """The tensors sent that the engine reports as :data:`NOT_CHECKABLE`, each with the engine's reason."""
-    return {name: held[name].partition(":")[2].strip() or held[name] for name in sent
-            if held.get(name, "").startswith(NOT_CHECKABLE)}
+    """The tensors sent that either side marks :data:`NOT_CHECKABLE`, each with its reason (the trainer side's
+    first)."""
+    out = {}
+    for name, digest in sent.items():
+        marked = digest if digest.startswith(NOT_CHECKABLE) else held.get(name, "")
+        if marked.startswith(NOT_CHECKABLE):
+            out[name] = marked.partition(":")[2].strip() or marked
+    return out
 
 
 # ------------------------------------------------------------------ the parity probe

@@ -80,6 +80,17 @@ def test_a_tensor_the_engine_cannot_digest_is_skipped_and_listed_with_its_reason
     assert not_checkable(sent, sent) == {}
 
 
+def test_a_tensor_the_trainers_side_cannot_place_is_skipped_listed_and_the_rest_still_judged():
+    """An engine's sent_digests may mark a tensor not checkable (it cannot say what its server will report for
+    it): skipped whatever the engine reports, even nothing, listed with the reason; the other tensors judged."""
+    sent = {**digest_named([("y", torch.zeros(4))]), "x": f"{NOT_CHECKABLE}: no place in the server's layout"}
+    assert compare_digests(sent, {"y": sent["y"]}) == []
+    assert not_checkable(sent, {"y": sent["y"]}) == {"x": "no place in the server's layout"}
+    assert not_checkable(sent, {"x": f"{NOT_CHECKABLE}: quantised"}) == {"x": "no place in the server's layout"}
+    (difference,) = compare_digests(sent, digest_named([("y", torch.ones(4))]))
+    assert difference.startswith("y: sent float32[4]:")
+
+
 def test_the_probe_runs_at_the_first_update_and_every_nth():
     assert [u for u in range(1, 32) if probe_due(u, 10)] == [1, 10, 20, 30]
     assert not any(probe_due(u, 0) for u in range(1, 20))

@@ -158,8 +158,9 @@ class InferenceEngine(Component):
         The default, right for every engine that maps what it holds back to what was sent, is the trainer's own
         names and hash (:func:`areal_core.weight_check.digest_weights`). An engine whose server can only hash
         the weights in its own layout (fused, sharded, its own hash function) overrides it to compute, from
-        what the trainer sends, what its server will report; such an engine reports a tensor it cannot map as
-        :data:`~areal_core.weight_check.NOT_CHECKABLE` from :meth:`weight_digest`, as any engine does."""
+        what the trainer sends, what its server will report; a tensor it cannot say that for it marks
+        ``"<NOT_CHECKABLE>: <why>"`` (:data:`~areal_core.weight_check.NOT_CHECKABLE`), which the check skips and
+        the run log names, as it does for what :meth:`weight_digest` reports so."""
         from areal_core.weight_check import digest_weights
 
         return digest_weights(weights, mode)

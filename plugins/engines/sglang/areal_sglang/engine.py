@@ -103,10 +103,6 @@ class SGLangEngine(RemoteEngine):
     capabilities = frozenset({"pause", "seed", "update_weights_from_disk", "update_weights_from_tensors",
                               "weight_digest"})
     config_class = SGLangEngineConfig
-    # Per model (its path), the tensors the trainer's last sent_digests in this process could not place in SGLang's
-    # layout, each with why: every SGLang engine of that model reports them not checkable from weight_digest (its
-    # server cannot name tensors it never placed, and weight_digest is not told what was sent).
-    not_mapped: dict[str, dict[str, str]] = {}
 
     @classmethod
     def server_process(cls, context: Any, index: int, port: int) -> ServerProcess | None:
@@ -169,8 +165,9 @@ class SGLangEngine(RemoteEngine):
         pairs) are loaded: the tensors laid out and hashed as SGLang does (:mod:`areal_sglang.weight_layout`),
         for its ``tp_size``, dtype and device (``/get_server_info``) and the model's ``config.json`` (``model.path``,
         else the server's ``model_path``, else the folder's). ``mode`` changes nothing: SGLang hashes every byte.
-        The tensors that have no place in the layout are kept in :attr:`not_mapped` for :meth:`weight_digest`."""
-        from areal_core.weight_check import check_mode
+        The tensors that have no place in the layout are marked not checkable here, with why (the server cannot
+        name tensors it never placed): the controller's check skips them and the run log names them."""
+        from areal_core.weight_check import NOT_CHECKABLE, check_mode
 
         from areal_sglang.weight_layout import expected_checksums, folder_tensors, read_config, server_dtype
 
@@ -182,18 +179,16 @@ class SGLangEngine(RemoteEngine):
         tp = self._server_tp or self.tensor_parallel
         dtype = server_dtype(str(self._server_info.get("dtype", "auto")), config)
         expected, unmapped = expected_checksums(named, config, tp, dtype, self._hash_kind())
-        type(self).not_mapped[self._model_key()] = unmapped
-        return {**expected, **{name: f"sent, not mapped ({why})" for name, why in unmapped.items()}}
+        return {**expected, **{name: f"{NOT_CHECKABLE}: {why}" for name, why in unmapped.items()}}
 
     async def weight_digest(self, mode: str = "on") -> dict[str, str]:
         """Per tensor, the checksum SGLang's ``/weights_checker`` (action ``checksum``) reports, each of its
         ranks hashing what it holds in its own layout; named as SGLang names it, ``@tp<rank>`` appended on a
         server of several ranks, as :meth:`sent_digests` names them. SGLang hashes every byte whatever ``mode``
-        (``sample`` included). The tensors sent that have no place in SGLang's layout (:attr:`not_mapped`) are
-        reported not checkable. A name two ranks of one tp rank (data or pipeline parallel copies) report with
+        (``sample`` included). A name two ranks of one tp rank (data or pipeline parallel copies) report with
         different checksums gets both, which fails the check."""
         from areal_core.remote import RemoteError
-        from areal_core.weight_check import NOT_CHECKABLE, check_mode
+        from areal_core.weight_check import check_mode
 
         check_mode(mode)
         try:
@@ -218,13 +213,7 @@ class SGLangEngine(RemoteEngine):
                 seen.setdefault(key, {})[int(info.get("rank", tp_rank))] = f"{kind}:{value}"
         held = {key: values.popitem()[1] if len(set(values.values())) == 1 else
                 ", ".join(f"rank {r} {v}" for r, v in sorted(values.items())) for key, values in seen.items()}
-        held.update({name: f"{NOT_CHECKABLE}: {why}"
-                     for name, why in self.not_mapped.get(self._model_key(), {}).items()})
         return held
-
-    def _model_key(self) -> str:
-        """The model this engine's server runs, as :attr:`not_mapped` is keyed."""
-        return self.model_path or str(self._server_info.get("model_path", ""))
 
     async def agenerate(self, request: GenerationRequest) -> GenerationResponse:
         s = request.sampling

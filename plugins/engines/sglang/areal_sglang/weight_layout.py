@@ -38,8 +38,9 @@ SGLang's, with ``@tp<rank>`` appended when the server has more than one rank.
 
 A tensor sent that this mapping cannot place (an architecture outside the
 family, a name it does not know, a fused weight sent without all its parts)
-is listed by :func:`expected_checksums` as not mapped; the engine reports it
-:data:`areal_core.weight_check.NOT_CHECKABLE`, which the run log names.
+is listed by :func:`expected_checksums` as not mapped; the engine's
+``sent_digests`` marks it :data:`areal_core.weight_check.NOT_CHECKABLE`, which
+the controller's check skips and the run log names.
 """
 
 from __future__ import annotations

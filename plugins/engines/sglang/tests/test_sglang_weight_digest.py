@@ -168,7 +168,8 @@ def test_an_unknown_architecture_is_not_checkable_and_named(fleet, tmp_path, mak
     skipped = not_checkable(sent.digests, held)
     assert skipped and set(skipped) == set(sent.digests) and "model.layers.0.self_attn.q_proj.weight" in skipped
     assert all("architecture GPT2LMHeadModel" in why for why in skipped.values())
-    assert all(held[name].startswith(NOT_CHECKABLE) for name in skipped)
+    assert all(sent.digests[name].startswith(NOT_CHECKABLE) for name in skipped)  # marked on the trainer's side
+    assert compare_digests(sent.digests, held) == []  # whatever the server reports for them (here: its own hashes)
     assert "cannot digest" in caplog.text and "model.layers.1.mlp.up_proj.weight" in caplog.text
 
 
