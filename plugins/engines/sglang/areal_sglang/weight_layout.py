@@ -31,8 +31,9 @@ config's, float32 models in float16, :func:`server_dtype`). The hash
 (``tensor_hash`` of one tensor): on a CPU tensor the first 8 bytes of SHA-256
 of its bytes, big-endian (:func:`cpu_hash`); on a CUDA tensor SGLang's triton
 kernel (``sglang/kernels/ops/memory/gpu_tensor_hash.py``), ported from its
-algorithm in :func:`gpu_hash` (numpy on the CPU, torch on a GPU when the trainer has one) (checked against the real kernel run by
-triton's interpreter: ``tests/gpu_hash_vectors.py``). Checksums are written as
+algorithm in :func:`gpu_hash`: numpy on the CPU, torch on a GPU when the
+trainer has one (both checked against the real kernel run by triton's
+interpreter: ``tests/gpu_hash_vectors.py``). Checksums are written as
 ``"<hash>:<16 hex digits>"``, ``<hash>`` being ``sha256-8`` or ``gpu``; names as
 SGLang's, with ``@tp<rank>`` appended when the server has more than one rank.
 
