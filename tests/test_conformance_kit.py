@@ -365,9 +365,10 @@ def test_inference_engine_suite_passes_the_echo_double_and_fails_broken_engines(
     assert waiting.count("came back complete (400 tokens, stop_reason 'length')") == 5  # every attempt, each seed
 
     assert failed(results, "TestPermutingLoaderEngine") == {"test_weight_digest_matches_the_weights_loaded"}
+    digest_failure = message(results, "TestPermutingLoaderEngine::test_weight_digest_matches_the_weights_loaded")
     assert "differs from the digests the trainer computes (PermutingLoaderEngineDouble.sent_digests, by default " \
-           "areal_core.weight_check.digest_folder) for 1 of 2 tensors, e.g. ['layer.weight: sent float32[3,4]:" in message(
-               results, "TestPermutingLoaderEngine::test_weight_digest_matches_the_weights_loaded")
+           "areal_core.weight_check.digest_folder) for 1 of 2 tensors, e.g. ['layer.weight: sent float32[3,4]:" \
+           in digest_failure
 
     assert failed(results, "TestStaleVersionEngine") == {"test_update_weights_from_disk_sets_the_version"}
     assert "tokens generated after the update to version 1 carry [0, 0" in message(

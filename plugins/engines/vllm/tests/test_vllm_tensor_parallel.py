@@ -95,7 +95,8 @@ def test_tensor_parallel_digests_equal_the_trainers_and_name_a_layout_bug(tmp_pa
             tensors = load_file(str(first / "model.safetensors"))
             await engine.update_weights_from_tensors(tensors.items(), 2)
             for mode in ("on", "sample"):
-                checks.append((f"tensors/{mode}", digest_named(tensors.items(), mode), await engine.weight_digest(mode)))
+                held = await engine.weight_digest(mode)
+                checks.append((f"tensors/{mode}", digest_named(tensors.items(), mode), held))
             ranks = await rpc("areal_weight_digest", mode="on")  # each worker's own answer
             # a loader that swaps k and v of one layer as it loads them, on both ranks
             assert await rpc("areal_test_swap_on_load", module=qkv, a=1, b=2) == ["1"] * TP
