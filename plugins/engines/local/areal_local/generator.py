@@ -504,8 +504,9 @@ class Generator:
         test machine that made the first load of SmolLM2-135M in float32 rebuild in 1.16 s (85k page faults),
         the next ones in 0.09 s. Done at the server's start, that cost (0.34 s) is off the first training
         step's path. The freed pages stay for reuse only when the process keeps freed memory
-        (:func:`areal_core.allocator.retain_freed_memory`, which the server applies); glibc's arenas are per
-        thread, hence "on the thread that will load".
+        (:func:`areal_core.allocator.retain_freed_memory`, which the server applies: one arena for every
+        thread); should the user's own malloc settings give each thread an arena of its own, only a warm-up on
+        the loading thread would count, hence "on the thread that will load".
         """
         with torch.no_grad():
             self._refresh_derived()
