@@ -146,7 +146,7 @@ class EngineLoop:
         self.threads = torch.get_num_threads()  # what generation runs on, for /health
         try:
             with torch_threads(self.load_threads):
-                self.gen.warm_weight_loads()  # on this thread: its malloc arena is the one loads allocate from
+                self.gen.warm_weight_loads()  # on the thread that loads, as loads do (see warm_weight_loads)
             while True:
                 busy = self.gen.num_running or self.gen.num_waiting
                 try:  # idle: block until a command arrives; busy: only take what is queued

@@ -30,7 +30,6 @@ the version check at start refuses releases outside :data:`SUPPORTED`.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import sys
 from dataclasses import dataclass, field
@@ -41,8 +40,6 @@ from areal_core.remote import RemoteEngine, attach_addresses, check_server_versi
 from areal_core.rollout.elastic import Member
 from areal_core.launch.nodes import NODE_ADDRESS_ENV
 from areal_core.rollout.weight_group import FleetWeightGroup, GroupLayout, GroupMemberFailed
-
-log = logging.getLogger(__name__)
 
 SUPPORTED = ">=0.5.0,<0.6"
 SUPPORTED_TEXT = "SGLang >=0.5.0,<0.6 (its /pause_generation takes a mode from 0.5)"
