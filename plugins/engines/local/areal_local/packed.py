@@ -72,7 +72,7 @@ def repack(packed: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
     shapes that are not whole numbers of oneDNN's blocks) take a fresh reorder, copied into ``packed``'s
     memory when the layouts match.
     """
-    if packed is None or packed.shape != weight.shape or packed.dtype != weight.dtype:
+    if packed is None or packed.shape != weight.shape or packed.dtype != weight.dtype or not weight.numel():
         return torch.ops.mkldnn._reorder_linear_weight(weight, None)
     weight = weight.contiguous()
     layout = _layout(packed)
