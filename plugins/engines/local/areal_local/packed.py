@@ -115,7 +115,10 @@ def _layout(packed: torch.Tensor) -> _Layout | None:
     The byte offsets are oneDNN 3's struct layout; should a torch ship another, what is read here fails the
     checks below or :func:`_layout_plan`'s probe, and :func:`repack` falls back to fresh reorders.
     """
-    blob = torch.ops.mkldnn._get_mkldnn_serialized_md(packed)
+    try:
+        blob = torch.ops.mkldnn._get_mkldnn_serialized_md(packed)
+    except (AttributeError, RuntimeError):  # a torch without the op, or a tensor it does not describe
+        return None
     if blob.dtype != torch.uint8 or blob.numel() < 616 or blob.numel() % 4:
         return None
     words = blob.view(torch.int32).tolist()  # one call: this runs for every weight at every load
