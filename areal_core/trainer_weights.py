@@ -113,7 +113,8 @@ class WeightHandOver:
         wait = (self.cfg.rollout.max_head_offpolicyness == 0 or probe) if wait is None else (wait or probe)
         beside = not wait and self.world_size == 1 and "export_beside_training" in self.actor.capabilities
         if self.cfg.rollout.weight_sync == "tensors":
-            buckets = self.actor.export_tensors(WEIGHT_BUCKET_BYTES)
+            into = self._destination(version)
+            buckets = self.actor.export_tensors(WEIGHT_BUCKET_BYTES, **({"into": into} if into is not None else {}))
             if beside:
                 # The export itself goes on beside the next batch's training, on a thread of its own: on a CPU
                 # it is a full pass over the weights that another core can do. The engine holds its next
@@ -121,6 +122,8 @@ class WeightHandOver:
                 def export_and_send() -> float:
                     serial_torch()  # see areal_core.threads: a helper thread's torch ops run on one thread
                     named = [pair for bucket in buckets for pair in bucket]
+                    if into is not None:
+                        into.complete()
                     sent = self._digests(version, named)
                     return self.controller.update_weights_from_tensors(
                         named, version, wait=False, sent=sent, delta=self._delta(named, version)).result()
@@ -130,6 +133,8 @@ class WeightHandOver:
                     f"a background call to hand the weights of version {version} to the inference engines")
                 return paused_s
             named = [pair for bucket in buckets for pair in bucket]
+            if into is not None:
+                into.complete()
             if self.rank == 0:
                 # export_tensors hands out copies (its contract), so the next optimizer step cannot change what the
                 # engines are still reading at eta > 0
@@ -152,6 +157,18 @@ class WeightHandOver:
             return pending
         self._pending = pending
         return paused_s
+
+    def _destination(self, version: int) -> Any:
+        """Rank 0: where the routed engines let the export of ``version`` write straight away
+        (``InferenceEngine.export_destination``: the local engine's /dev/shm stage slot), when every one gives the
+        same and the train engine declares ``export_into``; else None. Not with ``rollout.elastic``: a server
+        joining is handed the kept tensors of the version before, which must not lie in a slot being exported
+        into."""
+        if self.rank != 0 or self.controller is None or "export_into" not in self.actor.capabilities or \
+                self.cfg.rollout.elastic.enabled:
+            return None
+        offers = [engine.export_destination(version) for engine in self.controller.engines]
+        return offers[0] if offers and offers[0] is not None and all(o is offers[0] for o in offers) else None
 
     def _delta(self, named: list, version: int) -> WeightDelta | None:
         """``rollout.weight_delta: auto``: the change from the version sent last, when every routed engine takes

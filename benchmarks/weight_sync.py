@@ -28,14 +28,18 @@ Then the whole path of one ``tensors`` update to a real embedded server
 (``areal_local.server`` on 127.0.0.1, started here with the same model), from
 the trainer's last optimizer step to the first token generated under the new
 version, in the order the rollout controller makes the calls and on the
-threads it makes them on: export (``export_tensors``) and the trainer's digest
-(``rollout.weight_check``) on the training thread; then, on an event-loop
-thread whose torch ops run on one thread (the controller's, see
-``areal_core.threads``), pause, transfer (the ``/dev/shm`` stage written),
-load (the server's own phases from ``/health``'s ``last_load_phases``: map and
-header, names and shapes checked, copy into the model, the packed / fused
-copies; then the rest: HTTP and requeue), the engine's digest, resume and the
-first token (one greedy token of a short prompt). Each row in seconds, bytes/s
+threads it makes them on: export (``export_tensors`` straight into the free
+slot of the ``/dev/shm`` stage, as ``WeightHandOver`` does once the stage knows
+the layout) and the trainer's digest (``rollout.weight_check``) on the
+training thread; then, on an event-loop thread whose torch ops run on one
+thread (the controller's, see ``areal_core.threads``), pause, transfer (the
+stage write: only the header, the tensors lying in place already), load (the
+server's own phases from ``/health``'s ``last_load_phases``: map and header,
+names and shapes checked, the slot adopted as the model's weights (no copy),
+the packed / fused copies; then the rest: HTTP and requeue), the engine's
+digest, resume and the first token (one greedy token of a short prompt); and
+the same token with no update before it, one forward over every weight: the
+whole path cannot be shorter than the export and that. Each row in seconds, bytes/s
 and as a multiple of a plain ``memcpy`` of the same bytes on this machine (one
 libc ``memcpy`` between two resident buffers, one thread), then the issue's
 phases (export, transfer, load, pause / resume, digest) summed, the torch
@@ -198,13 +202,13 @@ def loadavg() -> str:
 
 # The whole path's rows, in the order the rollout controller makes the calls: (key, label, which of the issue's
 # phases it belongs to). Rows of the engine's load come from its /health (last_load_phases).
-ROWS = [("export", "export (export_tensors)", "export"),
+ROWS = [("export", "export (into the stage's free slot)", "export"),
         ("digest_trainer", "digest, trainer (xxh3, on)", "digest"),
         ("pause", "pause (HTTP)", "pause / resume"),
-        ("transfer", "transfer (/dev/shm stage write)", "transfer"),
+        ("transfer", "transfer (stage write: the header)", "transfer"),
         ("load_read", "load: map + header", "load"),
         ("load_checked", "load: names / shapes checked", "load"),
-        ("load_copied", "load: copy into the model", "load"),
+        ("load_copied", "load: adopt the slot (no copy)", "load"),
         ("load_derived", "load: packed / fused copies", "load"),
         ("load_rest", "load: the rest (HTTP, requeue)", "load"),
         ("digest_engine", "digest, engine (xxh3, on)", "digest"),
@@ -259,7 +263,7 @@ def whole_path(train_engine, model: Path, dtype: str, bucket: int, repeats: int,
             add("transfer", time.perf_counter() - at)
             at = time.perf_counter()
             health = await client.request("POST", "/update_weights_from_disk",
-                                          json={"path": str(folder), "version": version})
+                                          json={"path": str(folder), "version": version, "adopt": True})
             took = time.perf_counter() - at
             phases = {key: (health.get("last_load_phases") or {}).get(key, 0.0)
                       for key in ("read", "checked", "copied", "derived")}
@@ -280,17 +284,30 @@ def whole_path(train_engine, model: Path, dtype: str, bucket: int, repeats: int,
                 raise RuntimeError(f"the first token carries version {first.output_versions}, not {version}")
             add("whole", time.perf_counter() - began)
 
+        async def one_token() -> float:
+            at = time.perf_counter()
+            await client.agenerate(GenerationRequest([1, 2, 3, 4], SamplingParams(max_new_tokens=1, temperature=0.0)))
+            return time.perf_counter() - at
+
         on_controller(client.start())
         try:
             for version in range(1, repeats + 2):  # the first is a warm-up
                 began = time.perf_counter()
-                named = [pair for b in train_engine.export_tensors(bucket) for pair in b]
+                # As WeightHandOver does: straight into the stage's free slot once it knows the layout
+                into = stage.destination(version)
+                named = [pair for b in train_engine.export_tensors(bucket, **({"into": into} if into else {}))
+                         for pair in b]
+                if into is not None:
+                    into.complete()
                 add("export", time.perf_counter() - began)
                 at = time.perf_counter()
                 sent = digest_named(named, "on")
                 add("digest_trainer", time.perf_counter() - at)
                 on_controller(hand_over(named, sent, version, began))
                 del named
+            # The same first token with no update before it: one forward over every weight, which no update
+            # can avoid (the floor under "resume + first token")
+            alone = statistics.median(on_controller(one_token()) for _ in range(repeats + 1))
         finally:
             on_controller(client.aclose())
             loop.call_soon_threadsafe(loop.stop)
@@ -318,7 +335,11 @@ def whole_path(train_engine, model: Path, dtype: str, bucket: int, repeats: int,
     line("plain memcpy (libc, one thread)", plain)
     line(f"memcpy, torch copy_ ({torch.get_num_threads()} threads)", copy_all)
     line("memcpy, torch copy_ (1 thread)", copy_one)
+    line("a first token with no update before it", alone)
     print(f"  whole path / plain memcpy: {median['whole'] / plain:.1f}x; the issue's target is 2x")
+    update = sum(median[key] for key, _, phase in ROWS if phase in ("export", "transfer", "load"))
+    print(f"  the update alone (export + transfer + load): {update:.3f} s = {update / plain:.1f}x memcpy; the floor "
+          f"of the whole path (export + a token with no update): {(median['export'] + alone) / plain:.1f}x")
     first_load = sum(rows[key][0] for key, _, phase in ROWS if phase == "load")
     print(f"  the first update (the warm-up, not in the medians): whole path {rows['whole'][0]:.3f} s, load "
           f"{first_load:.3f} s (copy into the model {rows['load_copied'][0]:.3f}, packed / fused copies "

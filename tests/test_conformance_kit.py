@@ -83,6 +83,7 @@ KIT_ENTRY_POINTS = {
         "forgetful_load_train_engine_double": "train_engine_doubles:ForgetfulLoadTrainEngineDouble",
         "view_export_train_engine_double": "train_engine_doubles:ViewExportTrainEngineDouble",
         "racy_export_train_engine_double": "train_engine_doubles:RacyExportTrainEngineDouble",
+        "into_ignored_train_engine_double": "train_engine_doubles:IntoIgnoredTrainEngineDouble",
         "one_step_minibatch_train_engine_double": "train_engine_doubles:OneStepMinibatchTrainEngineDouble",
     },
 }
@@ -436,6 +437,9 @@ def test_train_engine_suite_checks_steps_and_checkpoints(pytester, kit_doubles):
         class TestRacyExportEngine(TrainSuite):
             component_name = "racy_export_train_engine_double"
 
+        class TestIntoIgnoredEngine(TrainSuite):
+            component_name = "into_ignored_train_engine_double"
+
         class TestOneStepMinibatchEngine(TrainSuite):
             component_name = "one_step_minibatch_train_engine_double"
     """)
@@ -460,6 +464,10 @@ def test_train_engine_suite_checks_steps_and_checkpoints(pytester, kit_doubles):
         "test_an_export_read_on_another_thread_holds_the_next_optimizer_step"}
     assert "the optimizer step must wait until its last bucket is read" in message(
         results, "TestRacyExportEngine::test_an_export_read_on_another_thread_holds_the_next_optimizer_step")
+    assert failed(results, "TestIntoIgnoredEngine") == {
+        "test_an_export_into_given_memory_writes_there_and_equals_an_ordinary_export"}
+    assert "never asked `into` for memory" in message(
+        results, "TestIntoIgnoredEngine::test_an_export_into_given_memory_writes_there_and_equals_an_ordinary_export")
     assert failed(results, "TestOneStepMinibatchEngine") == {
         "test_minibatches_and_epochs_are_optimizer_steps_of_one_update"}
     assert "it must take 4" in message(

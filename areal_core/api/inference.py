@@ -165,6 +165,15 @@ class InferenceEngine(Component):
 
         return digest_weights(weights, mode)
 
+    def export_destination(self, version: int) -> Any:
+        """Where the trainer may export the tensors of ``version`` straight away, so that its export's copy is
+        the transfer: a callable ``(name, shape, dtype) -> tensor or None`` (memory the next
+        :meth:`update_weights_from_tensors` of ``version`` reads without copying; None for a tensor it has no
+        place for), with a ``complete()`` method the trainer calls once the export ended whole; or None (the
+        default: the engine takes tensors of the trainer's own). The trainer uses it only when every routed
+        engine gives the same object and its train engine declares ``"export_into"``."""
+        return None
+
     def weight_transport(self, weight_sync: str) -> str:
         """How this engine's new weights travel under ``rollout.weight_sync`` (logged, and counted in the
         metrics as ``weight_sync/servers_<transport>``). Engines whose path depends on where they run (shared

@@ -21,7 +21,10 @@ class TrainEngine(Component):
     ``"export_beside_training"`` (an ``export_tensors`` result may be read on
     another thread while ``train_batch`` runs: the engine holds the weights
     from the call until the last bucket is read or the result is closed, and
-    its optimizer step waits; one-process trainers only), ``"minibatches"``
+    its optimizer step waits; one-process trainers only), ``"export_into"``
+    (``export_tensors`` takes ``into``: it writes each tensor straight into
+    memory the caller gives, an inference engine's staging buffer, instead of
+    a copy of its own), ``"minibatches"``
     (``train_batch`` takes the ``minibatch`` key and ``epochs``: several
     optimizer steps in one update), ``"reference"``
     (frozen copy for KL), ``"critic"`` (value head).
@@ -105,13 +108,19 @@ class TrainEngine(Component):
         Collective: every rank calls it with the same ``path``."""
         raise NotImplementedError(f"{type(self).__name__} does not declare 'export_disk'")
 
-    def export_tensors(self, bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
+    def export_tensors(self, bucket_bytes: int, into: Callable[..., Any] | None = None
+                       ) -> Iterator[list[tuple[str, Any]]]:
         """Full tensors in HF names, in buckets of at most ``bucket_bytes``.
 
         The tensors are the caller's: copies, never views of the engine's
         parameters, so the next optimizer step does not change them (the
         trainer hands them to inference engines that may still be reading them
-        while it trains on, at eta > 0)."""
+        while it trains on, at eta > 0).
+
+        ``into`` (engines declaring ``"export_into"``; the trainer passes it only
+        to those): ``into(name, shape, dtype)`` gives a CPU tensor of that shape
+        and dtype to write tensor ``name`` into (cast on the way), or None for a
+        tensor of the engine's own; the bucket then holds the given tensors."""
         raise NotImplementedError(f"{type(self).__name__} does not declare 'export_tensors'")
 
     def close(self) -> None:

@@ -27,8 +27,8 @@ from areal_core.registry import KINDS, contract_for, find, resolve
 KNOWN_CAPABILITIES: dict[str, frozenset[str]] = {
     "inference_engine": frozenset({"pause", "seed", "update_weights_from_disk", "update_weights_from_tensors",
                                    "update_weights_from_delta", "weight_digest"}),
-    "train_engine": frozenset({"save_load", "export_disk", "export_tensors", "export_beside_training", "reference",
-                               "critic", "minibatches"}),
+    "train_engine": frozenset({"save_load", "export_disk", "export_tensors", "export_beside_training", "export_into",
+                               "reference", "critic", "minibatches"}),
 }
 
 

@@ -221,6 +221,34 @@ class TrainEngineConformance(ComponentConformance):
             "train_batch left every exported weight as it was, so this test saw no update to guard against; "
             "raise the test engine's learning rate")
 
+    @requires("export_into")
+    def test_an_export_into_given_memory_writes_there_and_equals_an_ordinary_export(self) -> None:
+        # The trainer exports straight into an inference engine's staging buffer; names it gives no memory for
+        # (None) come back as the engine's own tensors.
+        import torch
+
+        with self.engine() as engine:
+            plain = dict(pair for bucket in engine.export_tensors(1 << 30) for pair in bucket)
+            skipped = sorted(plain)[0]
+            given: dict[str, torch.Tensor] = {}
+
+            def into(name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor | None:
+                if name == skipped:
+                    return None
+                given[name] = torch.full(tuple(shape), float("nan")).to(dtype)
+                return given[name]
+
+            exported = dict(pair for bucket in engine.export_tensors(1 << 20, into=into) for pair in bucket)
+        assert exported.keys() == plain.keys(), "an export with `into` must hand out the same names"
+        assert given, ("export_tensors(into=...) never asked `into` for memory: an engine declaring 'export_into' "
+                       "writes each tensor into what into(name, shape, dtype) gives")
+        assert skipped not in given
+        elsewhere = [name for name, t in given.items() if exported[name].data_ptr() != t.data_ptr()]
+        assert not elsewhere, f"export_tensors(into=...) did not hand out the memory `into` gave for {elsewhere[:5]}"
+        differ = [name for name, t in plain.items() if exported[name].dtype != t.dtype or
+                  not torch.equal(exported[name].view(torch.uint8), t.view(torch.uint8))]
+        assert not differ, f"export_tensors(into=...) wrote other values than an ordinary export for {differ[:5]}"
+
     @requires("export_beside_training")
     def test_an_export_read_on_another_thread_holds_the_next_optimizer_step(self) -> None:
         # The trainer reads the export on a background thread while this one trains on (eta > 0): the step

@@ -25,7 +25,7 @@ class BigramTrainEngineDoubleConfig:
 
 class BigramTrainEngineDouble(TrainEngine):
     config_class = BigramTrainEngineDoubleConfig
-    capabilities = frozenset({"save_load", "export_tensors", "export_beside_training", "minibatches"})
+    capabilities = frozenset({"save_load", "export_tensors", "export_beside_training", "export_into", "minibatches"})
 
     def initialize(self) -> None:
         self.weights_read = threading.Lock()  # held by an export until its last bucket is read
@@ -90,14 +90,16 @@ class BigramTrainEngineDouble(TrainEngine):
             self.optimizer.load_state_dict(state["optimizer"])
         self._version = state["version"]
 
-    def export_tensors(self, bucket_bytes):
+    def export_tensors(self, bucket_bytes, into=None):
         self.weights_read.acquire()  # at the call, before any bucket is read
-        return self._rows()
+        return self._rows(into)
 
-    def _rows(self):
+    def _rows(self, into=None):
         try:  # one row per bucket: the export is read in several steps
             for i, row in enumerate(self.table.detach()):
-                yield [(f"table.{i}", row.clone())]
+                name = f"table.{i}"
+                target = into(name, tuple(row.shape), row.dtype) if into is not None else None
+                yield [(name, target.copy_(row) if target is not None else row.clone())]
         finally:
             self.weights_read.release()
 
@@ -125,6 +127,13 @@ class ViewExportTrainEngineDouble(BigramTrainEngineDouble):
 
     def export_tensors(self, bucket_bytes):
         yield [("table", self.table.detach())]
+
+
+class IntoIgnoredTrainEngineDouble(BigramTrainEngineDouble):
+    """Broken: declares export_into but hands out tensors of its own whatever ``into`` gives."""
+
+    def export_tensors(self, bucket_bytes, into=None):
+        return super().export_tensors(bucket_bytes)
 
 
 class RacyExportTrainEngineDouble(BigramTrainEngineDouble):

@@ -103,8 +103,8 @@ class FSDPEngine(ParallelMixin, ExportMixin, CheckpointMixin, TrainEngine):
     """Train engine on PyTorch FSDP2 (``actor.backend: fsdp``). See the module docstring."""
 
     config_class = FSDPEngineConfig
-    capabilities = frozenset({"save_load", "export_disk", "export_tensors", "export_beside_training", "reference",
-                              "critic", "minibatches"})
+    capabilities = frozenset({"save_load", "export_disk", "export_tensors", "export_beside_training", "export_into",
+                              "reference", "critic", "minibatches"})
 
     def __init__(self, context: Any = None) -> None:
         super().__init__(context)

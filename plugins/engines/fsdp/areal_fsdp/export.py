@@ -67,7 +67,7 @@ class ExportMixin:
             write_hf_folder(path, self.lm, state, self.dtype, source=self.source)
         self._barrier()
 
-    def export_tensors(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def export_tensors(self, bucket_bytes: int, into: Any = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The weights as full CPU tensors in HF names and ``model.dtype``, in buckets of at most ``bucket_bytes``.
 
         Collective: every rank iterates the whole generator (the same number of
@@ -79,7 +79,10 @@ class ExportMixin:
         does with it; over gloo they are waited one by one (see ``_gather``).
         Tied aliases (a tied ``lm_head.weight``) are left out, as on disk;
         LoRA adapters are merged in (the names are the plain model's). The
-        tensors are copies (``_finish``), never views of the parameters.
+        tensors are copies (``_finish``), never views of the parameters:
+        with ``into`` (capability ``export_into``), copies into the memory
+        ``into(name, shape, dtype)`` gives, cast in the same pass, where it
+        gives any.
         """
         self._require_model("export_tensors")
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
@@ -88,20 +91,21 @@ class ExportMixin:
         self._hold_weights("export_tensors", "for the previous export's buckets to be read to the end (or the "
                                              "export closed)")
         try:
-            buckets = self._stream_buckets(state, items, _buckets(state, items, self.dtype, bucket_bytes), self.dtype)
+            buckets = self._stream_buckets(state, items, _buckets(state, items, self.dtype, bucket_bytes), self.dtype,
+                                           into)
         except BaseException:
             self._export_lock.release()
             raise
         return _Leased(buckets, self._export_lock)
 
-    def _stream_buckets(self, state: dict, items: list, plan: list[list[int]],
-                        dtype: torch.dtype | None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def _stream_buckets(self, state: dict, items: list, plan: list[list[int]], dtype: torch.dtype | None,
+                        into: Any = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Each bucket of ``plan`` (indices into ``items``), its successor's gathers in flight while it is used."""
         pending = self._gather(state, [items[i] for i in plan[0]]) if plan else []
         for k in range(len(plan)):
             current = pending
             pending = self._gather(state, [items[i] for i in plan[k + 1]]) if k + 1 < len(plan) else []
-            yield self._finish(current, dtype)
+            yield self._finish(current, dtype, into)
 
     @staticmethod
     def _gather(state: dict, items: list) -> list:
@@ -122,8 +126,9 @@ class ExportMixin:
             out.append((name, values, combine))
         return out
 
-    def _finish(self, gathered: list, dtype: torch.dtype | None) -> list[tuple[str, torch.Tensor]]:
-        """Wait for a bucket's gathers; on rank 0 its tensors in HF names, combined, cast and copied to CPU."""
+    def _finish(self, gathered: list, dtype: torch.dtype | None, into: Any = None) -> list[tuple[str, torch.Tensor]]:
+        """Wait for a bucket's gathers; on rank 0 its tensors in HF names, combined, cast and copied to CPU (into
+        the memory ``into`` gives, where it gives any: see ``export_tensors``)."""
         if self.rank != 0:
             for _, values, _ in gathered:
                 for value in values:
@@ -133,6 +138,11 @@ class ExportMixin:
         tensors = {}
         for name, values, combine in gathered:
             value = combine(values) if combine is not None else values[0]
+            cast = dtype if dtype is not None and value.is_floating_point() else value.dtype
+            target = into(name, tuple(value.shape), cast) if into is not None else None
+            if target is not None:
+                tensors[name] = target.copy_(value)  # cast and copy in one pass, straight into the caller's memory
+                continue
             fresh = combine is not None  # a combined tensor is already new
             if dtype is not None and value.is_floating_point() and value.dtype != dtype:
                 value, fresh = value.to(dtype), True

@@ -89,7 +89,11 @@ class LocalEngine(RemoteEngine):
         await self.request("POST", "/resume")
 
     async def update_weights_from_disk(self, path: str, version: int) -> None:
-        health = await self.request("POST", "/update_weights_from_disk", json={"path": str(path), "version": version})
+        await self._load(path, version, adopt=False)
+
+    async def _load(self, path: str, version: int, adopt: bool) -> None:
+        health = await self.request("POST", "/update_weights_from_disk",
+                                    json={"path": str(path), "version": version, "adopt": adopt})
         self._version = health["version"]
 
     async def weight_digest(self, mode: str = "on") -> dict[str, str]:
@@ -101,14 +105,23 @@ class LocalEngine(RemoteEngine):
             return "disk_folder"
         return "shared_memory" if self.same_node or not self.exchange_dir else "shared_storage_file"
 
-    async def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
-        """Hand tensors over through shared memory: a safetensors file in /dev/shm the server maps, rewritten in
-        place for every version and written once for all the engines of this process (:mod:`areal_local.shm`).
-        A server on another node gets the same file in the run's shared storage (``exchange_dir``)."""
+    def export_destination(self, version: int) -> Any:
+        """On the trainer's node: the free slot of this process's /dev/shm stage (:meth:`areal_local.shm.WeightStage.
+        destination`), so the trainer's export is the stage write; None elsewhere and before the first write."""
         from areal_local.shm import stage
 
-        root = None if self.weight_transport("tensors") == "shared_memory" else Path(self.exchange_dir)
-        await self.update_weights_from_disk(str(stage(root).write(named_tensors, version)), version)
+        return stage().destination(version) if self.weight_transport("tensors") == "shared_memory" else None
+
+    async def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        """Hand tensors over through shared memory: a safetensors file in /dev/shm the server maps and serves from
+        (no copy), one of two rewritten in place in turn and written once for all the engines of this process
+        (:mod:`areal_local.shm`). A server on another node gets the same file in the run's shared storage
+        (``exchange_dir``) and copies it in: a mapping of a network file system is no place to serve from."""
+        from areal_local.shm import stage
+
+        shared_memory = self.weight_transport("tensors") == "shared_memory"
+        root = None if shared_memory else Path(self.exchange_dir)
+        await self._load(str(stage(root).write(named_tensors, version)), version, adopt=shared_memory)
 
 
     async def update_weights_from_delta(self, delta: Any, version: int) -> None:

@@ -83,6 +83,11 @@ _MIN_SHARED_PREFIX = 8
 _MIN_SHARED_SAVING = 64
 
 
+def _storage_of(tensor: torch.Tensor) -> int:
+    """The address of the memory block ``tensor`` views (one per mapped file)."""
+    return tensor.untyped_storage().data_ptr()
+
+
 class Generator:
     """Continuous-batching generation for one HF causal LM, driven by :meth:`step`.
 
@@ -152,6 +157,13 @@ class Generator:
                              f"with full attention ({', '.join(SUPPORTED_MODEL_TYPES)}); leave lean_decode unset")
         self._lean = LeanDecoder(model, packed=self._packed) if lean_decode else None
         self._mapped = None  # areal_local.shm.MappedWeights, on the first load_safetensors_dir
+        # Weight loads with adopt (load_state_dict): every state-dict name's Parameter (tied aliases too), the
+        # name its memory is kept under, that memory, and the weights now served from a caller's tensors.
+        self._params = dict(model.named_parameters(remove_duplicate=False))
+        first = {id(p): name for name, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
+        self._canonical = {name: first[id(p)] for name, p in self._params.items()}
+        self._private = {name: self._params[name].data for name in set(self._canonical.values())}
+        self._adopted: dict[str, int] = {}  # canonical name -> the storage (data_ptr) it views
         self.load_phases: dict[str, float] = {}  # seconds of the last load's phases: read, checked, copied, derived
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
@@ -450,8 +462,9 @@ class Generator:
         self._end.pop()
 
     # ----------------------------------------------------------------- weights
-    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
-        """Copy new weights into the model, between steps.
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True,
+                        adopt: bool = False) -> None:
+        """Copy new weights into the model, between steps (or, with ``adopt``, serve from them as they are).
 
         Names are the model's ``state_dict()`` names. Every name must exist,
         with the same shape; floating-point tensors are cast to the
@@ -463,6 +476,17 @@ class Generator:
         Running requests keep their tokens so far and go back to the front of
         the queue: the KV cache computed under the old weights is dropped and
         the next step prefills prompt + output under the new weights.
+
+        ``adopt``: the caller's tensors stay valid and unchanged until the next
+        load (views of a ``/dev/shm`` stage slot, :mod:`areal_local.shm`), so a
+        parameter of the same dtype becomes that tensor (``param.data``, no
+        copy: 0.05 s of a SmolLM2-135M float32 load on the test machine) and
+        the model serves from it, read only. Anything else is copied into the
+        model's own memory, which it keeps for that (:meth:`_own`): a load
+        without ``adopt`` (a disk folder), a cast, a buffer, and, before a
+        delta is applied in place, every adopted weight. A weight adopted from
+        another file than this load's is copied back too, so no weight is ever
+        left viewing a slot the writer may rewrite.
         """
         began = time.perf_counter()
         own = self.model.state_dict()
@@ -489,12 +513,50 @@ class Generator:
             raise ValueError(f"Generator.load_state_dict: refused, nothing was loaded: {shown}")
         copied = time.perf_counter()
         with torch.no_grad():
+            if adopt:  # a weight this load leaves out must not stay a view of another file than this load's
+                sources = {_storage_of(t) for t in state_dict.values()}
+                given = {self._canonical[n] for n in state_dict if n in self._canonical}
+                for name in [n for n, source in self._adopted.items() if n not in given and source not in sources]:
+                    self._own(name)
             for name, tensor in state_dict.items():
-                own[name].copy_(tensor)
+                param = self._params.get(name)
+                if adopt and param is not None and tensor.dtype == param.dtype and tensor.is_contiguous():
+                    param.data = tensor
+                    self._adopted[self._canonical[name]] = _storage_of(tensor)
+                else:
+                    self._own(name).copy_(tensor)
         derived = time.perf_counter()
         self._refresh_derived()
         self.load_phases = dict(checked=copied - began, copied=derived - copied, derived=time.perf_counter() - derived)
         self._requeue_running()
+
+    def _own(self, name: str) -> torch.Tensor:
+        """The tensor behind state-dict entry ``name``, in the model's own memory: an adopted weight is first
+        copied back into the memory it had before it was adopted (kept for this: no allocation per load)."""
+        param = self._params.get(name)
+        if param is None:
+            return self.model.state_dict()[name]  # a persistent buffer: never adopted
+        key = self._canonical[name]
+        if key in self._adopted:
+            private = self._private[key]
+            private.copy_(param.data)
+            param.data = private
+            del self._adopted[key]
+        return param.data
+
+    def own_all(self) -> int:
+        """Copy every adopted weight back into the model's own memory (before anything writes into the weights
+        in place); the number copied."""
+        names = list(self._adopted)
+        with torch.no_grad():
+            for name in names:
+                self._own(name)
+        return len(names)
+
+    @property
+    def adopted(self) -> frozenset[str]:
+        """The weights now served from the caller's tensors (:meth:`load_state_dict` with ``adopt``)."""
+        return frozenset(self._adopted)
 
     def warm_weight_loads(self) -> None:
         """Rebuild the derived copies once, before the first weight load, on the thread that will load.
@@ -518,11 +580,14 @@ class Generator:
         if self._lean is not None:
             self._lean.refresh()
 
-    def load_safetensors_dir(self, path: str | Path, version: int | None = None, *, strict: bool = True) -> None:
+    def load_safetensors_dir(self, path: str | Path, version: int | None = None, *, strict: bool = True,
+                             adopt: bool = False) -> None:
         """:meth:`load_state_dict` from every ``*.safetensors`` file in folder ``path`` (HF names), copied
         straight from the mapped files into the parameters (:class:`areal_local.shm.MappedWeights`: the
-        ``/dev/shm`` stage stays mapped between versions). A stage file must hold ``version`` and be whole;
-        anything refused leaves the weights as they were."""
+        ``/dev/shm`` stage stays mapped between versions), or with ``adopt`` and a stage file, served from the
+        mapping as it is (the stage's rule says the writer leaves it alone until this server loads another
+        version). A stage file must hold ``version`` and be whole; anything refused leaves the weights as they
+        were."""
         from areal_local.shm import MappedWeights
 
         folder = Path(path)
@@ -537,9 +602,9 @@ class Generator:
             state.update(self._mapped.tensors(file, version))
         read = time.perf_counter() - began
         try:
-            self.load_state_dict(state, strict=strict)
+            self.load_state_dict(state, strict=strict, adopt=adopt and self._mapped.last_is_stage)
         finally:
-            state.clear()  # views of the mapping: none outlives the load
+            state.clear()  # views of the mapping: only the adopted ones outlive the load
         self.load_phases["read"] = read
 
     def load_delta_dir(self, path: str | Path, base_version: int, version: int) -> None:
@@ -555,7 +620,9 @@ class Generator:
         named: dict[str, torch.Tensor] = {}
         for file in files:
             named.update(load_file(str(file)))
-        apply_delta(self.model.state_dict(), delta_from_named(named, base_version, version))
+        delta = delta_from_named(named, base_version, version)
+        self.own_all()  # the delta is applied in place: not into a read-only stage slot
+        apply_delta(self.model.state_dict(), delta)
         self._refresh_derived()
         self._requeue_running()
 

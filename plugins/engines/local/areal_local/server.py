@@ -10,8 +10,9 @@ touches the model happens between two decode steps of one thread:
 - ``POST /pause``: every request in flight returns what it has with
   ``stop_reason="abort"``; requests arriving while paused return at once,
   empty, with ``abort``. ``POST /resume`` lifts it.
-- ``POST /update_weights_from_disk`` (safetensors folder, version): applied
-  between steps. Requests still running (an update without a pause) are
+- ``POST /update_weights_from_disk`` (safetensors folder, version, adopt): applied
+  between steps; with ``adopt`` and a ``/dev/shm`` stage slot the model serves
+  from the slot's mapping instead of copying it (:mod:`areal_local.shm`). Requests still running (an update without a pause) are
   stopped, their KV cache dropped, and continued from prompt + output so far
   under the new weights, so their versions change exactly at the swap. A
   seeded request keeps its seed and its random stream goes on (the generator
@@ -189,7 +190,8 @@ class EngineLoop:
             elif name == "resume":
                 self.paused = False
             elif name == "update":
-                self._update(*args)
+                path, version, adopt = (*args, False)[:3]
+                self._update(path, version, (lambda: self.load_weights(path, version, adopt=True)) if adopt else None)
             elif name == "delta":
                 self._delta(*args)
             elif name == "digest":
@@ -285,6 +287,7 @@ def build_app(engine: EngineLoop) -> Any:
     class Update(BaseModel):
         path: str
         version: int
+        adopt: bool = False  # serve from a /dev/shm stage slot as it is (areal_local.shm's rule), no copy
 
     @app.get("/health")
     async def health() -> dict:
@@ -333,7 +336,7 @@ def build_app(engine: EngineLoop) -> Any:
     @app.post("/update_weights_from_disk")
     async def update(body: Update) -> dict:
         try:
-            return await engine.call("update", body.path, body.version)
+            return await engine.call("update", body.path, body.version, body.adopt)
         except (OSError, ValueError, KeyError) as exc:
             raise HTTPException(400, f"cannot load weights from {body.path}: {type(exc).__name__}: {exc}") from None
 

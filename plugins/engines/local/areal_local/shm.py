@@ -1,4 +1,4 @@
-"""Weights for the embedded server through one safetensors file in ``/dev/shm``, rewritten in place per version.
+"""Weights for the embedded server through safetensors files in ``/dev/shm``, two of them used in turn.
 
 The writer (:class:`WeightStage`, the client's side)
 -----------------------------------------------------
@@ -7,12 +7,24 @@ folder in ``/dev/shm`` with ``safetensors.torch.save_file`` and delete it after
 the server had loaded it. Each version then paid for new shared-memory pages
 (allocated and zeroed by the kernel, 270 MB for SmolLM2-135M in bf16) and for
 ``save_file``'s intermediate byte copies: 0.6 s per version on the 2-core test
-machine, on the critical path of a synchronous run. Here the file is created
-once and every later version with the same layout is copied straight into its
-mapped pages (``torch`` copies), so the pages are already resident on both
-sides.
+machine, on the critical path of a synchronous run. Here the files are created
+once and every later version with the same layout is copied straight into the
+mapped pages of one of them (``torch`` copies), so the pages are already
+resident on both sides.
 
-The file is a plain safetensors file (8-byte little-endian header length, JSON
+There are two such files, slots ``slot0`` and ``slot1`` of the stage folder,
+and a version goes into the slot that does NOT hold the newest version
+written: a server on this node serves its weights straight from the slot it
+last loaded (:meth:`areal_local.generator.Generator.load_state_dict` with
+``adopt``: no copy into the model), and the next version is written into the
+other slot while it generates. The rule that makes this safe: a server leaves
+a slot (it loads the other one, or copies its weights out before a delta)
+before the version after next is written. The rollout controller awaits
+every engine's update before the trainer sends the next version, and an
+engine whose update failed leaves routing (or fails the run), so a routed
+server never reads a slot being rewritten.
+
+Each file is a plain safetensors file (8-byte little-endian header length, JSON
 header, tensor bytes back to back, no holes) that any safetensors reader
 takes. safetensors has no call that serialises into an existing buffer, hence
 the short writer below. Tensors are laid out widest dtype first so every
@@ -29,17 +41,13 @@ The reader (:class:`MappedWeights`, the server's side)
 ``safetensors.torch.load_file`` maps each tensor afresh at every load, so the
 copy into the model page-faulted the whole file in again each version (0.2 to
 0.3 s of a 0.5 s load of SmolLM2-135M in float32 on the test machine, against
-0.05 s for the copy itself). The server keeps the stage file mapped between
-versions (same inode, same size: same pages) and hands out tensors that are
-views of the mapping, which the generator copies straight into its parameters:
-one copy, no intermediate tensors. Any other safetensors file (a ``disk``
-update's folder) is mapped the same way for one load, then let go.
+0.05 s for the copy itself). The server keeps both slot files mapped (read
+only) between versions (same inode, same size: same pages) and hands out
+tensors that are views of the mapping, which the generator either serves
+from as they are or copies into its own memory. Any other safetensors file (a
+``disk`` update's folder) is mapped the same way for one load, then let go.
 
-The server must not read a version while the next one is written: the
-rollout controller awaits every engine's update before the trainer sends the
-next version, so versions never overlap.
-
-A file left by a process that died (SIGKILL skips every cleanup) is removed
+A folder left by a process that died (SIGKILL skips every cleanup) is removed
 by the next stage created on this machine: names carry the owner's pid.
 """
 
@@ -91,8 +99,8 @@ def _version_field(version: int) -> str:
 
 
 def _layout(named: list[tuple[str, torch.Tensor]],
-            version: int) -> tuple[bytes, list[tuple[int, torch.Tensor]], int]:
-    """(header block incl. its length prefix, [(offset in file, tensor)], file size)."""
+            version: int) -> tuple[bytes, list[tuple[str, int, torch.Tensor]], int]:
+    """(header block incl. its length prefix, [(name, offset in file, tensor)], file size)."""
     for name, tensor in named:
         if tensor.dtype not in _DTYPES:
             raise ValueError(f"weight {name!r} has dtype {tensor.dtype}, which safetensors cannot hold")
@@ -106,64 +114,141 @@ def _layout(named: list[tuple[str, torch.Tensor]],
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     head = struct.pack("<Q", len(blob)) + blob
-    placed = [(len(head) + header[name]["data_offsets"][0], tensor) for name, tensor in ordered]
+    placed = [(name, len(head) + header[name]["data_offsets"][0], tensor) for name, tensor in ordered]
     return head, placed, len(head) + at
 
 
+SLOTS = ("slot0", "slot1")  # the stage's two files, used in turn (see the module docstring)
+
+
+class Destination:
+    """Where an export of ``version`` may put its tensors straight away: views of the stage slot the next
+    write of that version fills (:meth:`WeightStage.destination`), so the export's copy is the transfer.
+
+    Called as ``destination(name, shape, dtype)``: a writable CPU tensor of that shape and dtype inside the
+    slot when the last version written had a tensor ``name`` laid out so, else None (the exporter makes its
+    own tensor and :meth:`WeightStage.write` copies it in). :meth:`complete` says the export ended whole."""
+
+    def __init__(self, stage: "WeightStage", version: int, slot: int) -> None:
+        self.stage, self.version, self.slot = stage, version, slot
+        self.complete_ = False
+        self._buffer = torch.frombuffer(stage._maps[slot], dtype=torch.uint8)
+        self._places = dict(stage._places)  # name -> (offset, shape, dtype) of the last layout written
+
+    def __call__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        place = self._places.get(name)
+        if place is None or place[1] != tuple(shape) or place[2] != dtype:
+            return None
+        offset, shape, dtype = place
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        return self._buffer[offset:offset + nbytes].view(dtype).view(shape)
+
+    def complete(self) -> None:
+        self.complete_ = True
+
+
 class WeightStage:
-    """The staging file of one process (shared by every local engine client in it)."""
+    """The staging files of one process (shared by every local engine client in it).
+
+    Which slot a version goes into (the rule of the module docstring): never the one holding the newest
+    version written, nor the one an export just filled to serve as the trainer's delta base. A version names
+    one set of weights: writing a version the newest slot already holds writes nothing (every engine of this
+    process, and a server joining later, takes the same file)."""
 
     def __init__(self, root: Path | None = None) -> None:
         self.root = root or _root()
         self.folder: Path | None = None
-        self._map: mmap.mmap | None = None
+        self._maps: list[mmap.mmap] = []  # one per slot
         self._size = 0
-        self._staged: tuple[Any, int] | None = None  # (the tensors object, version) last written
+        self._versions: list[int | None] = [None, None]  # the whole version each slot holds (header written)
+        self._newest: int | None = None  # the slot holding the newest version written
+        self._places: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}  # the last layout written
+        self._reserved: Destination | None = None  # the last destination handed out, until its version is written
         self._finalizer: Any = None
 
     def _open(self, size: int) -> None:
         self.close()
         sweep_stale(self.root)
         self.folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=self.root))
-        path = self.folder / FILE_NAME
-        with open(path, "w+b") as f:
-            f.truncate(size)
-            self._map = mmap.mmap(f.fileno(), size)
-        self._size = size
         self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.folder), True)
+        for slot in SLOTS:
+            (self.folder / slot).mkdir()
+            with open(self.folder / slot / FILE_NAME, "w+b") as f:
+                f.truncate(size)
+                self._maps.append(mmap.mmap(f.fileno(), size))
+        self._size = size
+
+    def slot_folder(self, slot: int) -> Path:
+        assert self.folder is not None
+        return self.folder / SLOTS[slot]
+
+    def _free_slot(self, version: int) -> int:
+        """The slot the next version goes into (see the class docstring); settles the last destination."""
+        reserved = self._reserved
+        if reserved is not None and (reserved.version == version or not reserved.complete_):
+            return reserved.slot  # this version's export, or one that failed half way: never served from
+        if reserved is not None:  # a whole export of an older version that was never written: a delta base
+            self._newest, self._reserved = reserved.slot, None
+        return 0 if self._newest is None else 1 - self._newest
+
+    def destination(self, version: int) -> Destination | None:
+        """Where an export of ``version`` may write its tensors (:class:`Destination`); None before the first
+        write (no layout yet). The same object for every call with this version until it is written."""
+        if self._reserved is not None and self._reserved.version == version:
+            return self._reserved
+        if not self._maps or not self._places:
+            return None
+        slot = self._free_slot(version)
+        self._maps[slot][:8] = bytes(8)  # its content is about to change: no reader may take it as whole
+        self._versions[slot] = None
+        self._reserved = Destination(self, version, slot)
+        return self._reserved
 
     def write(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> Path:
-        """Put ``named_tensors`` in the file (once per tensors object and version); returns its folder."""
-        if self._staged is not None and self._staged[0] is named_tensors and self._staged[1] == version:
-            assert self.folder is not None
-            return self.folder  # another engine of this process takes the same version: written already
+        """Put ``named_tensors`` in the slot not holding the newest version (tensors an export already put in
+        place through :meth:`destination` are not copied again); returns that slot's folder."""
+        if self._newest is not None and self._versions[self._newest] == version:
+            return self.slot_folder(self._newest)  # another engine of this process takes the same version
         named = [(name, t.detach().cpu()) for name, t in named_tensors]  # .cpu() is a no-op for CPU tensors
         head, placed, size = _layout(named, version)
-        if size != self._size or self._map is None:
-            self._open(size)
-        assert self._map is not None and self.folder is not None
+        if size != self._size or not self._maps:
+            self._open(size)  # a new layout (or the first version): both slots are new, slot 0 goes first
+            self._newest, self._versions, self._reserved = None, [None, None], None
+        slot = self._free_slot(version)
+        mapped = self._maps[slot]
         # A write that fails half way must not be taken for a whole one, here or by a reader: the header length
         # is zeroed first (the file reads as incomplete) and the header, with its version, goes in last.
-        self._staged = None
-        self._map[:8] = bytes(8)
-        buffer = torch.frombuffer(self._map, dtype=torch.uint8)
-        for offset, tensor in placed:
+        self._versions[slot] = None
+        mapped[:8] = bytes(8)
+        buffer = torch.frombuffer(mapped, dtype=torch.uint8)
+        low, high = buffer.data_ptr(), buffer.data_ptr() + size
+        # A tensor inside this slot but not at its place (the layout moved) is taken out before anything moves.
+        placed = [(name, offset, tensor.clone() if low <= tensor.data_ptr() < high and
+                   tensor.data_ptr() != low + offset else tensor) for name, offset, tensor in placed]
+        for name, offset, tensor in placed:
+            if tensor.data_ptr() == low + offset:
+                continue  # exported straight into its place (destination)
             nbytes = tensor.numel() * tensor.element_size()
             buffer[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
-        del buffer  # no export of the map may outlive this call (mmap.close refuses while one exists)
-        self._map[8:len(head)] = head[8:]
-        self._map[:8] = head[:8]
-        self._staged = (named_tensors, version)
-        return self.folder
+        del buffer
+        mapped[8:len(head)] = head[8:]
+        mapped[:8] = head[:8]
+        self._versions[slot], self._newest, self._reserved = version, slot, None
+        self._places = {name: (offset, tuple(tensor.shape), tensor.dtype) for name, offset, tensor in placed}
+        return self.slot_folder(slot)
 
     def close(self) -> None:
-        if self._map is not None:
-            self._map.close()
-            self._map = None
+        for mapped in self._maps:
+            try:
+                mapped.close()
+            except BufferError:  # views handed out (destinations) still live: the mapping goes with the last
+                pass
+        self._maps = []
         if self._finalizer is not None:
             self._finalizer()  # removes the folder
             self._finalizer = None
-        self.folder, self._size, self._staged = None, 0, None
+        self.folder, self._size, self._newest, self._reserved = None, 0, None, None
+        self._versions, self._places = [None, None], {}
 
 
 _STAGES: dict[Path | None, WeightStage] = {}
@@ -186,29 +271,38 @@ class IncompleteWeights(ValueError):
 class MappedWeights:
     """Safetensors files mapped read-only, their tensors handed out as views of the mapping (the server's side).
 
-    A stage file (one whose header carries ``areal_version``) stays mapped until a file of another identity is
-    read, so the next version, written in place into the same pages, costs no page faults; any other file is
+    A stage file (one whose header carries ``areal_version``) stays mapped while its identity (device, inode,
+    size) stays the same, so the next version written into the same pages costs no page faults, and the
+    views handed out stay valid for as long as anything holds them (a mapping goes only with its last view).
+    Up to :attr:`KEEP` stage files are kept (the stage's two slots, and a new layout's); any other file is
     mapped for one :meth:`tensors` call. Little-endian only, like every platform areal runs on.
     """
 
+    KEEP = 4
+
     def __init__(self) -> None:
-        self._kept: tuple[tuple[int, int, int, str], mmap.mmap, torch.Tensor] | None = None  # (identity, map, bytes)
+        # path -> (identity, map, bytes) of the stage files kept mapped, oldest first
+        self._kept: dict[str, tuple[tuple[int, int, int], mmap.mmap, torch.Tensor]] = {}
+        self.last_is_stage = False  # whether the last tensors() call read a stage file (its views stay mapped)
 
     def tensors(self, file: str | Path, version: int | None = None) -> dict[str, torch.Tensor]:
-        """Every tensor of ``file``, viewing the mapped file (valid until the file changes: copy them now).
+        """Every tensor of ``file``, viewing the mapped file (valid until the file changes: copy them now, or
+        serve from them only while the writer leaves the file alone: the stage's rule, see the module docstring).
 
         Checked whole before anything is handed out: a file whose header length is zero (a stage write that
         failed half way), a header that does not parse, a tensor whose bytes lie past the end, or a stage file
         holding another version than ``version`` is refused with :class:`IncompleteWeights` naming it; a
         dtype this reader does not know is read by ``safetensors`` itself (a copy)."""
         file = Path(file)
+        self.last_is_stage = False
         with open(file, "rb") as f:
             st = os.fstat(f.fileno())
-            identity = (st.st_dev, st.st_ino, st.st_size, str(file))
-            if self._kept is not None and self._kept[0] == identity:
-                _, mapped, data = self._kept
+            identity = (st.st_dev, st.st_ino, st.st_size)
+            kept = self._kept.get(str(file))
+            if kept is not None and kept[0] == identity:
+                _, mapped, data = kept
             else:
-                self._kept = None  # a stage file replaced (a new layout) or another file: the old map goes
+                self._kept.pop(str(file), None)  # a stage file replaced (a new layout): its old map goes
                 if st.st_size < 8:
                     raise IncompleteWeights(f"{file}: {st.st_size} bytes, too short for a safetensors file")
                 mapped = mmap.mmap(f.fileno(), st.st_size, access=mmap.ACCESS_READ)
@@ -222,7 +316,9 @@ class MappedWeights:
             if version is not None and int(held) != version:
                 raise IncompleteWeights(f"{file} holds version {int(held)}, not the version {version} asked for "
                                         "(a stage write that never finished, or a stale file)")
-            self._kept = (identity, mapped, data)
+            self._kept[str(file)] = (identity, mapped, data)
+            while len(self._kept) > self.KEEP:
+                self._kept.pop(next(iter(self._kept)))
         if any(entry.get("dtype") not in _TORCH_DTYPES for entry in header.values()):
             from safetensors.torch import load_file
 
@@ -230,10 +326,11 @@ class MappedWeights:
         out = {}
         for name, entry in header.items():
             out[name] = _view(file, name, entry, data, start)
+        self.last_is_stage = held is not None
         return out
 
     def close(self) -> None:
-        self._kept = None
+        self._kept.clear()
 
 
 def _read_header(file: Path, data: torch.Tensor) -> tuple[dict, int]:

@@ -22,14 +22,15 @@ FAULT_FILE = Path(sys.argv.pop(1))
 _load = Generator.load_state_dict
 
 
-def faulty_load(self, state_dict, *, strict: bool = True) -> None:
+def faulty_load(self, state_dict, *, strict: bool = True, adopt: bool = False) -> None:
     fault = FAULT_FILE.read_text().strip() if FAULT_FILE.exists() else ""
     kind, _, target = fault.partition(":")
     if kind == "skip":
         state_dict = {k: v for k, v in state_dict.items() if not k.startswith(target)}
         strict = False
-    _load(self, state_dict, strict=strict)
+    _load(self, state_dict, strict=strict, adopt=adopt)
     if kind == "permute":
+        self.own_all()  # weights served from a read-only stage slot are copied out before the double writes
         with torch.no_grad():
             weight = self.model.state_dict()[target]
             weight.copy_(weight.flip(0))

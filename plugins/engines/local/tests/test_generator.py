@@ -442,29 +442,123 @@ def test_load_safetensors_dir_and_refusals_leave_the_weights_alone(folders, tmp_
     assert drain(gen, {0: [("a", PROMPTS[0], greedy(8))]})[0]["a"].output_ids == hf_greedy(new, PROMPTS[0], 8, eos=None)
 
 
-def test_the_shm_stage_loads_bit_exact_and_a_half_written_one_changes_nothing(folders, tmp_path):
-    """Weights through the /dev/shm stage (areal_local.shm) land in the parameters bit for bit, version after
-    version through the one mapping the generator keeps; a stage whose write failed half way, or that holds
-    another version, is refused before anything is copied."""
+@pytest.mark.parametrize("adopt", [False, True], ids=["copied", "adopted"])
+def test_the_shm_stage_loads_bit_exact_and_a_half_written_one_changes_nothing(folders, tmp_path, adopt):
+    """Weights through the /dev/shm stage (areal_local.shm) land in the parameters bit for bit (copied in, or
+    served from the slot as they are), version after version through the mappings the generator keeps; a
+    stage whose write failed half way, or that holds another version, is refused before anything changes."""
     from areal_local.shm import IncompleteWeights, WeightStage
 
     gen = Generator(load(folders["llama"], seed=0), eos_token_ids=[])
     stage = WeightStage(tmp_path)
     for version, seed in ((1, 1), (2, 2)):
         sent = {k: v.clone() for k, v in load(folders["llama"], seed=seed).state_dict().items()}
-        gen.load_safetensors_dir(stage.write(sent.items(), version), version)
+        folder = stage.write(sent.items(), version)
+        gen.load_safetensors_dir(folder, version, adopt=adopt)
         held = gen.model.state_dict()
         assert all(torch.equal(held[k].view(torch.uint8), v.view(torch.uint8)) for k, v in sent.items())
         assert set(gen.load_phases) == {"read", "checked", "copied", "derived"}
+        assert bool(gen.adopted) == adopt
     expected = drain(gen, {0: [("a", PROMPTS[0], greedy(6))]})[0]["a"].output_ids
     before = {k: v.clone() for k, v in gen.model.state_dict().items()}
     with pytest.raises(IncompleteWeights, match="holds version 2, not the version 3"):
-        gen.load_safetensors_dir(stage.folder, 3)
-    (stage.folder / "model.safetensors").open("r+b").write(bytes(8))  # what a write that failed half way leaves
+        gen.load_safetensors_dir(folder, 3, adopt=adopt)
+    other = stage.slot_folder(0)  # version 1's slot: a write of version 3 into it that failed half way
+    (other / "model.safetensors").open("r+b").write(bytes(8))
     with pytest.raises(IncompleteWeights, match="never finished"):
-        gen.load_safetensors_dir(stage.folder, 2)
+        gen.load_safetensors_dir(other, 3, adopt=adopt)
     assert all(torch.equal(before[k], v) for k, v in gen.model.state_dict().items())
     assert drain(gen, {0: [("b", PROMPTS[0], greedy(6))]})[0]["b"].output_ids == expected
+    stage.close()
+
+
+def _views_of(tensor: torch.Tensor, folder) -> bool:
+    """Whether ``tensor``'s memory lies inside the mapping of ``folder``'s stage file in this process."""
+    start = tensor.data_ptr()
+    for line in open("/proc/self/maps"):
+        parts = line.split()
+        if len(parts) >= 6 and parts[5] == str(folder / "model.safetensors"):
+            low, high = (int(x, 16) for x in parts[0].split("-"))
+            if low <= start < high:
+                return True
+    return False
+
+
+def test_adopted_weights_are_served_from_their_slot_while_the_next_version_goes_into_the_other(folders, tmp_path):
+    """The stage's two slots in turn: a version adopted from one slot is served from that mapping (no copy),
+    the next version is written into the other slot while the generator still serves the first unchanged,
+    and loading it moves every weight over; tokens equal HF's greedy under each version."""
+    from areal_local.shm import WeightStage
+
+    gen = Generator(load(folders["llama"], seed=0), eos_token_ids=[])
+    stage = WeightStage(tmp_path)
+    v1, v2 = load(folders["llama"], seed=1), load(folders["llama"], seed=2)
+    first = stage.write(list(v1.state_dict().items()), 1)
+    gen.load_safetensors_dir(first, 1, adopt=True)
+    params = dict(gen.model.named_parameters())
+    assert params and all(_views_of(p, first) for p in params.values())
+    tokens_v1 = drain(gen, {0: [("a", PROMPTS[0], greedy(6))]})[0]["a"].output_ids
+    assert tokens_v1 == hf_greedy(v1, PROMPTS[0], 6, eos=None)
+    second = stage.write(list(v2.state_dict().items()), 2)
+    assert second != first and second.parent == first.parent
+    assert drain(gen, {0: [("b", PROMPTS[0], greedy(6))]})[0]["b"].output_ids == tokens_v1  # untouched
+    gen.load_safetensors_dir(second, 2, adopt=True)
+    assert all(_views_of(p, second) for p in gen.model.parameters())
+    assert drain(gen, {0: [("c", PROMPTS[0], greedy(6))]})[0]["c"].output_ids == hf_greedy(v2, PROMPTS[0], 6, eos=None)
+    assert stage.write(list(v1.state_dict().items()), 3) == first  # version 3 goes back to the first slot
+    stage.close()
+
+
+def test_anything_that_is_not_a_whole_adopted_version_is_copied_into_the_models_own_memory(folders, tmp_path):
+    """After an adopted load: a partial adopted load from the other slot copies the weights it leaves out back
+    into the model's own memory (the first slot will be rewritten); a disk folder is copied in; a delta copies
+    every adopted weight out first and never writes into the slot. Each time the weights are bit for bit
+    what was sent and the memory is what the model had before it adopted anything."""
+    from safetensors.torch import load_file, save_file
+
+    from areal_core.weight_delta import delta_to_named, make_delta
+    from areal_local.shm import WeightStage
+
+    gen = Generator(load(folders["llama"], seed=0), eos_token_ids=[])
+    own = {name: p.data_ptr() for name, p in gen.model.named_parameters()}
+    (tmp_path / "stage").mkdir()
+    stage = WeightStage(tmp_path / "stage")
+    v1 = {k: v.clone() for k, v in load(folders["llama"], seed=1).state_dict().items()}
+    v2 = {k: v.clone() for k, v in load(folders["llama"], seed=2).state_dict().items()}
+
+    def check(expected: dict) -> None:
+        held = gen.model.state_dict()
+        assert all(torch.equal(held[k], v) for k, v in expected.items())
+
+    first = stage.write(v1.items(), 1)
+    gen.load_safetensors_dir(first, 1, adopt=True)
+    part = {k: v for k, v in v2.items() if ".layers.0." in k}
+    second = stage.write(part.items(), 2)  # another layout: a new stage folder, both slots new
+    gen.load_safetensors_dir(second, 2, strict=False, adopt=True)
+    assert gen.adopted == frozenset(part)
+    check({**v1, **part})
+    left = [name for name in own if name not in part]
+    assert left and all(gen.model.get_parameter(n).data_ptr() == own[n] for n in left)
+
+    save_file(v1, str(tmp_path / "model.safetensors"))
+    gen.load_safetensors_dir(tmp_path)  # a disk folder: copied
+    assert not gen.adopted and {n: p.data_ptr() for n, p in gen.model.named_parameters()} == own
+    check(v1)
+
+    third = stage.write(v1.items(), 3)
+    gen.load_safetensors_dir(third, 3, adopt=True)
+    assert gen.adopted
+    slot_before = load_file(str(third / "model.safetensors"))
+    changed = {k: v.clone() for k, v in v1.items()}
+    changed["model.norm.weight"][:3] += 1.0
+    delta_folder = tmp_path / "delta"
+    delta_folder.mkdir()
+    save_file(dict(delta_to_named(make_delta(v1, list(changed.items()), 3, 4))), str(delta_folder / "d.safetensors"))
+    gen.load_delta_dir(delta_folder, 3, 4)
+    assert not gen.adopted and {n: p.data_ptr() for n, p in gen.model.named_parameters()} == own
+    check(changed)
+    slot_after = load_file(str(third / "model.safetensors"))
+    assert all(torch.equal(slot_before[k], slot_after[k]) for k in slot_before)
     stage.close()
 
 

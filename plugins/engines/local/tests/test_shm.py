@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -33,19 +34,22 @@ def assert_same(folder, expected: dict) -> None:
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
 
 
-def test_versions_are_rewritten_in_place_and_read_back_exactly(tmp_path):
+def test_versions_go_into_the_two_slots_in_turn_rewritten_in_place_and_read_back_exactly(tmp_path):
     stage = WeightStage(tmp_path)
-    first = weights(0)
-    folder = stage.write(first.items(), 1)
-    assert folder.parent == tmp_path and folder.name.startswith(PREFIX)
-    assert_same(folder, first)
-    inode = (folder / FILE_NAME).stat().st_ino
-    second = weights(1)
-    assert stage.write(second.items(), 2) == folder
-    assert (folder / FILE_NAME).stat().st_ino == inode  # same file, same pages
-    assert_same(folder, second)
+    folders, inodes = [], []
+    for version in range(1, 5):
+        expected = weights(version)
+        folder = stage.write(expected.items(), version)
+        assert folder.parent.parent == tmp_path and folder.parent.name.startswith(PREFIX)
+        assert_same(folder, expected)
+        folders.append(folder)
+        inodes.append((folder / FILE_NAME).stat().st_ino)
+    # slot 0, slot 1, slot 0, slot 1: the slot holding the newest version is never the one written
+    assert folders[0] == folders[2] != folders[1] == folders[3] and [f.name for f in folders[:2]] == ["slot0", "slot1"]
+    assert inodes[0] == inodes[2] and inodes[1] == inodes[3]  # same files, same pages
+    assert_same(folders[2], weights(3))  # the slot not written last still holds its version, untouched
     stage.close()
-    assert not folder.exists()
+    assert not folders[0].parent.exists()
 
 
 def test_a_new_layout_gets_a_new_file_and_the_old_one_goes(tmp_path):
@@ -53,7 +57,7 @@ def test_a_new_layout_gets_a_new_file_and_the_old_one_goes(tmp_path):
     old = stage.write(weights(0).items(), 1)
     bigger = {**weights(1), "extra": torch.ones(4)}
     new = stage.write(bigger.items(), 2)
-    assert new != old and not old.exists()
+    assert new.parent != old.parent and not old.parent.exists() and new.name == "slot0"
     assert_same(new, bigger)
     stage.close()
 
@@ -107,12 +111,17 @@ def test_the_stage_file_stays_mapped_and_each_version_reads_back_bit_exact(tmp_p
     file = stage.write(first.items(), 1) / FILE_NAME
     got = reader.tensors(file, 1)
     assert_views_equal(got, first)
+    assert reader.last_is_stage
     pointer = got["proj.weight"].data_ptr()
+    other = stage.write(second.items(), 2) / FILE_NAME  # the other slot: the first one's views are untouched
+    assert other != file
+    assert_views_equal(reader.tensors(other, 2), second)
+    assert_views_equal(got, first)
     del got
-    stage.write(second.items(), 2)  # in place: the same pages, which the reader still maps
-    got = reader.tensors(file, 2)
+    assert stage.write(weights(3).items(), 3) / FILE_NAME == file  # in place: the same pages, still mapped
+    got = reader.tensors(file, 3)
     assert got["proj.weight"].data_ptr() == pointer  # a view of the same mapping, no copy and no new map
-    assert_views_equal(got, second)
+    assert_views_equal(got, weights(3))
     del got
     reader.close()
     stage.close()
@@ -120,8 +129,9 @@ def test_the_stage_file_stays_mapped_and_each_version_reads_back_bit_exact(tmp_p
 
 def test_a_half_written_stage_file_is_refused_not_half_read(tmp_path):
     stage, reader = WeightStage(tmp_path), MappedWeights()
-    file = stage.write(weights(0).items(), 1) / FILE_NAME
-    reader.tensors(file, 1)
+    kept = stage.write(weights(0).items(), 1) / FILE_NAME
+    reader.tensors(kept, 1)
+    file = stage.slot_folder(1) / FILE_NAME  # where version 2 goes
 
     class Broken:  # a tensor whose copy fails in the middle of the write
         dtype, shape = torch.float32, (3, 5)
@@ -145,7 +155,8 @@ def test_a_half_written_stage_file_is_refused_not_half_read(tmp_path):
         reader.tensors(file, 2)
     with pytest.raises(IncompleteWeights, match="header length is 0"):
         MappedWeights().tensors(file)  # a fresh reader (a restarted server) refuses it too
-    stage.write(weights(1).items(), 2)
+    assert_views_equal(reader.tensors(kept, 1), weights(0))  # the slot served from is untouched
+    assert stage.write(weights(1).items(), 2) / FILE_NAME == file  # the retry goes into the same slot
     assert_views_equal(reader.tensors(file, 2), weights(1))
     stage.close()
 
@@ -199,3 +210,87 @@ def test_a_tensor_at_an_unaligned_offset_is_copied_out_whole(tmp_path):
     file.write_bytes(struct.pack("<Q", len(header)) + header + half.view(torch.uint8).numpy().tobytes()
                      + full.view(torch.uint8).numpy().tobytes())
     assert_views_equal(MappedWeights().tensors(file), {"a": half, "b": full})
+
+
+# ------------------------------------------------------------------ exports straight into the stage (destination)
+def version_weights(version: int) -> dict:
+    return {"a.weight": torch.full((3, 5), float(version)), "b.weight": torch.full((7,), -float(version)),
+            "c": torch.full((2,), version, dtype=torch.int64)}
+
+
+def export(stage: WeightStage, version: int) -> list:
+    """What an engine declaring export_into does with the stage's destination: each tensor into what it gives."""
+    into = stage.destination(version)
+    named = []
+    for name, value in version_weights(version).items():
+        target = into(name, tuple(value.shape), value.dtype) if into is not None else None
+        named.append((name, target.copy_(value) if target is not None else value.clone()))
+    if into is not None:
+        into.complete()
+    return named
+
+
+def test_an_export_into_the_destination_is_the_write_and_the_slot_served_from_is_left_alone(tmp_path):
+    stage = WeightStage(tmp_path)
+    assert stage.destination(1) is None  # no layout yet: the first export makes its own tensors
+    first = stage.write(export(stage, 1), 1)
+    served = load_file(str(first / FILE_NAME))
+    into = stage.destination(2)
+    assert stage.destination(2) is into  # one destination per version, whoever asks
+    assert into("a.weight", (3, 5), torch.float32) is not None
+    assert into("a.weight", (5, 3), torch.float32) is None and into("new", (1,), torch.float32) is None
+    named = [(name, into(name, tuple(v.shape), v.dtype).copy_(v)) for name, v in version_weights(2).items()]
+    into.complete()
+    pointers = [t.data_ptr() for _, t in named]
+    second = stage.write(named, 2)
+    assert second != first
+    assert [t.data_ptr() for _, t in named] == pointers  # the tensors are the file's bytes: nothing was copied
+    assert_same(second, version_weights(2))
+    assert all(torch.equal(load_file(str(first / FILE_NAME))[k], v) for k, v in served.items())
+    assert stage.write(named, 2) == second  # a version written already is not written again
+    stage.close()
+
+
+def test_an_export_that_was_never_written_stays_the_delta_base_and_a_failed_one_is_reused(tmp_path):
+    stage = WeightStage(tmp_path)
+    stage.write(export(stage, 1), 1)
+    base = export(stage, 2)  # engines took version 2 as a delta: never written, the trainer's next delta base
+    kept = {name: t.clone() for name, t in base}
+    export(stage, 3)  # must go into the other slot than the base's
+    assert all(torch.equal(t, kept[name]) for name, t in base)
+    failed = stage.destination(4)
+    failed("a.weight", (3, 5), torch.float32).fill_(99.0)  # an export that failed half way: never completed
+    assert stage.destination(5).slot == failed.slot  # its slot is reused, not the one holding version 3
+    stage.close()
+
+
+def test_random_sequences_of_exports_deltas_and_full_updates_never_touch_a_slot_being_served(tmp_path):
+    """The stage's rule, run against random hand-overs: two engines each take every version whole (adopting the
+    slot written) or as a delta (their own memory); whatever the sequence, the bytes of a slot an engine serves
+    from stay those of its version until it moves, and the trainer's delta base survives the next export."""
+    import random
+
+    for seed in range(30):
+        draw = random.Random(seed)
+        stage = WeightStage(tmp_path)
+        serving: dict[int, tuple[Path, int]] = {}  # engine -> (slot folder, version) it serves from
+        base = None
+        def check_served() -> None:
+            for folder, held in serving.values():
+                got = load_file(str(folder / FILE_NAME))
+                assert all(torch.equal(got[n], v) for n, v in version_weights(held).items()), (seed, version)
+
+        for version in range(1, 12):
+            named = export(stage, version)
+            check_served()
+            if base is not None:  # the delta is made after the export, from the base the trainer kept
+                base_version, tensors = base
+                assert all(torch.equal(t, version_weights(base_version)[n]) for n, t in tensors), (seed, version)
+            base = (version, named)
+            for engine in (0, 1):
+                if version == 1 or draw.random() < 0.5:
+                    serving[engine] = (stage.write(named, version), version)
+                else:
+                    serving.pop(engine, None)  # a delta: the engine copies its weights out first
+            check_served()
+        stage.close()
