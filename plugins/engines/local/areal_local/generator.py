@@ -103,6 +103,8 @@ class Generator:
     weights (:mod:`areal_local.packed`; default: whenever the model is on CPU
     and torch has oneDNN). Logits then differ from a plain forward by float
     rounding (~1e-4 on SmolLM2 in float32); ``False`` keeps torch's own kernels.
+    ``load_workers``: threads that rebuild the derived copies (packed and
+    fused weights) after a weight load (default 1: the loading thread).
     ``lean_decode``: decode steps of Llama-family models through
     :mod:`areal_local.lean_decode` (fused projections, one attention call per
     layer on the cache; default: whenever the model qualifies); prefill always
@@ -121,6 +123,7 @@ class Generator:
         seed: int | None = None,
         packed_linears: bool | None = None,
         lean_decode: bool | None = None,
+        load_workers: int = 1,
     ) -> None:
         config = model.config
         if max_batch < 1:
@@ -156,6 +159,20 @@ class Generator:
             raise ValueError(f"Generator: lean_decode=True but {type(model).__name__} is not a Llama-family model "
                              f"with full attention ({', '.join(SUPPORTED_MODEL_TYPES)}); leave lean_decode unset")
         self._lean = LeanDecoder(model, packed=self._packed) if lean_decode else None
+        if load_workers < 1:
+            raise ValueError(f"Generator: load_workers is {load_workers}; it must be at least 1")
+        # Rebuilding the derived copies after a load is one strided copy per weight (a transpose for oneDNN's
+        # packing): on Python threads of one torch thread each (torch ops release the GIL), not an OpenMP team,
+        # whose barrier would wait for a core another process holds (areal_core.threads). SmolLM2-135M float32
+        # on the idle 2-core test machine: 0.225 s on one thread, 0.140 s on two.
+        self._load_pool = None
+        if load_workers > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            from areal_core.threads import serial_torch
+
+            self._load_pool = ThreadPoolExecutor(load_workers, thread_name_prefix="areal-load",
+                                                 initializer=serial_torch)
         self._mapped = None  # areal_local.shm.MappedWeights, on the first load_safetensors_dir
         # Weight loads with adopt (load_state_dict): every state-dict name's Parameter (tied aliases too), the
         # name its memory is kept under, that memory, and the weights now served from a caller's tensors.
@@ -561,24 +578,39 @@ class Generator:
     def warm_weight_loads(self) -> None:
         """Rebuild the derived copies once, before the first weight load, on the thread that will load.
 
-        Why: the rebuild after a load allocates a temporary per weight (``to_mkldnn`` in
-        :func:`areal_local.packed.repack`); the first time, every page of those is faulted in. On the 2-core
-        test machine that made the first load of SmolLM2-135M in float32 rebuild in 1.16 s (85k page faults),
-        the next ones in 0.09 s. Done at the server's start, that cost (0.34 s) is off the first training
-        step's path. The freed pages stay for reuse only when the process keeps freed memory
-        (:func:`areal_core.allocator.retain_freed_memory`, which the server applies: one arena for every
-        thread); should the user's own malloc settings give each thread an arena of its own, only a warm-up on
-        the loading thread would count, hence "on the thread that will load".
+        Why: the first rebuild in a process checks each packed layout's copy plan against oneDNN's own reorder
+        (:func:`areal_local.packed.repack`: 0.3-0.7 s for SmolLM2-135M in float32 on the 2-core test machine,
+        mostly the output head) and faults in the memory its temporaries use. Done at the server's start, that
+        cost is off the first training step's path. The freed pages stay for reuse only when the process keeps
+        freed memory (:func:`areal_core.allocator.retain_freed_memory`, which the server applies: one arena for
+        every thread); should the user's own malloc settings give each thread an arena of its own, only a
+        warm-up on the loading thread would count, hence "on the thread that will load".
         """
         with torch.no_grad():
             self._refresh_derived()
 
     def _refresh_derived(self) -> None:
-        """Rebuild the copies made of the weights for speed (oneDNN-packed linears, the lean decoder's fused ones)."""
-        if self._packed is not None:
-            self._packed.refresh()
+        """Rebuild the copies made of the weights for speed (oneDNN-packed linears, the lean decoder's fused ones),
+        one job per weight, spread over ``load_workers`` threads (see ``__init__``)."""
+        jobs = self._packed.jobs() if self._packed is not None else []
+        finish = None
         if self._lean is not None:
-            self._lean.refresh()
+            lean_jobs, finish = self._lean.jobs()
+            jobs += lean_jobs
+        if self._load_pool is None:
+            for _, job in jobs:
+                job()
+        else:  # the largest first, each to the least loaded worker
+            shares: list[list] = [[] for _ in range(self._load_pool._max_workers)]
+            sizes = [0] * len(shares)
+            for size, job in sorted(jobs, key=lambda pair: -pair[0]):
+                k = sizes.index(min(sizes))
+                shares[k].append(job)
+                sizes[k] += size
+            for _ in self._load_pool.map(lambda share: [job() for job in share], shares):
+                pass  # map re-raises a job's exception here
+        if finish is not None:
+            finish()
 
     def load_safetensors_dir(self, path: str | Path, version: int | None = None, *, strict: bool = True,
                              adopt: bool = False) -> None:

@@ -33,7 +33,7 @@ the two token for token.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -99,18 +99,46 @@ class LeanDecoder:
         """Whether the linears run on oneDNN-packed weights (the generator's PackedLinears)."""
         return self._packs is not None
 
-    @torch.no_grad()
     def refresh(self) -> None:
         """Rebuild the fused / packed weights (after a weight load)."""
-        old = self._qkv if len(self._qkv) == len(self.layers) else [None] * len(self.layers)
-        self._qkv = [self._fuse(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, into=was)
-                     for layer, was in zip(self.layers, old)]
-        if self._packs is not None:  # call after the PackedLinears' own refresh
-            self._mlp = [(self._packed(layer.mlp.gate_proj), self._packed(layer.mlp.up_proj),
-                          self._packed(layer.mlp.down_proj)) for layer in self.layers]
-            self._o = [self._packed(layer.self_attn.o_proj) for layer in self.layers]
-        else:
-            self._gate_up = [self._fuse(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in self.layers]
+        jobs, finish = self.jobs()
+        for _, job in jobs:
+            job()
+        finish()
+
+    def jobs(self) -> tuple[list[tuple[int, Callable[[], None]]], Callable[[], None]]:
+        """:meth:`refresh` as one job per fused weight, (elements, call), which may run on several threads,
+        and the call that puts their results in place once all have run (after the PackedLinears' own jobs:
+        the packed path takes their copies of o / gate / up / down)."""
+        n = len(self.layers)
+        old = self._qkv if len(self._qkv) == n else [None] * n
+        qkv: list = list(old)
+        gate_up: list = [None] * n
+
+        def fuse(into: list, i: int, *linears: torch.nn.Linear) -> Callable[[], None]:
+            def run() -> None:
+                with torch.no_grad():
+                    into[i] = self._fuse(*linears, into=old[i] if into is qkv else None)
+            return run
+
+        jobs = []
+        for i, layer in enumerate(self.layers):
+            parts = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+            jobs.append((sum(m.weight.numel() for m in parts), fuse(qkv, i, *parts)))
+            if self._packs is None:
+                parts = (layer.mlp.gate_proj, layer.mlp.up_proj)
+                jobs.append((sum(m.weight.numel() for m in parts), fuse(gate_up, i, *parts)))
+
+        def finish() -> None:
+            self._qkv = qkv
+            if self._packs is not None:
+                self._mlp = [(self._packed(layer.mlp.gate_proj), self._packed(layer.mlp.up_proj),
+                              self._packed(layer.mlp.down_proj)) for layer in self.layers]
+                self._o = [self._packed(layer.self_attn.o_proj) for layer in self.layers]
+            else:
+                self._gate_up = gate_up
+
+        return jobs, finish
 
     def _packed(self, linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self._packs.weight_of(linear), linear.bias

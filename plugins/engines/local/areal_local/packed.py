@@ -23,7 +23,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -251,8 +251,19 @@ class PackedLinears:
     @torch.no_grad()
     def refresh(self) -> None:
         """Repack every weight (after a weight load), into the packed copies already there (:func:`repack`)."""
-        for module in self.modules:
-            self._packed[id(module)] = repack(self._packed.get(id(module)), module.weight.detach())
+        for _, job in self.jobs():
+            job()
+
+    def jobs(self) -> list[tuple[int, Callable[[], None]]]:
+        """:meth:`refresh` as one job per weight, (elements, call), for callers that spread them over threads;
+        the jobs touch disjoint packed copies."""
+        def job(module: nn.Linear) -> Callable[[], None]:
+            def run() -> None:
+                with torch.no_grad():
+                    self._packed[id(module)] = repack(self._packed.get(id(module)), module.weight.detach())
+            return run
+
+        return [(module.weight.numel(), job(module)) for module in self.modules]
 
     def detach(self) -> None:
         for module in self.modules:

@@ -96,6 +96,9 @@ def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
 # SmolLM2-135M float32 on the 2-core test machine under load 7-9 (benchmarks/weight_sync.py): the load took
 # 3.9-4.2 s on the engine thread's two threads, 0.27-0.40 s on one.
 LOAD_THREADS = 1
+# ... and the derived copies after it (packed / fused weights) on this many Python threads of one torch thread
+# each (Generator's load_workers): no OpenMP team, so no barrier waits for a core the trainer holds.
+LOAD_WORKERS = 2
 
 
 class DeltaBaseError(Exception):
@@ -376,7 +379,7 @@ def load_engine(model_path: str, dtype: str, max_batch: int, threads: int | None
     eos = model.generation_config.eos_token_id
     eos_ids = sorted({*(eos if isinstance(eos, list) else [eos] if eos is not None else []),
                       *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])})
-    generator = Generator(model, eos_token_ids=eos_ids, max_batch=max_batch,
+    generator = Generator(model, eos_token_ids=eos_ids, max_batch=max_batch, load_workers=LOAD_WORKERS,
                           decode_fn=lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
     return EngineLoop(generator, generator.load_safetensors_dir, threads)
 

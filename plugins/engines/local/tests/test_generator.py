@@ -399,12 +399,14 @@ def test_a_failing_prefill_forward_puts_the_joiners_back_in_the_queue(llama, mon
 # ---------------------------------------------------------------------------
 
 
-def test_load_state_dict_generates_with_the_new_weights_only(folders):
+@pytest.mark.parametrize("packed, workers", [(None, 1), (None, 2), (False, 2)],
+                         ids=["packed", "packed-two-load-workers", "plain-two-load-workers"])
+def test_load_state_dict_generates_with_the_new_weights_only(folders, packed, workers):
     old, new = load(folders["llama"], seed=0), load(folders["llama"], seed=1)
     prompt, n = PROMPTS[2], 12
     ref_old, ref_new = hf_greedy(old, prompt, n, eos=None), hf_greedy(new, prompt, n, eos=None)
     assert ref_old != ref_new
-    gen = Generator(load(folders["llama"], seed=0), eos_token_ids=[])
+    gen = Generator(load(folders["llama"], seed=0), eos_token_ids=[], packed_linears=packed, load_workers=workers)
     assert drain(gen, {0: [("a", prompt, greedy(n))]})[0]["a"].output_ids == ref_old
 
     # In flight: the request keeps its tokens so far and continues under the new weights.

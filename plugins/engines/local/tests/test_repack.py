@@ -76,10 +76,12 @@ def test_repack_of_another_shape_or_dtype_is_a_fresh_packing():
     assert torch.equal(packed.to_dense(), old)
 
 
+@pytest.mark.parametrize("workers", [1, 2], ids=["one-thread", "two-load-workers"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_a_weight_load_leaves_every_derived_copy_as_fresh_packing_would(dtype):
+def test_a_weight_load_leaves_every_derived_copy_as_fresh_packing_would(dtype, workers):
     """Byte for byte (layout included) the packed linears and the lean decoder's fused q/k/v after a load are a
-    new generator's on the new weights; tiny Llama: q 64 rows, k / v 32 (padded blocks), fused 128."""
+    new generator's on the new weights, rebuilt on the loading thread or spread over two (``load_workers``);
+    tiny Llama: q 64 rows, k / v 32 (padded blocks), fused 128."""
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     config._attn_implementation = "sdpa"
@@ -87,7 +89,7 @@ def test_a_weight_load_leaves_every_derived_copy_as_fresh_packing_would(dtype):
     model = LlamaForCausalLM(config).to(dtype).eval()
     torch.manual_seed(1)
     new = LlamaForCausalLM(config).to(dtype).eval()
-    gen = Generator(model, eos_token_ids=[])
+    gen = Generator(model, eos_token_ids=[], load_workers=workers)
     assert gen._packed is not None and gen._lean is not None and gen._lean.packed
     before = {key: (t, torch.ops.mkldnn.data_ptr(t)) for key, t in gen._packed._packed.items()}
     gen.load_state_dict(new.state_dict())
