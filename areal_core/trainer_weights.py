@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -73,6 +74,7 @@ class WeightHandOver:
         self.probe_s = 0.0  # the last parity probe's scoring on this rank
         self._base: tuple[int, dict] | None = None  # rollout.weight_delta: the version last sent and its tensors
         self.delta_s = 0.0  # rank 0's time to make the last delta
+        self._digester: ThreadPoolExecutor | None = None  # rank 0: digests what it sends beside the hand-over
 
     def sync(self, version: int, wait: bool | None = None) -> float:
         """Hand the new weights to the inference engines (collective); rank 0 returns the seconds paused.
@@ -124,7 +126,7 @@ class WeightHandOver:
                     named = [pair for bucket in buckets for pair in bucket]
                     if into is not None:
                         into.complete()
-                    sent = self._digests(version, named)
+                    sent = self._digests_beside(version, named)
                     return self.controller.update_weights_from_tensors(
                         named, version, wait=False, sent=sent, delta=self._delta(named, version)).result()
 
@@ -138,14 +140,14 @@ class WeightHandOver:
             if self.rank == 0:
                 # export_tensors hands out copies (its contract), so the next optimizer step cannot change what the
                 # engines are still reading at eta > 0
-                sent = self._digests(version, named)
+                sent = self._digests_beside(version, named)
                 pending = self.controller.update_weights_from_tensors(named, version, wait=wait, sent=sent,
                                                                       probe=probe, delta=self._delta(named, version))
         else:
             weights = self.run_dir / "weights" / f"v{version:06d}"
             self.actor.export_to_disk(str(weights))  # collective: every rank takes part in the gather
             if self.rank == 0:
-                sent = self._digests(version, str(weights))
+                sent = self._digests_beside(version, str(weights))
                 pending = self.controller.update_weights_from_disk(str(weights), version, wait=wait, sent=sent,
                                                                    probe=probe)
                 _prune_weights(self.run_dir / "weights", keep=2)  # the two newest: the one loading now is kept
@@ -186,6 +188,15 @@ class WeightHandOver:
         delta = make_delta(base[1], named, base[0], version)
         self.delta_s = time.monotonic() - began
         return delta if delta.nbytes <= MAX_DELTA_SHARE * delta.full_nbytes else None
+
+    def _digests_beside(self, version: int, weights: str | list) -> Future | None:
+        """:meth:`_digests` on a thread of its own, while the engines load (the controller waits for it before it
+        compares); None when the check is off."""
+        if self.cfg.rollout.weight_check == "off":
+            return None
+        if self._digester is None:
+            self._digester = ThreadPoolExecutor(1, thread_name_prefix="areal-digest", initializer=serial_torch)
+        return self._digester.submit(self._digests, version, weights)
 
     def _digests(self, version: int, weights: str | list) -> SentDigests | None:
         """Rank 0's digests of what it sends (``rollout.weight_check``: a folder's path or (name, tensor) pairs), or

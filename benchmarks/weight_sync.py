@@ -30,14 +30,15 @@ the trainer's last optimizer step to the first token generated under the new
 version, in the order the rollout controller makes the calls and on the
 threads it makes them on: export (``export_tensors`` straight into the free
 slot of the ``/dev/shm`` stage, as ``WeightHandOver`` does once the stage knows
-the layout) and the trainer's digest (``rollout.weight_check``) on the
-training thread; then, on an event-loop thread whose torch ops run on one
+the layout) on the training thread, and the trainer's digest
+(``rollout.weight_check``) on a thread of its own beside the hand-over (the
+row is what is left of it once the engine has loaded); then, on an event-loop thread whose torch ops run on one
 thread (the controller's, see ``areal_core.threads``), pause, transfer (the
 stage write: only the header, the tensors lying in place already), load (the
 server's own phases from ``/health``'s ``last_load_phases``: map and header,
 names and shapes checked, the slot adopted as the model's weights (no copy),
-the packed / fused copies; then the rest: HTTP and requeue), the engine's
-digest, resume and the first token (one greedy token of a short prompt); and
+the packed / fused copies, with the engine's digests taken meanwhile; then the
+rest: HTTP and requeue), the engine's digest (asked for), resume and the first token (one greedy token of a short prompt); and
 the same token with no update before it, one forward over every weight: the
 whole path cannot be shorter than the export and that. Each row in seconds, bytes/s
 and as a multiple of a plain ``memcpy`` of the same bytes on this machine (one
@@ -203,7 +204,6 @@ def loadavg() -> str:
 # The whole path's rows, in the order the rollout controller makes the calls: (key, label, which of the issue's
 # phases it belongs to). Rows of the engine's load come from its /health (last_load_phases).
 ROWS = [("export", "export (into the stage's free slot)", "export"),
-        ("digest_trainer", "digest, trainer (xxh3, on)", "digest"),
         ("pause", "pause (HTTP)", "pause / resume"),
         ("transfer", "transfer (stage write: the header)", "transfer"),
         ("load_read", "load: map + header", "load"),
@@ -211,7 +211,8 @@ ROWS = [("export", "export (into the stage's free slot)", "export"),
         ("load_copied", "load: adopt the slot (no copy)", "load"),
         ("load_derived", "load: packed / fused copies", "load"),
         ("load_rest", "load: the rest (HTTP, requeue)", "load"),
-        ("digest_engine", "digest, engine (xxh3, on)", "digest"),
+        ("digest_engine", "digest, engine (taken during the load)", "digest"),
+        ("digest_trainer", "digest, trainer (waited for, after)", "digest"),
         ("resume", "resume + first token", "pause / resume"),
         ("whole", "whole path", None)]
 PHASES = ("export", "transfer", "load", "pause / resume", "digest")
@@ -254,7 +255,7 @@ def whole_path(train_engine, model: Path, dtype: str, bucket: int, repeats: int,
         def on_controller(coroutine: Any) -> Any:
             return asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout=600)
 
-        async def hand_over(named: list, sent: dict, version: int, began: float) -> None:
+        async def hand_over(named: list, sending: Any, version: int, began: float) -> None:
             at = time.perf_counter()
             await client.pause()
             add("pause", time.perf_counter() - at)
@@ -263,7 +264,8 @@ def whole_path(train_engine, model: Path, dtype: str, bucket: int, repeats: int,
             add("transfer", time.perf_counter() - at)
             at = time.perf_counter()
             health = await client.request("POST", "/update_weights_from_disk",
-                                          json={"path": str(folder), "version": version, "adopt": True})
+                                          json={"path": str(folder), "version": version, "adopt": True,
+                                                "digest": "on"})  # as the client does once the gate asked
             took = time.perf_counter() - at
             phases = {key: (health.get("last_load_phases") or {}).get(key, 0.0)
                       for key in ("read", "checked", "copied", "derived")}
@@ -273,6 +275,9 @@ def whole_path(train_engine, model: Path, dtype: str, bucket: int, repeats: int,
             at = time.perf_counter()
             held = await client.weight_digest("on")
             add("digest_engine", time.perf_counter() - at)
+            at = time.perf_counter()
+            sent = await asyncio.wrap_future(sending)  # taken beside the load, as WeightHandOver does
+            add("digest_trainer", time.perf_counter() - at)
             if compare_digests(sent, held):
                 raise RuntimeError(f"the engine's digests differ from the trainer's: {compare_digests(sent, held)[:3]}")
             at = time.perf_counter()
@@ -289,6 +294,9 @@ def whole_path(train_engine, model: Path, dtype: str, bucket: int, repeats: int,
             await client.agenerate(GenerationRequest([1, 2, 3, 4], SamplingParams(max_new_tokens=1, temperature=0.0)))
             return time.perf_counter() - at
 
+        from concurrent.futures import ThreadPoolExecutor
+
+        digester = ThreadPoolExecutor(1, initializer=serial_torch)  # as WeightHandOver's
         on_controller(client.start())
         try:
             for version in range(1, repeats + 2):  # the first is a warm-up
@@ -300,10 +308,8 @@ def whole_path(train_engine, model: Path, dtype: str, bucket: int, repeats: int,
                 if into is not None:
                     into.complete()
                 add("export", time.perf_counter() - began)
-                at = time.perf_counter()
-                sent = digest_named(named, "on")
-                add("digest_trainer", time.perf_counter() - at)
-                on_controller(hand_over(named, sent, version, began))
+                sending = digester.submit(digest_named, named, "on")
+                on_controller(hand_over(named, sending, version, began))
                 del named
             # The same first token with no update before it: one forward over every weight, which no update
             # can avoid (the floor under "resume + first token")

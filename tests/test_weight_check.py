@@ -182,6 +182,51 @@ def test_a_phase_that_hangs_fails_naming_the_server_and_the_phase(setup, delay, 
     assert time.monotonic() - began < 10
 
 
+def test_the_trainer_digests_on_a_thread_of_its_own_while_the_engines_load(setup, monkeypatch):
+    """The trainer's digests and the engines' load run at the same time: each waits for the other to have
+    begun (they would time out one after the other otherwise), and the check still judges every update."""
+    import asyncio
+    import threading
+
+    s = setup("", weight_probe_every=0)
+    digest_began, load_began = threading.Event(), threading.Event()
+    digests, load = s.handover._digests, s.engines[0].update_weights_from_tensors
+
+    threads = []
+
+    def digesting(version, weights):
+        threads.append(threading.current_thread().name)
+        digest_began.set()
+        assert load_began.wait(10), "the engines' load did not begin while the trainer digested"
+        return digests(version, weights)
+
+    async def loading(named, version):
+        load_began.set()
+        assert await asyncio.to_thread(digest_began.wait, 10), "the trainer's digests did not begin beside the load"
+        await load(named, version)
+
+    monkeypatch.setattr(s.handover, "_digests", digesting)
+    monkeypatch.setattr(s.engines[0], "update_weights_from_tensors", loading)
+    s.update()
+    assert digest_began.is_set() and load_began.is_set()
+    assert s.engines[0].version == 1 and s.engines[0].digest_calls == 1 and s.controller.fleet.weight_failures == []
+    assert threads and threads[0].startswith("areal-digest")
+
+
+def test_trainer_digests_that_never_come_fail_the_update_naming_the_wait(setup, monkeypatch):
+    import threading
+
+    s = setup("", request_timeout_s=0.5, weight_probe_every=0)
+    release = threading.Event()
+    monkeypatch.setattr(s.handover, "_digests", lambda version, weights: release.wait(30))
+    try:
+        with pytest.raises(TimeoutError, match=r"the trainer's digests of the weights of version 1 did not come: "
+                                               r"waited 0.5 s \(rollout.request_timeout_s\)"):
+            s.update()
+    finally:
+        release.set()
+
+
 def test_the_key_takes_on_sample_off_also_as_yaml_reads_them_and_names_the_fix_otherwise():
     from areal_core.config.load import load_config
 

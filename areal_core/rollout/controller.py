@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, Iterable
 
 from areal_core.api.inference import InferenceEngine
@@ -238,10 +238,13 @@ class RolloutController:
         return self._call(swap, what) if wait else self._begin(swap, what)
 
     def update_weights_from_disk(self, path: str, version: int, wait: bool = True,
-                                 sent: SentDigests | None = None, probe: bool = False) -> "float | PendingCall":
+                                 sent: SentDigests | Future | None = None,
+                                 probe: bool = False) -> "float | PendingCall":
         """Every routed engine loads the safetensors folder ``path``; see :meth:`update_weights`. ``sent``: the
         trainer's digests of the folder, which every engine declaring ``weight_digest`` must match before it
-        takes traffic again (:meth:`Fleet.check_weights <areal_core.rollout.fleet.Fleet.check_weights>`)."""
+        takes traffic again (:meth:`Fleet.check_weights <areal_core.rollout.fleet.Fleet.check_weights>`); or a
+        ``concurrent.futures.Future`` of them, still being computed while the engines load, waited for at most
+        ``request_timeout_s`` before the comparison."""
         return self.update_weights(lambda: self.fleet.load_from_disk(path, version, sent), version, wait, probe)
 
     @property
@@ -256,7 +259,7 @@ class RolloutController:
         self._call(self.fleet.release(dict(failed or {})), "resume generation after the parity probe")
 
     def update_weights_from_tensors(self, named_tensors: list, version: int, wait: bool = True,
-                                    sent: SentDigests | None = None, probe: bool = False,
+                                    sent: SentDigests | Future | None = None, probe: bool = False,
                                     delta: WeightDelta | None = None) -> "float | PendingCall":
         """Hand ``named_tensors`` ((name, tensor) pairs, full weights) to every routed engine; see
         :meth:`update_weights` (with ``wait=False`` the tensors must stay unchanged until the call is done).

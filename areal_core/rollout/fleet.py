@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import Future
 from typing import Any, Awaitable, Callable
 
 from areal_core.api.inference import GenerationRequest, GenerationResponse, InferenceEngine, SamplingParams
@@ -201,12 +202,24 @@ class Fleet:
         self.engine.open_gate()
         self.admission.admit()
 
-    async def load_from_disk(self, path: str, version: int, sent: SentDigests | None = None) -> None:
+    async def load_from_disk(self, path: str, version: int, sent: SentDigests | Future | None = None) -> None:
         await self._on_members(lambda e: e.update_weights_from_disk(path, version), "update_weights_from_disk")
         self.weights_path, self.weights_tensors = str(path), None
-        await self.check_weights(sent)
+        await self.check_weights(await self._sent(sent, version))
 
-    async def load_tensors(self, named_tensors: list, version: int, sent: SentDigests | None = None,
+    async def _sent(self, sent: SentDigests | Future | None, version: int) -> SentDigests | None:
+        """The trainer's digests of ``version``: as given, or, given as a ``concurrent.futures.Future`` (the
+        trainer digests on a thread of its own while the engines load), once it is done; waited for at most
+        ``request_timeout_s``."""
+        if not isinstance(sent, Future):
+            return sent
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(sent), self.request_timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"the trainer's digests of the weights of version {version} did not come: waited "
+                               f"{self.request_timeout_s:g} s (rollout.request_timeout_s)") from None
+
+    async def load_tensors(self, named_tensors: list, version: int, sent: SentDigests | Future | None = None,
                            delta: WeightDelta | None = None) -> None:
         """Every routed engine takes the tensors of ``version``: over the shared group when there is one; else
         one engine at a time, as ``delta`` (the change from ``delta.base_version``) to each engine that holds
@@ -235,7 +248,7 @@ class Fleet:
         self.weights_path = None  # the weights now loaded are on no disk
         # A joiner (a restarted server) takes these; kept only when servers may join (one model's copy)
         self.weights_tensors = list(named_tensors) if self.elastic is not None else None
-        await self.check_weights(sent)
+        await self.check_weights(await self._sent(sent, version))
 
     # ------------------------------------------------------------ the integrity gate
     async def check_weights(self, sent: SentDigests | None) -> None:

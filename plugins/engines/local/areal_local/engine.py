@@ -64,6 +64,9 @@ class LocalEngine(RemoteEngine):
         # Weights in memory reach a server on the trainer's node through /dev/shm; one on another node reads
         # them from a file in the run's shared storage instead (the launcher checked every node sees it).
         self.same_node = context.extras.get("same_node", True)
+        # The mode the integrity gate last asked the digests in: later loads ask the server to take them during
+        # the load, beside the rebuild of its derived copies (areal_local.server's "digest")
+        self._digest_mode: str | None = None
         self.exchange_dir = context.extras.get("exchange_dir")
 
     async def start(self) -> None:
@@ -92,12 +95,13 @@ class LocalEngine(RemoteEngine):
         await self._load(path, version, adopt=False)
 
     async def _load(self, path: str, version: int, adopt: bool) -> None:
-        health = await self.request("POST", "/update_weights_from_disk",
-                                    json={"path": str(path), "version": version, "adopt": adopt})
+        health = await self.request("POST", "/update_weights_from_disk", json={
+            "path": str(path), "version": version, "adopt": adopt, "digest": self._digest_mode})
         self._version = health["version"]
 
     async def weight_digest(self, mode: str = "on") -> dict[str, str]:
         """The server's digests of the weights its model holds (``GET /weight_digest``, on its engine thread)."""
+        self._digest_mode = mode
         return (await self.request("GET", "/weight_digest", params={"mode": mode}))["digests"]
 
     def weight_transport(self, weight_sync: str) -> str:
@@ -150,7 +154,8 @@ class LocalEngine(RemoteEngine):
                       str(folder / "model.safetensors"))
             try:
                 health = await self.request("POST", "/update_weights_from_delta", json={
-                    "path": str(folder), "base_version": delta.base_version, "version": version})
+                    "path": str(folder), "base_version": delta.base_version, "version": version,
+                    "digest": self._digest_mode})
             except RemoteError as exc:
                 if "HTTP 409" in str(exc):
                     raise DeltaBaseMismatch(str(exc)) from None

@@ -480,7 +480,7 @@ class Generator:
 
     # ----------------------------------------------------------------- weights
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True,
-                        adopt: bool = False) -> None:
+                        adopt: bool = False, beside: Callable[[], None] | None = None) -> None:
         """Copy new weights into the model, between steps (or, with ``adopt``, serve from them as they are).
 
         Names are the model's ``state_dict()`` names. Every name must exist,
@@ -504,6 +504,9 @@ class Generator:
         delta is applied in place, every adopted weight. A weight adopted from
         another file than this load's is copied back too, so no weight is ever
         left viewing a slot the writer may rewrite.
+
+        ``beside``: called on this thread once the new weights are in place, while the derived copies are
+        rebuilt on the load workers (the server digests the weights there for the integrity gate).
         """
         began = time.perf_counter()
         own = self.model.state_dict()
@@ -543,7 +546,7 @@ class Generator:
                 else:
                     self._own(name).copy_(tensor)
         derived = time.perf_counter()
-        self._refresh_derived()
+        self._refresh_derived(beside)
         self.load_phases = dict(checked=copied - began, copied=derived - copied, derived=time.perf_counter() - derived)
         self._requeue_running()
 
@@ -589,9 +592,10 @@ class Generator:
         with torch.no_grad():
             self._refresh_derived()
 
-    def _refresh_derived(self) -> None:
+    def _refresh_derived(self, beside: Callable[[], None] | None = None) -> None:
         """Rebuild the copies made of the weights for speed (oneDNN-packed linears, the lean decoder's fused ones),
-        one job per weight, spread over ``load_workers`` threads (see ``__init__``)."""
+        one job per weight, spread over ``load_workers`` threads (see ``__init__``); ``beside()`` runs on this
+        thread meanwhile."""
         jobs = self._packed.jobs() if self._packed is not None else []
         finish = None
         if self._lean is not None:
@@ -600,6 +604,8 @@ class Generator:
         if self._load_pool is None:
             for _, job in jobs:
                 job()
+            if beside is not None:
+                beside()
         else:  # the largest first, each to the least loaded worker
             shares: list[list] = [[] for _ in range(self._load_pool._max_workers)]
             sizes = [0] * len(shares)
@@ -607,13 +613,18 @@ class Generator:
                 k = sizes.index(min(sizes))
                 shares[k].append(job)
                 sizes[k] += size
-            for _ in self._load_pool.map(lambda share: [job() for job in share], shares):
-                pass  # map re-raises a job's exception here
+            running = [self._load_pool.submit(lambda share=share: [job() for job in share]) for share in shares]
+            try:
+                if beside is not None:
+                    beside()
+            finally:
+                for future in running:
+                    future.result()  # a job's exception is raised here
         if finish is not None:
             finish()
 
     def load_safetensors_dir(self, path: str | Path, version: int | None = None, *, strict: bool = True,
-                             adopt: bool = False) -> None:
+                             adopt: bool = False, beside: Callable[[], None] | None = None) -> None:
         """:meth:`load_state_dict` from every ``*.safetensors`` file in folder ``path`` (HF names), copied
         straight from the mapped files into the parameters (:class:`areal_local.shm.MappedWeights`: the
         ``/dev/shm`` stage stays mapped between versions), or with ``adopt`` and a stage file, served from the
@@ -634,12 +645,13 @@ class Generator:
             state.update(self._mapped.tensors(file, version))
         read = time.perf_counter() - began
         try:
-            self.load_state_dict(state, strict=strict, adopt=adopt and self._mapped.last_is_stage)
+            self.load_state_dict(state, strict=strict, adopt=adopt and self._mapped.last_is_stage, beside=beside)
         finally:
             state.clear()  # views of the mapping: only the adopted ones outlive the load
         self.load_phases["read"] = read
 
-    def load_delta_dir(self, path: str | Path, base_version: int, version: int) -> None:
+    def load_delta_dir(self, path: str | Path, base_version: int, version: int,
+                       beside: Callable[[], None] | None = None) -> None:
         """Apply the :class:`areal_core.weight_delta.WeightDelta` saved in folder ``path`` (its named form) to the
         model's weights, between steps; checked whole before anything changes, as :meth:`load_state_dict`."""
         from safetensors.torch import load_file
@@ -655,7 +667,7 @@ class Generator:
         delta = delta_from_named(named, base_version, version)
         self.own_all()  # the delta is applied in place: not into a read-only stage slot
         apply_delta(self.model.state_dict(), delta)
-        self._refresh_derived()
+        self._refresh_derived(beside)
         self._requeue_running()
 
     def _requeue_running(self) -> None:

@@ -27,7 +27,10 @@ touches the model happens between two decode steps of one thread:
 - ``GET /weight_digest?mode=on|sample``: the version and, per tensor name, the
   digest (:func:`areal_core.weight_check.tensor_digest`) of the weights the
   model holds now, taken on the engine thread between decode steps (the
-  integrity gate, ``rollout.weight_check``). The model's own tensors are
+  integrity gate, ``rollout.weight_check``), or during the last load when
+  its request named the mode (``digest``; the client does once the gate has
+  asked): then on the engine thread while the load workers rebuild the
+  derived copies, once the new weights are in place. The model's own tensors are
   hashed: the copies derived from them for speed (oneDNN-packed linears, the
   lean decoder's fused projections) are checked by the parity probe.
 - ``GET /health``: version, running / waiting counts, paused.
@@ -120,6 +123,7 @@ class EngineLoop:
         self.paused = False
         self.pending: dict[str, Pending] = {}
         self.last_load_s = 0.0  # the last weight update on this thread: read, copy into the model, derived copies
+        self.digested: tuple[str, dict[str, str]] | None = None  # (mode, digests) taken during the last load
         self.commands: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="areal-engine", daemon=True)
@@ -139,6 +143,7 @@ class EngineLoop:
                 "running": self.gen.num_running, "waiting": self.gen.num_waiting, "paused": self.paused,
                 "threads": self.threads, "last_load_s": self.last_load_s,
                 "last_load_phases": dict(getattr(self.gen, "load_phases", {})),
+                "digested_during_load": None if self.digested is None else self.digested[0],
                 "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}"}
 
     # -- the engine thread -------------------------------------------------
@@ -193,8 +198,7 @@ class EngineLoop:
             elif name == "resume":
                 self.paused = False
             elif name == "update":
-                path, version, adopt = (*args, False)[:3]
-                self._update(path, version, (lambda: self.load_weights(path, version, adopt=True)) if adopt else None)
+                self._update_from(*args)
             elif name == "delta":
                 self._delta(*args)
             elif name == "digest":
@@ -217,23 +221,51 @@ class EngineLoop:
         self.gen.add(rid, list(input_ids), sampling)  # RequestError: the caller sees it as a 400
         self.pending[rid] = pending
 
-    def _delta(self, path: str, base_version: int, version: int) -> None:
+    def _update_from(self, path: str, version: int, adopt: bool = False, digest: str | None = None) -> None:
+        options: dict[str, Any] = {}
+        if adopt:
+            options["adopt"] = True
+        beside = self._digest_beside(digest)
+        if beside is not None:
+            options["beside"] = beside
+        self._update(path, version, (lambda: self.load_weights(path, version, **options)) if options else None)
+
+    def _delta(self, path: str, base_version: int, version: int, digest: str | None = None) -> None:
         if base_version != self.version:
             raise DeltaBaseError(f"the server holds version {self.version}; the delta is from version {base_version}")
-        self._update(path, version, lambda: self.gen.load_delta_dir(path, base_version, version))
+        beside = self._digest_beside(digest)
+        self._update(path, version, lambda: self.gen.load_delta_dir(path, base_version, version, beside=beside))
+
+    def _digest_beside(self, mode: str | None) -> Any:
+        """For a load whose client will ask for the digests in ``mode``: take them on this thread once the new
+        weights are in place, while the load workers rebuild the derived copies (see ``_digest``)."""
+        if mode not in ("on", "sample"):
+            return None
+
+        def digest() -> None:
+            from areal_core.weight_check import digest_named
+
+            self.digested = (mode, digest_named(self.gen.model.state_dict().items(), mode))
+
+        return digest
 
     def _update(self, path: str, version: int, load: Any = None) -> None:
         began = time.monotonic()
+        self.digested = None  # taken during this load (_digest_beside), or asked for afterwards
         interrupted = []
         for done in self.gen.abort_all():  # nothing runs on stale KV after the swap
             pending = self.pending[done.rid]
             pending.extend(done.output_ids, done.logprobs, self.version)
             interrupted.append(pending)
         with torch_threads(self.load_threads):
-            if load is None:
-                self.load_weights(path, version)
-            else:
-                load()
+            try:
+                if load is None:
+                    self.load_weights(path, version)
+                else:
+                    load()
+            except BaseException:
+                self.digested = None
+                raise
         self.version = version
         for pending in interrupted:
             left = pending.sampling.max_new_tokens - len(pending.output_ids)
@@ -252,9 +284,13 @@ class EngineLoop:
 
 
     def _digest(self, mode: str) -> dict[str, str]:
-        """Digests of the weights the model holds (its state dict, in HF names), on this thread."""
+        """Digests of the weights the model holds (its state dict, in HF names), on this thread: those taken
+        during the last load when it was asked for them in this mode (nothing writes the weights between
+        loads, and every update drops them first), else taken now."""
         from areal_core.weight_check import digest_named
 
+        if self.digested is not None and self.digested[0] == mode:
+            return self.digested[1]
         return digest_named(self.gen.model.state_dict().items(), mode)
 
 
@@ -291,6 +327,7 @@ def build_app(engine: EngineLoop) -> Any:
         path: str
         version: int
         adopt: bool = False  # serve from a /dev/shm stage slot as it is (areal_local.shm's rule), no copy
+        digest: str | None = None  # the integrity gate will ask for the digests in this mode: take them during the load
 
     @app.get("/health")
     async def health() -> dict:
@@ -326,11 +363,12 @@ def build_app(engine: EngineLoop) -> Any:
         path: str
         base_version: int
         version: int
+        digest: str | None = None
 
     @app.post("/update_weights_from_delta")
     async def update_delta(body: Delta) -> dict:
         try:
-            return await engine.call("delta", body.path, body.base_version, body.version)
+            return await engine.call("delta", body.path, body.base_version, body.version, body.digest)
         except DeltaBaseError as exc:
             raise HTTPException(409, f"delta refused: {exc}") from None
         except (OSError, ValueError, KeyError) as exc:
@@ -339,7 +377,7 @@ def build_app(engine: EngineLoop) -> Any:
     @app.post("/update_weights_from_disk")
     async def update(body: Update) -> dict:
         try:
-            return await engine.call("update", body.path, body.version, body.adopt)
+            return await engine.call("update", body.path, body.version, body.adopt, body.digest)
         except (OSError, ValueError, KeyError) as exc:
             raise HTTPException(400, f"cannot load weights from {body.path}: {type(exc).__name__}: {exc}") from None
 

@@ -76,6 +76,28 @@ def test_digests_match_after_tensors_and_after_a_folder(servers):
 
 
 @pytest.mark.parametrize("fault", [f"permute:{TENSOR}", "skip:model.layers.1."])
+def test_a_loader_bug_at_a_later_update_is_caught_by_the_digests_taken_during_the_load(servers, fault):
+    """Once the gate has asked for the digests, the client names the mode in every later load and the server
+    takes them during the load (beside the rebuild of its derived copies): they must still see the bug."""
+    from safetensors.torch import load_file
+
+    servers.fault_file.write_text("")
+    first = list(load_file(str(servers.other / "model.safetensors")).items())
+    second = list(load_file(str(servers.model / "model.safetensors")).items())
+    with servers.controller() as controller:
+        controller.update_weights_from_tensors(first, 1, sent=SentDigests(1, "on", digest_named(first)))
+        engine = controller.engines[0]
+        controller.update_weights_from_tensors(second, 2, sent=SentDigests(2, "on", digest_named(second)))
+        health = controller._call(engine.request("GET", "/health"), "the server's health")
+        assert health["digested_during_load"] == "on" and controller.fleet.weight_failures == []
+        servers.fault_file.write_text(fault)
+        with pytest.raises(WeightCheckError) as error:
+            controller.update_weights_from_tensors(first, 3, sent=SentDigests(3, "on", digest_named(first)))
+        assert "does not serve the weights of version 3" in str(error.value) and TENSOR in str(error.value)
+    servers.fault_file.write_text("")
+
+
+@pytest.mark.parametrize("fault", [f"permute:{TENSOR}", "skip:model.layers.1."])
 def test_a_server_with_a_loader_bug_is_caught_at_the_first_update(servers, fault):
     from safetensors.torch import load_file
 
