@@ -83,11 +83,6 @@ _MIN_SHARED_PREFIX = 8
 _MIN_SHARED_SAVING = 64
 
 
-def _storage_of(tensor: torch.Tensor) -> int:
-    """The address of the memory block ``tensor`` views (one per mapped file)."""
-    return tensor.untyped_storage().data_ptr()
-
-
 class Generator:
     """Continuous-batching generation for one HF causal LM, driven by :meth:`step`.
 
@@ -180,7 +175,7 @@ class Generator:
         first = {id(p): name for name, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
         self._canonical = {name: first[id(p)] for name, p in self._params.items()}
         self._private = {name: self._params[name].data for name in set(self._canonical.values())}
-        self._adopted: dict[str, int] = {}  # canonical name -> the storage (data_ptr) it views
+        self._adopted: set[str] = set()  # canonical names of the weights now viewing a caller's tensors
         self.load_phases: dict[str, float] = {}  # seconds of the last load's phases: read, checked, copied, derived
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
@@ -501,9 +496,9 @@ class Generator:
         the model serves from it, read only. Anything else is copied into the
         model's own memory, which it keeps for that (:meth:`_own`): a load
         without ``adopt`` (a disk folder), a cast, a buffer, and, before a
-        delta is applied in place, every adopted weight. A weight adopted from
-        another file than this load's is copied back too, so no weight is ever
-        left viewing a slot the writer may rewrite.
+        delta is applied in place, every adopted weight. A weight a load leaves
+        out is copied back too, so no weight is ever left viewing a slot the
+        writer may rewrite.
 
         ``beside``: called on this thread once the new weights are in place, while the derived copies are
         rebuilt on the load workers (the server digests the weights there for the integrity gate).
@@ -533,35 +528,36 @@ class Generator:
             raise ValueError(f"Generator.load_state_dict: refused, nothing was loaded: {shown}")
         copied = time.perf_counter()
         with torch.no_grad():
-            if adopt:  # a weight this load leaves out must not stay a view of another file than this load's
-                sources = {_storage_of(t) for t in state_dict.values()}
-                given = {self._canonical[n] for n in state_dict if n in self._canonical}
-                for name in [n for n, source in self._adopted.items() if n not in given and source not in sources]:
-                    self._own(name)
+            # A weight this load leaves out must not stay a view of a file the writer will rewrite after it.
+            given = {self._canonical[n] for n in state_dict if n in self._canonical}
+            for name in [n for n in self._adopted if n not in given]:
+                self._own(name)
             for name, tensor in state_dict.items():
                 param = self._params.get(name)
                 if adopt and param is not None and tensor.dtype == param.dtype and tensor.is_contiguous():
                     param.data = tensor
-                    self._adopted[self._canonical[name]] = _storage_of(tensor)
+                    self._adopted.add(self._canonical[name])
                 else:
-                    self._own(name).copy_(tensor)
+                    self._own(name, keep=False).copy_(tensor)  # overwritten whole: nothing to copy back
         derived = time.perf_counter()
         self._refresh_derived(beside)
         self.load_phases = dict(checked=copied - began, copied=derived - copied, derived=time.perf_counter() - derived)
         self._requeue_running()
 
-    def _own(self, name: str) -> torch.Tensor:
-        """The tensor behind state-dict entry ``name``, in the model's own memory: an adopted weight is first
-        copied back into the memory it had before it was adopted (kept for this: no allocation per load)."""
+    def _own(self, name: str, keep: bool = True) -> torch.Tensor:
+        """The tensor behind state-dict entry ``name``, in the model's own memory: an adopted weight goes back to
+        the memory it had before it was adopted (kept for this: no allocation per load), its values copied
+        there unless ``keep`` is False (the caller overwrites it whole)."""
         param = self._params.get(name)
         if param is None:
             return self.model.state_dict()[name]  # a persistent buffer: never adopted
         key = self._canonical[name]
         if key in self._adopted:
             private = self._private[key]
-            private.copy_(param.data)
+            if keep:
+                private.copy_(param.data)
             param.data = private
-            del self._adopted[key]
+            self._adopted.discard(key)
         return param.data
 
     def own_all(self) -> int:

@@ -561,6 +561,15 @@ def test_anything_that_is_not_a_whole_adopted_version_is_copied_into_the_models_
     check(changed)
     slot_after = load_file(str(third / "model.safetensors"))
     assert all(torch.equal(slot_before[k], slot_after[k]) for k in slot_before)
+
+    gen.load_safetensors_dir(stage.write(v2.items(), 5), 5, adopt=True)
+    assert gen.adopted
+    some = {k: v for k, v in v1.items() if ".layers.1." in k}
+    (tmp_path / "partial").mkdir()
+    save_file(some, str(tmp_path / "partial" / "model.safetensors"))
+    gen.load_safetensors_dir(tmp_path / "partial", strict=False)  # a partial disk load: nothing stays a view
+    assert not gen.adopted and {n: p.data_ptr() for n, p in gen.model.named_parameters()} == own
+    check({**v2, **some})
     stage.close()
 
 
