@@ -169,7 +169,8 @@ class WeightHandOver:
         if self.rank != 0 or self.controller is None or "export_into" not in self.actor.capabilities or \
                 self.cfg.rollout.elastic.enabled:
             return None
-        offers = [engine.export_destination(version) for engine in self.controller.engines]
+        offers = [offer(version) if (offer := getattr(engine, "export_destination", None)) else None
+                  for engine in self.controller.engines]  # duck-typed engines without the hook offer nothing
         return offers[0] if offers and offers[0] is not None and all(o is offers[0] for o in offers) else None
 
     def _delta(self, named: list, version: int) -> WeightDelta | None:
