@@ -3,7 +3,8 @@
     nice -n 19 .venv/bin/python benchmarks/repack.py [--dtype float32|bfloat16|both] [--repeats 7] [--steps 24]
 
 Model: a random Llama with SmolLM2-135M's shapes (``weight_sync.SMOLLM2_135M``), in memory. Torch runs on one
-thread (the server rebuilds on one, ``areal_local.server.LOAD_THREADS``; decoding on one keeps the comparison
+thread and so does the rebuild (the server spreads it over ``areal_local.server.LOAD_WORKERS`` threads of one
+torch thread each, which ``benchmarks/weight_sync.py`` times; decoding on one thread keeps the comparison
 steady on a shared machine), after ``areal_core.allocator.retain_freed_memory`` (as the server).
 
 Two ways to rebuild the derived copies (``Generator._refresh_derived``: every linear's oneDNN-packed copy and

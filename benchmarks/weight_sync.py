@@ -38,7 +38,8 @@ stage write: only the header, the tensors lying in place already), load (the
 server's own phases from ``/health``'s ``last_load_phases``: map and header,
 names and shapes checked, the slot adopted as the model's weights (no copy),
 the packed / fused copies, with the engine's digests taken meanwhile; then the
-rest: HTTP and requeue), the engine's digest (asked for), resume and the first token (one greedy token of a short prompt); and
+rest: HTTP and requeue), the engine's digest (asked for), resume and the first
+token (one greedy token of a short prompt); and
 the same token with no update before it, one forward over every weight: the
 whole path cannot be shorter than the export and that. Each row in seconds, bytes/s
 and as a multiple of a plain ``memcpy`` of the same bytes on this machine (one

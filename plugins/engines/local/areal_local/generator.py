@@ -160,7 +160,7 @@ class Generator:
         # packing): on Python threads of one torch thread each (torch ops release the GIL), not an OpenMP team,
         # whose barrier would wait for a core another process holds (areal_core.threads). SmolLM2-135M float32
         # on the idle 2-core test machine: 0.225 s on one thread, 0.140 s on two.
-        self._load_pool = None
+        self._load_workers, self._load_pool = load_workers, None
         if load_workers > 1:
             from concurrent.futures import ThreadPoolExecutor
 
@@ -603,7 +603,7 @@ class Generator:
             if beside is not None:
                 beside()
         else:  # the largest first, each to the least loaded worker
-            shares: list[list] = [[] for _ in range(self._load_pool._max_workers)]
+            shares: list[list] = [[] for _ in range(self._load_workers)]
             sizes = [0] * len(shares)
             for size, job in sorted(jobs, key=lambda pair: -pair[0]):
                 k = sizes.index(min(sizes))

@@ -115,19 +115,17 @@ class LeanDecoder:
         qkv: list = list(old)
         gate_up: list = [None] * n
 
-        def fuse(into: list, i: int, *linears: torch.nn.Linear) -> Callable[[], None]:
+        def fuse(results: list, i: int, parts: tuple, was: Any) -> tuple[int, Callable[[], None]]:
             def run() -> None:
                 with torch.no_grad():
-                    into[i] = self._fuse(*linears, into=old[i] if into is qkv else None)
-            return run
+                    results[i] = self._fuse(*parts, into=was)
+            return sum(m.weight.numel() for m in parts), run
 
         jobs = []
         for i, layer in enumerate(self.layers):
-            parts = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
-            jobs.append((sum(m.weight.numel() for m in parts), fuse(qkv, i, *parts)))
+            jobs.append(fuse(qkv, i, (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj), old[i]))
             if self._packs is None:
-                parts = (layer.mlp.gate_proj, layer.mlp.up_proj)
-                jobs.append((sum(m.weight.numel() for m in parts), fuse(gate_up, i, *parts)))
+                jobs.append(fuse(gate_up, i, (layer.mlp.gate_proj, layer.mlp.up_proj), None))
 
         def finish() -> None:
             self._qkv = qkv

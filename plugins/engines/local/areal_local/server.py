@@ -12,7 +12,8 @@ touches the model happens between two decode steps of one thread:
   empty, with ``abort``. ``POST /resume`` lifts it.
 - ``POST /update_weights_from_disk`` (safetensors folder, version, adopt): applied
   between steps; with ``adopt`` and a ``/dev/shm`` stage slot the model serves
-  from the slot's mapping instead of copying it (:mod:`areal_local.shm`). Requests still running (an update without a pause) are
+  from the slot's mapping instead of copying it (:mod:`areal_local.shm`).
+  Requests still running (an update without a pause) are
   stopped, their KV cache dropped, and continued from prompt + output so far
   under the new weights, so their versions change exactly at the swap. A
   seeded request keeps its seed and its random stream goes on (the generator
@@ -243,9 +244,7 @@ class EngineLoop:
             return None
 
         def digest() -> None:
-            from areal_core.weight_check import digest_named
-
-            self.digested = (mode, digest_named(self.gen.model.state_dict().items(), mode))
+            self.digested = (mode, self._digest_now(mode))
 
         return digest
 
@@ -287,10 +286,13 @@ class EngineLoop:
         """Digests of the weights the model holds (its state dict, in HF names), on this thread: those taken
         during the last load when it was asked for them in this mode (nothing writes the weights between
         loads, and every update drops them first), else taken now."""
-        from areal_core.weight_check import digest_named
-
         if self.digested is not None and self.digested[0] == mode:
             return self.digested[1]
+        return self._digest_now(mode)
+
+    def _digest_now(self, mode: str) -> dict[str, str]:
+        from areal_core.weight_check import digest_named
+
         return digest_named(self.gen.model.state_dict().items(), mode)
 
 

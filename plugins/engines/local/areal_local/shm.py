@@ -130,8 +130,8 @@ class Destination:
     own tensor and :meth:`WeightStage.write` copies it in). :meth:`complete` says the export ended whole."""
 
     def __init__(self, stage: "WeightStage", version: int, slot: int) -> None:
-        self.stage, self.version, self.slot = stage, version, slot
-        self.complete_ = False
+        self.version, self.slot = version, slot
+        self.completed = False
         self._buffer = torch.frombuffer(stage._maps[slot], dtype=torch.uint8)
         self._places = dict(stage._places)  # name -> (offset, shape, dtype) of the last layout written
 
@@ -140,11 +140,11 @@ class Destination:
         if place is None or place[1] != tuple(shape) or place[2] != dtype:
             return None
         offset, shape, dtype = place
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         return self._buffer[offset:offset + nbytes].view(dtype).view(shape)
 
     def complete(self) -> None:
-        self.complete_ = True
+        self.completed = True
 
 
 class WeightStage:
@@ -160,8 +160,8 @@ class WeightStage:
         self.folder: Path | None = None
         self._maps: list[mmap.mmap] = []  # one per slot
         self._size = 0
-        self._versions: list[int | None] = [None, None]  # the whole version each slot holds (header written)
         self._newest: int | None = None  # the slot holding the newest version written
+        self._newest_version: int | None = None  # ... and that version (None: an export's, header not written)
         self._places: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}  # the last layout written
         self._reserved: Destination | None = None  # the last destination handed out, until its version is written
         self._finalizer: Any = None
@@ -185,10 +185,10 @@ class WeightStage:
     def _free_slot(self, version: int) -> int:
         """The slot the next version goes into (see the class docstring); settles the last destination."""
         reserved = self._reserved
-        if reserved is not None and (reserved.version == version or not reserved.complete_):
+        if reserved is not None and (reserved.version == version or not reserved.completed):
             return reserved.slot  # this version's export, or one that failed half way: never served from
         if reserved is not None:  # a whole export of an older version that was never written: a delta base
-            self._newest, self._reserved = reserved.slot, None
+            self._newest, self._newest_version, self._reserved = reserved.slot, None, None
         return 0 if self._newest is None else 1 - self._newest
 
     def destination(self, version: int) -> Destination | None:
@@ -200,25 +200,23 @@ class WeightStage:
             return None
         slot = self._free_slot(version)
         self._maps[slot][:8] = bytes(8)  # its content is about to change: no reader may take it as whole
-        self._versions[slot] = None
         self._reserved = Destination(self, version, slot)
         return self._reserved
 
     def write(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> Path:
         """Put ``named_tensors`` in the slot not holding the newest version (tensors an export already put in
         place through :meth:`destination` are not copied again); returns that slot's folder."""
-        if self._newest is not None and self._versions[self._newest] == version:
+        if self._newest is not None and self._newest_version == version:
             return self.slot_folder(self._newest)  # another engine of this process takes the same version
         named = [(name, t.detach().cpu()) for name, t in named_tensors]  # .cpu() is a no-op for CPU tensors
         head, placed, size = _layout(named, version)
         if size != self._size or not self._maps:
             self._open(size)  # a new layout (or the first version): both slots are new, slot 0 goes first
-            self._newest, self._versions, self._reserved = None, [None, None], None
+            self._newest, self._newest_version, self._reserved = None, None, None
         slot = self._free_slot(version)
         mapped = self._maps[slot]
         # A write that fails half way must not be taken for a whole one, here or by a reader: the header length
         # is zeroed first (the file reads as incomplete) and the header, with its version, goes in last.
-        self._versions[slot] = None
         mapped[:8] = bytes(8)
         buffer = torch.frombuffer(mapped, dtype=torch.uint8)
         low, high = buffer.data_ptr(), buffer.data_ptr() + size
@@ -233,7 +231,7 @@ class WeightStage:
         del buffer
         mapped[8:len(head)] = head[8:]
         mapped[:8] = head[:8]
-        self._versions[slot], self._newest, self._reserved = version, slot, None
+        self._newest, self._newest_version, self._reserved = slot, version, None
         self._places = {name: (offset, tuple(tensor.shape), tensor.dtype) for name, offset, tensor in placed}
         return self.slot_folder(slot)
 
@@ -248,7 +246,7 @@ class WeightStage:
             self._finalizer()  # removes the folder
             self._finalizer = None
         self.folder, self._size, self._newest, self._reserved = None, 0, None, None
-        self._versions, self._places = [None, None], {}
+        self._newest_version, self._places = None, {}
 
 
 _STAGES: dict[Path | None, WeightStage] = {}
