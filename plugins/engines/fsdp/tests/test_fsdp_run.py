@@ -114,3 +114,93 @@ def test_tensor_sync_with_an_engine_that_cannot_take_tensors_names_the_key_and_t
         Trainer._check_weight_sync(fake, engines)
     cfg.rollout.weight_sync = "disk"
     Trainer._check_weight_sync(fake, [])  # the default needs neither
+
+
+def _stage_headers(folder: Path) -> dict[Path, bytes]:
+    """The first 8 bytes (the safetensors header length) of each stage file in ``folder``."""
+    out = {}
+    for file in sorted(folder.glob("slot*/model.safetensors")):
+        with open(file, "rb") as f:
+            out[file] = f.read(8)
+    return out
+
+
+@requires_plugin("areal.engines.inference", "local")
+@requires_plugin("areal.algorithms", "grpo")
+@requires_plugin("areal.workflows", "rlvr")
+@requires_plugin("areal.datasets", "arithmetic")
+@pytest.mark.slow
+def test_a_trainer_killed_while_it_exports_into_the_stage_resumes_and_leaves_no_shared_memory(tmp_path):
+    """The /dev/shm stage under a real kill (issue 26): the fsdp trainer exports each version straight into a
+    stage file (``export_into``), whose header length is zeroed while its bytes change. The trainer is SIGKILLed
+    at such a moment, found by watching the files' first bytes. Then: the half-written file is refused by an
+    independent safetensors reader, the run stops naming the rank, nothing of the run outlives it, and
+    ``--resume`` finishes every step once with the integrity gate on, its first stage sweeping the dead
+    trainer's folder, and nothing is left in /dev/shm after it."""
+    import signal
+    import time
+
+    from safetensors import safe_open
+
+    from areal_core.testing import tiny_model
+    from areal_core.testing.processes import launched_pids, processes_mentioning, read_jsonl
+
+    model = tiny_model(tmp_path / "tiny", seed=0, hidden_size=128, layers=4)  # an export of ~1 ms, not ~0.1
+    (tmp_path / "t5_parity_reward.py").write_text(REWARD_MODULE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    runs, steps = tmp_path / "runs", 8
+    run_dir = runs / "kill" / "export"
+    cmd = [AREAL, "run", f"output_dir={runs}", "experiment=kill", "trial=export", "allocation=local:cpu+fsdp:cpu",
+           f"model.path={model}", "model.dtype=float32", "rollout.weight_sync=tensors", "rollout.weight_delta=off",
+           "rollout.weight_check=on", f"trainer.total_steps={steps}", "trainer.save_every=2", "rollout.batch_size=2",
+           "rollout.group_size=4", "rollout.sampling.max_new_tokens=8", "eval.size=0",
+           "rollout.max_head_offpolicyness=1", "actor.optimizer.lr=1e-3", "reward.name=function",
+           "reward.target=t5_parity_reward:score"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        trainer, folder = None, None
+        while folder is None:  # the trainer (rank 0 holds the stage) and its stage folder, after step 2
+            assert proc.poll() is None, proc.communicate()[0][-4000:]
+            assert time.monotonic() < deadline, "waited 180 s for the run's trainer, its stage and step 2"
+            pids = launched_pids("areal_core.trainer", str(run_dir))
+            if pids and len(read_jsonl(run_dir / "metrics.jsonl")) >= 2:
+                trainer = pids[0]
+                found = sorted(Path("/dev/shm").glob(f"areal-weights-{trainer}-*"))
+                folder = found[0] if found else None
+            time.sleep(0.05)
+        caught = None
+        while caught is None:  # a stage file whose header length is zero: a version is being written into it
+            assert proc.poll() is None, proc.communicate()[0][-4000:]
+            assert time.monotonic() < deadline, "waited 180 s for an export into the stage to catch"
+            caught = next((file for file, head in _stage_headers(folder).items() if head == bytes(8)), None)
+        os.kill(trainer, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 1 and "actor-rank0 was killed by signal 9" in out, out[-4000:]
+    # The file the dead trainer was writing reads as incomplete to any safetensors reader, not as a version
+    assert _stage_headers(folder)[caught] == bytes(8)
+    with pytest.raises(Exception):
+        with safe_open(str(caught), "pt") as f:
+            list(f.keys())
+    deadline = time.monotonic() + 20
+    while processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_mentioning(str(run_dir)) == [], "processes of the run outlived the killed trainer"
+    assert folder.exists()  # SIGKILL skips every cleanup: the next stage on this machine must sweep it
+
+    resumed = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    assert all(m["time/weight_digest_s"] > 0 for m in metrics)  # the gate checked every update, resumed ones too
+    assert "resume: the inference engines serve the restored weights" in \
+        (run_dir / "logs" / "actor-rank0.log").read_text()
+    assert not folder.exists()
+    left = [p.name for p in Path("/dev/shm").iterdir()
+            if p.name.startswith(("areal-weights-", "areal-delta-")) and f"-{trainer}-" in p.name]
+    assert left == [], left

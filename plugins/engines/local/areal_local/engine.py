@@ -4,6 +4,7 @@ of one embedded server process (see :mod:`areal_local.server`) over HTTP on
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,6 +140,7 @@ class LocalEngine(RemoteEngine):
 
         from areal_core.remote import RemoteError
         from areal_core.weight_delta import DeltaBaseMismatch, delta_to_named
+        from areal_local.shm import DELTA_PREFIX
 
         if delta.base_version != self._version:
             raise DeltaBaseMismatch(f"the {self.describe()} holds version {self._version}; the delta is from "
@@ -148,7 +150,8 @@ class LocalEngine(RemoteEngine):
         else:
             root = str(self.exchange_dir)
             Path(root).mkdir(parents=True, exist_ok=True)
-        folder = Path(tempfile.mkdtemp(prefix="areal-delta-", dir=root))
+        # named by this process, so a trainer killed mid-update leaves nothing the next stage does not sweep
+        folder = Path(tempfile.mkdtemp(prefix=f"{DELTA_PREFIX}{os.getpid()}-", dir=root))
         try:
             save_file({name: t.detach().contiguous().cpu() for name, t in delta_to_named(delta)},
                       str(folder / "model.safetensors"))

@@ -48,7 +48,8 @@ from as they are or copies into its own memory. Any other safetensors file (a
 ``disk`` update's folder) is mapped the same way for one load, then let go.
 
 A folder left by a process that died (SIGKILL skips every cleanup) is removed
-by the next stage created on this machine: names carry the owner's pid.
+by the next stage created on this machine: names carry the owner's pid. So do
+the folders a delta goes through (``areal-delta-<pid>-``), swept the same way.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ from areal_core.checkpoint import pid_alive
 
 FILE_NAME = "model.safetensors"
 PREFIX = "areal-weights-"
+DELTA_PREFIX = "areal-delta-"  # a delta's folder (areal_local.engine), written and removed per update
 VERSION_KEY = "areal_version"  # in the header's __metadata__: the version the file holds
 
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
@@ -84,13 +86,14 @@ def _root() -> Path:
 
 
 def sweep_stale(root: Path | None = None) -> list[Path]:
-    """Remove stage folders whose owning process is gone; returns what was removed."""
+    """Remove stage and delta folders whose owning process is gone; returns what was removed."""
     removed = []
-    for folder in (root or _root()).glob(f"{PREFIX}*"):
-        match = re.fullmatch(rf"{PREFIX}(\d+)-.*", folder.name)
-        if match and folder.is_dir() and not pid_alive(int(match.group(1))):
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
+    for prefix in (PREFIX, DELTA_PREFIX):
+        for folder in (root or _root()).glob(f"{prefix}*"):
+            match = re.fullmatch(rf"{prefix}(\d+)-.*", folder.name)
+            if match and folder.is_dir() and not pid_alive(int(match.group(1))):
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder)
     return removed
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 import sys
@@ -13,7 +14,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from safetensors.torch import save_file  # noqa: E402
 
-from areal_local.shm import FILE_NAME, PREFIX, IncompleteWeights, MappedWeights, WeightStage, sweep_stale  # noqa: E402
+from areal_local.shm import DELTA_PREFIX, FILE_NAME, PREFIX, IncompleteWeights, MappedWeights, WeightStage, sweep_stale  # noqa: E402
 
 
 def weights(seed: int) -> dict:
@@ -83,12 +84,14 @@ def test_unsupported_dtypes_are_refused_by_name(tmp_path):
 def test_folders_of_dead_processes_are_swept_and_live_ones_kept(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                           check=True, timeout=60)
-    stale = tmp_path / f"{PREFIX}{int(dead.stdout)}-abc"
-    stale.mkdir()
-    (stale / FILE_NAME).write_bytes(b"x")
+    stale, stale_delta = tmp_path / f"{PREFIX}{int(dead.stdout)}-abc", tmp_path / f"{DELTA_PREFIX}{int(dead.stdout)}-d"
+    live_delta = tmp_path / f"{DELTA_PREFIX}{os.getpid()}-d"
+    for folder in (stale, stale_delta, live_delta):
+        folder.mkdir()
+        (folder / FILE_NAME).write_bytes(b"x")
     stage = WeightStage(tmp_path)
     live = stage.write(weights(0).items(), 1)  # creating a file sweeps first
-    assert not stale.exists() and live.exists()
+    assert not stale.exists() and not stale_delta.exists() and live.exists() and live_delta.exists()
     assert sweep_stale(tmp_path) == []
     stage.close()
 
