@@ -46,6 +46,10 @@ SAMPLE_BLOCKS = 16
 PROBE_PROMPT_IDS = (17, 42, 7, 99, 3, 61, 28, 5, 64, 11)
 PROBE_NEW_TOKENS = 8
 PROBE_SEED = 20261126
+# The probe's request id starts so (the version follows): an engine that serves its first steps after a load from
+# something other than what it will serve later (the embedded engine, rebuilding its packed copies in the
+# background) finishes that before it answers the probe, so the probe checks what it serves from then on.
+PROBE_RID_PREFIX = "areal-weight-probe-v"
 # What an engine reports, as ``"not checkable: <why>"``, for a tensor it holds in a form it cannot map back to what
 # was sent (quantised, split over ranks, repacked before it could be read): skipped by :func:`compare_digests`,
 # named in the run log (:func:`not_checkable`).

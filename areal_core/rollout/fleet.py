@@ -27,8 +27,8 @@ from areal_core.rollout.elastic import (DOWN, JOINING, ElasticConfig, EngineLost
                                          NoEngineError, Topology, settle)
 from areal_core.rollout.interruptible import ENGINE_FAILURES, InterruptibleEngine
 from areal_core.rollout.weight_group import FleetWeightGroup, GroupMemberFailed
-from areal_core.weight_check import (PROBE_NEW_TOKENS, PROBE_PROMPT_IDS, PROBE_SEED, SentDigests, WeightCheckError,
-                                     compare_digests, not_checkable)
+from areal_core.weight_check import (PROBE_NEW_TOKENS, PROBE_PROMPT_IDS, PROBE_RID_PREFIX, PROBE_SEED, SentDigests,
+                                     WeightCheckError, compare_digests, not_checkable)
 from areal_core.weight_delta import DeltaBaseMismatch, WeightDelta
 
 log = logging.getLogger("areal.rollout")
@@ -171,7 +171,7 @@ class Fleet:
         if all("pause" in e.capabilities for e in self.engines):
             await self._on_members(lambda e: e.resume(), "resume")
         request = GenerationRequest(list(PROBE_PROMPT_IDS), SamplingParams(
-            max_new_tokens=PROBE_NEW_TOKENS, temperature=1.0, seed=PROBE_SEED), rid=f"areal-weight-probe-v{version}")
+            max_new_tokens=PROBE_NEW_TOKENS, temperature=1.0, seed=PROBE_SEED), rid=f"{PROBE_RID_PREFIX}{version}")
         answers = await self._ask_each(self.pool.active(), lambda e: e.agenerate(request),
                                        f"the parity probe of version {version}")
         return {member.name: answer for member, answer in answers}

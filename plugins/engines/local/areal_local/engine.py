@@ -21,6 +21,10 @@ class LocalEngineConfig:
     max_batch: int = field(default=64, metadata={"ge": 1, "help": "requests decoded together per server"})
     startup_timeout_s: float = field(default=600.0, metadata={"gt": 0.0,
                                      "help": "time allowed for a server to load its model"})
+    rebuild_in_background: bool = field(default=True, metadata={
+        "help": "after a weight update, generation resumes on the new weights while the server rebuilds its "
+                "packed copies of them on a load worker, then moves onto those (the parity probe waits for "
+                "them); false: the rebuild ends before generation resumes"})
 
 
 def _model_arg(config: Any) -> str:
@@ -42,7 +46,8 @@ class LocalEngine(RemoteEngine):
         host = context.extras.get("host") or "127.0.0.1"  # a cluster launcher gives the node's own address
         argv = [sys.executable, "-m", "areal_local.server", "--model", _model_arg(config),
                 "--dtype", config.model.dtype, "--host", host, "--port", str(port),
-                "--max-batch", str(options.max_batch)]
+                "--max-batch", str(options.max_batch),
+                "--rebuild", "background" if options.rebuild_in_background else "foreground"]
         return ServerProcess(argv, http_ready(port, host=host), f"the /health endpoint of embedded engine {index} "
                              f"on {host}:{port}", startup_timeout_s=options.startup_timeout_s)
 

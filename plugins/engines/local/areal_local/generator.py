@@ -104,6 +104,14 @@ class Generator:
     :mod:`areal_local.lean_decode` (fused projections, one attention call per
     layer on the cache; default: whenever the model qualifies); prefill always
     uses the model's own forward.
+    ``defer_derived`` (with ``load_workers`` > 1): a weight load returns once
+    the new weights are in place and the derived copies' rebuild has started
+    on all load workers but one (generation takes a core meanwhile); until it
+    has ended, steps run on the new weights
+    themselves (the model's own linears and forward: the copies being rebuilt
+    are never read), then the copies are put in use between two steps
+    (:meth:`settle`). Every later load, and anything else that changes the
+    weights, waits for the rebuild first.
     """
 
     def __init__(
@@ -119,6 +127,7 @@ class Generator:
         packed_linears: bool | None = None,
         lean_decode: bool | None = None,
         load_workers: int = 1,
+        defer_derived: bool = False,
     ) -> None:
         config = model.config
         if max_batch < 1:
@@ -168,6 +177,15 @@ class Generator:
 
             self._load_pool = ThreadPoolExecutor(load_workers, thread_name_prefix="areal-load",
                                                  initializer=serial_torch)
+        if defer_derived and self._load_pool is None:
+            raise ValueError("Generator: defer_derived needs load_workers > 1 (the rebuild runs on the load workers)")
+        self._defer_derived = defer_derived
+        # A rebuild still running on the load workers (defer_derived): its futures, the call that puts the lean
+        # decoder's results in place, and when it began; the derived copies are not read meanwhile.
+        self._rebuilding: tuple[list, Callable[[], None] | None, float] | None = None
+        self._rebuild_error: BaseException | None = None  # a background rebuild that failed: raised at the next load
+        self._derived_live = True  # whether forwards read the derived copies (False while they are rebuilt)
+        self._last_background: tuple[float, list] | None = None  # the last background rebuild (background_rebuild_s)
         self._mapped = None  # areal_local.shm.MappedWeights, on the first load_safetensors_dir
         # Weight loads with adopt (load_state_dict): every state-dict name's Parameter (tied aliases too), the
         # name its memory is kept under, that memory, and the weights now served from a caller's tensors.
@@ -258,6 +276,8 @@ class Generator:
         still running, its second from the decode step of the same call.
         """
         finished: list[Finished] = []
+        if self._rebuilding is not None:
+            self._settle(wait=False)
         with torch.inference_mode():
             free = min(len(self._waiting), self.max_batch - len(self._rows))
             joining = [self._waiting.popleft() for _ in range(free)]
@@ -397,7 +417,7 @@ class Generator:
         if self._sliding_window is not None:
             sliding = mask & (end[:, None] - col < self._sliding_window)
         self._cache.plan_decode(n, end, length)
-        if self._lean is not None:  # sliding windows never reach it (lean_decode.supports)
+        if self._lean is not None and self._derived_live:  # sliding windows never reach it (lean_decode.supports)
             logits = self._lean.step(ids[:, 0], position_ids[:, 0], self._cache, mask)
         else:
             sliding = None if sliding is None else sliding[:, None, None]
@@ -503,6 +523,7 @@ class Generator:
         ``beside``: called on this thread once the new weights are in place, while the derived copies are
         rebuilt on the load workers (the server digests the weights there for the integrity gate).
         """
+        self.settle()  # the load workers must be done reading the weights this load replaces
         began = time.perf_counter()
         own = self.model.state_dict()
         problems = []
@@ -563,6 +584,7 @@ class Generator:
     def own_all(self) -> int:
         """Copy every adopted weight back into the model's own memory (before anything writes into the weights
         in place); the number copied."""
+        self.settle()
         names = list(self._adopted)
         with torch.no_grad():
             for name in names:
@@ -585,10 +607,63 @@ class Generator:
         every thread); should the user's own malloc settings give each thread an arena of its own, only a
         warm-up on the loading thread would count, hence "on the thread that will load".
         """
+        self.settle()
         with torch.no_grad():
-            self._refresh_derived()
+            self._refresh_derived(defer=False)
 
-    def _refresh_derived(self, beside: Callable[[], None] | None = None) -> None:
+    @property
+    def rebuilding(self) -> bool:
+        """Whether the derived copies are being rebuilt in the background (``defer_derived``), steps meanwhile
+        running on the weights themselves (they are put in use at the next step once it has ended)."""
+        return self._rebuilding is not None and not all(future.done() for future in self._rebuilding[0])
+
+    @property
+    def background_rebuild_s(self) -> float | None:
+        """Seconds from the last load's start of a background rebuild to the end of its last job; None while it
+        runs, when it failed, or when the last load rebuilt before returning."""
+        if self._last_background is None:
+            return None
+        began, running = self._last_background
+        if not all(future.done() and future.exception() is None for future in running):
+            return None
+        return max(future.result() for future in running) - began
+
+    def settle(self) -> None:
+        """Wait for a background rebuild of the derived copies (``defer_derived``) and put them in use; raises
+        the error of one that failed (the copies then stay unused, steps on the weights themselves)."""
+        self._settle(wait=True)
+        error, self._rebuild_error = self._rebuild_error, None
+        if error is not None:
+            raise RuntimeError(f"Generator: the background rebuild of the derived copies failed: "
+                               f"{type(error).__name__}: {error}") from error
+
+    def _settle(self, wait: bool) -> None:
+        """Put the copies of a background rebuild in use once it has ended (``wait``: block until then); a
+        rebuild that failed leaves them unused and its error for :meth:`settle` (the next load raises it)."""
+        if self._rebuilding is None:
+            return
+        running, finish, _ = self._rebuilding
+        if not wait and not all(future.done() for future in running):
+            return
+        self._rebuilding = None
+        try:
+            for future in running:
+                future.result()
+            if finish is not None:
+                finish()
+        except BaseException as exc:  # the copies are half rebuilt: never read them
+            self._rebuild_error = exc
+            self._set_derived_live(False)
+            return
+        self._set_derived_live(True)
+
+    def _set_derived_live(self, live: bool) -> None:
+        """Whether forwards read the derived copies (packed linears; the lean decoder is gated in _decode)."""
+        self._derived_live = live
+        if self._packed is not None:
+            self._packed.live = live
+
+    def _refresh_derived(self, beside: Callable[[], None] | None = None, defer: bool | None = None) -> None:
         """Rebuild the copies made of the weights for speed (oneDNN-packed linears, the lean decoder's fused ones),
         one job per weight, spread over ``load_workers`` threads (see ``__init__``); ``beside()`` runs on this
         thread meanwhile."""
@@ -603,13 +678,29 @@ class Generator:
             if beside is not None:
                 beside()
         else:  # the largest first, each to the least loaded worker
-            shares: list[list] = [[] for _ in range(self._load_workers)]
+            deferred = self._defer_derived if defer is None else defer
+            # in the background, one worker fewer: generation resumes meanwhile and takes a core of its own
+            shares: list[list] = [[] for _ in range(self._load_workers - 1 if deferred else self._load_workers)]
             sizes = [0] * len(shares)
             for size, job in sorted(jobs, key=lambda pair: -pair[0]):
                 k = sizes.index(min(sizes))
                 shares[k].append(job)
                 sizes[k] += size
-            running = [self._load_pool.submit(lambda share=share: [job() for job in share]) for share in shares]
+            if deferred:
+                self._set_derived_live(False)  # before the first job writes into a copy
+                began = time.perf_counter()
+                running = [self._load_pool.submit(_run_jobs, share) for share in shares]
+                self._rebuilding = (running, finish, began)
+                self._last_background = (began, running)
+                try:
+                    if beside is not None:
+                        beside()
+                except BaseException:
+                    self._settle(wait=True)
+                    raise
+                return
+            self._last_background = None
+            running = [self._load_pool.submit(_run_jobs, share) for share in shares]
             try:
                 if beside is not None:
                     beside()
@@ -618,6 +709,7 @@ class Generator:
                     future.result()  # a job's exception is raised here
         if finish is not None:
             finish()
+        self._set_derived_live(True)
 
     def load_safetensors_dir(self, path: str | Path, version: int | None = None, *, strict: bool = True,
                              adopt: bool = False, beside: Callable[[], None] | None = None) -> None:
@@ -661,7 +753,7 @@ class Generator:
         for file in files:
             named.update(load_file(str(file)))
         delta = delta_from_named(named, base_version, version)
-        self.own_all()  # the delta is applied in place: not into a read-only stage slot
+        self.own_all()  # the delta is applied in place: not into a read-only stage slot (own_all settles first)
         apply_delta(self.model.state_dict(), delta)
         self._refresh_derived(beside)
         self._requeue_running()
@@ -671,3 +763,10 @@ class Generator:
             self._waiting.extendleft(reversed(self._rows))
         self._rows, self._start, self._end = [], [], []
         self._cache.clear()
+
+
+def _run_jobs(jobs: list[Callable[[], None]]) -> float:
+    """Run ``jobs`` in order (one load worker's share of a rebuild); when the last ended (``perf_counter``)."""
+    for job in jobs:
+        job()
+    return time.perf_counter()

@@ -232,6 +232,7 @@ class PackedLinears:
                              "ones on a CPU with oneDNN bf16 kernels (AVX512 bw/vl/dq or AVX-NE-CONVERT)")
         self.modules = [m for m in model.modules() if isinstance(m, nn.Linear)]
         self._packed: dict[int, torch.Tensor] = {}
+        self.live = True  # False: forwards use the modules' own weights (the packed copies being rebuilt)
         self.refresh()
         for module in self.modules:
             module.forward = self._forward_of(module)  # instance attribute: nn.Module.__call__ finds it first
@@ -240,6 +241,8 @@ class PackedLinears:
         key, packed = id(module), self._packed
 
         def forward(x: torch.Tensor) -> torch.Tensor:
+            if not self.live:
+                return nn.functional.linear(x, module.weight, module.bias)
             return torch.ops.mkldnn._linear_pointwise(x, packed[key], module.bias, "none", [], "")
 
         return forward

@@ -9,6 +9,7 @@ bugs).
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -399,14 +400,16 @@ def test_a_failing_prefill_forward_puts_the_joiners_back_in_the_queue(llama, mon
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("packed, workers", [(None, 1), (None, 2), (False, 2)],
-                         ids=["packed", "packed-two-load-workers", "plain-two-load-workers"])
-def test_load_state_dict_generates_with_the_new_weights_only(folders, packed, workers):
+@pytest.mark.parametrize("packed, workers, defer", [(None, 1, False), (None, 2, False), (False, 2, False),
+                                                    (None, 2, True)],
+                         ids=["packed", "packed-two-load-workers", "plain-two-load-workers", "rebuilt-in-background"])
+def test_load_state_dict_generates_with_the_new_weights_only(folders, packed, workers, defer):
     old, new = load(folders["llama"], seed=0), load(folders["llama"], seed=1)
     prompt, n = PROMPTS[2], 12
     ref_old, ref_new = hf_greedy(old, prompt, n, eos=None), hf_greedy(new, prompt, n, eos=None)
     assert ref_old != ref_new
-    gen = Generator(load(folders["llama"], seed=0), eos_token_ids=[], packed_linears=packed, load_workers=workers)
+    gen = Generator(load(folders["llama"], seed=0), eos_token_ids=[], packed_linears=packed, load_workers=workers,
+                    defer_derived=defer)
     assert drain(gen, {0: [("a", prompt, greedy(n))]})[0]["a"].output_ids == ref_old
 
     # In flight: the request keeps its tokens so far and continues under the new weights.
@@ -420,6 +423,106 @@ def test_load_state_dict_generates_with_the_new_weights_only(folders, packed, wo
     assert results["b"].output_ids[:3] == partial
     assert results["b"].output_ids == partial + hf_greedy(new, prompt + partial, n - 3, eos=None)
     assert drain(gen, {0: [("c", prompt, greedy(n))]})[0]["c"].output_ids == ref_new
+
+
+class HeldRebuild:
+    """Test double around a generator's derived-copy jobs: each waits for :attr:`release` before it runs (or
+    raises ``fail`` instead), so a test can step while a background rebuild is under way."""
+
+    def __init__(self, gen, monkeypatch, fail: BaseException | None = None) -> None:
+        import threading
+
+        self.release, self.fail = threading.Event(), fail
+        packed_jobs, lean_jobs = gen._packed.jobs, gen._lean.jobs
+
+        def hold(job):
+            def run():
+                assert self.release.wait(60), "the test never released the rebuild"
+                if self.fail is not None:
+                    raise self.fail
+                job()
+            return run
+
+        monkeypatch.setattr(gen._packed, "jobs", lambda: [(n, hold(job)) for n, job in packed_jobs()])
+
+        def lean():
+            jobs, finish = lean_jobs()
+            return [(n, hold(job)) for n, job in jobs], finish
+
+        monkeypatch.setattr(gen._lean, "jobs", lean)
+
+
+def test_a_background_rebuild_is_never_read_before_it_ends_and_a_load_waits_for_it(folders, monkeypatch):
+    """defer_derived: after a load the packed copies (and the lean decoder's fused ones) still hold the old
+    weights until the rebuild's jobs run; steps meanwhile must come from the new weights themselves, the copies
+    go in use once rebuilt (byte for byte a fresh generator's), and a load waits for a rebuild under way."""
+    import threading
+
+    from areal_local.packed import _memory_of
+
+    def packed_bytes(packed):  # the packed copy's memory as laid out (to_dense would hide the layout)
+        return _memory_of(packed).clone()
+
+    old, new, newer = (load(folders["llama"], seed=s) for s in (0, 1, 2))
+    prompt, n = PROMPTS[2], 10
+    ref_new, ref_newer = hf_greedy(new, prompt, n, eos=None), hf_greedy(newer, prompt, n, eos=None)
+    assert hf_greedy(old, prompt, n, eos=None) != ref_new != ref_newer
+    gen = Generator(load(folders["llama"], seed=0), eos_token_ids=[], load_workers=2, defer_derived=True)
+    assert gen._packed is not None and gen._lean is not None and gen._lean.packed
+    held = HeldRebuild(gen, monkeypatch)
+    gen.load_state_dict(new.state_dict())
+    assert gen.rebuilding and gen.background_rebuild_s is None
+    results, _ = drain(gen, {0: [("a", prompt, greedy(n))]})  # every step inside the rebuild: the old copies
+    assert results["a"].output_ids == ref_new                 # were never read
+    assert gen.rebuilding
+    # A load waits for the rebuild under way (its jobs read the weights the load replaces)
+    loading = threading.Thread(target=gen.load_state_dict, args=(newer.state_dict(),))
+    loading.start()
+    loading.join(0.3)
+    assert loading.is_alive()
+    held.release.set()
+    loading.join(60)
+    assert not loading.is_alive()
+    deadline = time.monotonic() + 60
+    while gen.rebuilding:
+        assert time.monotonic() < deadline, "the background rebuild did not end"
+        time.sleep(0.01)
+    assert gen.background_rebuild_s is not None and gen.background_rebuild_s > 0
+    results, _ = drain(gen, {0: [("b", prompt, greedy(n))]})  # the first step puts the rebuilt copies in use
+    assert results["b"].output_ids == ref_newer and gen._derived_live and gen._packed.live
+    want = Generator(newer, eos_token_ids=[])
+    for mine, theirs in zip(gen._packed.modules, want._packed.modules, strict=True):
+        assert torch.equal(packed_bytes(gen._packed.weight_of(mine)), packed_bytes(want._packed.weight_of(theirs)))
+    for (mine, _), (theirs, _) in zip(gen._lean._qkv, want._lean._qkv, strict=True):
+        assert torch.equal(packed_bytes(mine), packed_bytes(theirs))
+
+
+def test_a_background_rebuild_that_fails_is_never_read_and_fails_the_next_load(folders, monkeypatch):
+    new = load(folders["llama"], seed=1)
+    prompt, n = PROMPTS[2], 10
+    gen = Generator(load(folders["llama"], seed=0), eos_token_ids=[], load_workers=2, defer_derived=True)
+    held = HeldRebuild(gen, monkeypatch, fail=MemoryError("no room for a packed copy"))
+    gen.load_state_dict(new.state_dict())
+    held.release.set()
+    deadline = time.monotonic() + 60
+    while gen.rebuilding:
+        assert time.monotonic() < deadline, "the background rebuild did not end"
+        time.sleep(0.01)
+    results, _ = drain(gen, {0: [("a", prompt, greedy(n))]})  # half-rebuilt copies: steps stay on the weights
+    assert results["a"].output_ids == hf_greedy(new, prompt, n, eos=None) and not gen._derived_live
+    with pytest.raises(RuntimeError, match="the background rebuild of the derived copies failed: MemoryError: "
+                                           "no room for a packed copy"):
+        gen.load_state_dict(new.state_dict())
+    held.fail = None
+    gen.load_state_dict(new.state_dict())  # the error was raised once; this load rebuilds again
+    gen.settle()
+    assert gen._derived_live and drain(gen, {0: [("b", prompt, greedy(n))]})[0]["b"].output_ids == \
+        hf_greedy(new, prompt, n, eos=None)
+
+
+def test_defer_derived_needs_load_workers(llama):
+    with pytest.raises(ValueError, match="defer_derived needs load_workers > 1"):
+        Generator(llama, eos_token_ids=[], defer_derived=True)
 
 
 def test_load_safetensors_dir_and_refusals_leave_the_weights_alone(folders, tmp_path):

@@ -223,3 +223,44 @@ def test_the_server_keeps_an_idle_connection_open_longer_than_clients_pool_it(se
         assert json.loads(connection.getresponse().read())["status"] == "ok"
     finally:
         connection.close()
+
+
+class RecordingGeneratorDouble:
+    """Test double of the generator behind an EngineLoop: records what the loop asks of it."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+        self.rebuilding = True  # a background rebuild of the packed copies under way
+
+    def settle(self) -> None:
+        self.calls.append("settle")
+        self.rebuilding = False
+
+    def add(self, rid, input_ids, sampling) -> None:
+        self.calls.append(("add", rid))
+
+
+def test_only_the_parity_probe_waits_for_the_rebuild_of_the_packed_copies():
+    """With the packed copies rebuilt in the background, the first steps after a load run on the weights
+    themselves; the probe must check what the engine serves from then on, so it waits for the copies."""
+    from areal_core.weight_check import PROBE_RID_PREFIX
+    from areal_local.server import EngineLoop
+
+    gen = RecordingGeneratorDouble()
+    loop = EngineLoop(gen, load_weights=None)
+    loop._add("a", PROMPT, SamplingParams(max_new_tokens=2), future=None, loop=None)
+    assert gen.calls == [("add", "a")] and gen.rebuilding
+    loop._add(f"{PROBE_RID_PREFIX}3", PROMPT, SamplingParams(max_new_tokens=2), future=None, loop=None)
+    assert gen.calls == [("add", "a"), "settle", ("add", f"{PROBE_RID_PREFIX}3")]
+
+
+def test_rebuild_in_background_reaches_the_server_as_a_flag(tmp_path):
+    config = RunConfig()
+    config.model.path, config.model.dtype = str(tmp_path), "float32"
+
+    def argv(**options) -> list[str]:
+        return LocalEngine.server_process(Context(config=config, options=LocalEngineConfig(**options)), 0, 1).argv
+
+    assert argv()[argv().index("--rebuild") + 1] == "background"
+    off = argv(rebuild_in_background=False)
+    assert off[off.index("--rebuild") + 1] == "foreground"
