@@ -119,19 +119,25 @@ def tensor_digest(tensor: Any, mode: str = "on") -> str:
     return _digest_bytes(data, _dtype_name(t.dtype), t.shape, mode)
 
 
-def digest_named(named_tensors: Iterable[tuple[str, Any]], mode: str = "on") -> dict[str, str]:
-    """:func:`tensor_digest` of every (name, tensor); a tensor given under several names is hashed once."""
-    out: dict[str, str] = {}
-    seen: dict[tuple, str] = {}
-    for name, tensor in named_tensors:
-        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride())) \
-            if tensor.numel() else None
-        if key is None or key not in seen:
-            digest = tensor_digest(tensor, mode)
-            if key is not None:
-                seen[key] = digest
-        out[name] = digest if key is None else seen[key]
-    return out
+def digest_named(named_tensors: Iterable[tuple[str, Any]], mode: str = "on", workers: int = 1) -> dict[str, str]:
+    """:func:`tensor_digest` of every (name, tensor); a tensor given under several names is hashed once.
+
+    ``workers`` > 1: hashed on that many threads (xxhash releases the GIL while it hashes), for a machine whose
+    one core reads memory well below what several do (a 16-core server VM: ~5.5 GB/s on one thread)."""
+    named = list(named_tensors)
+    keys = [(tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride())) if tensor.numel()
+            else ("empty", name) for name, tensor in named]
+    first = {}  # key -> the first tensor under it
+    for key, (_, tensor) in zip(keys, named):
+        first.setdefault(key, tensor)
+    if workers > 1 and len(first) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(workers, len(first)), thread_name_prefix="areal-digest") as pool:
+            digests = dict(zip(first, pool.map(lambda t: tensor_digest(t, mode), first.values())))
+    else:
+        digests = {key: tensor_digest(tensor, mode) for key, tensor in first.items()}
+    return {name: digests[key] for key, (name, _) in zip(keys, named)}
 
 
 # safetensors' dtype codes, as torch names them

@@ -107,6 +107,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=256)
     parser.add_argument("--whole-path-only", action="store_true", help="only the whole path to the embedded engine")
+    parser.add_argument("--rebuild", default="background", choices=["background", "foreground"],
+                        help="the server's rebuild of its packed copies (rollout.rebuild_in_background)")
     args = parser.parse_args()
     from safetensors.torch import save_file
 
@@ -162,7 +164,7 @@ def main() -> None:
             from areal_local.models import demo_model_path
 
             served = demo_model_path(args.dtype)
-        whole_path(engine, served, args.dtype, bucket, args.repeats, tmp)
+        whole_path(engine, served, args.dtype, bucket, args.repeats, tmp, args.rebuild)
         engine.close()
 
 
@@ -219,7 +221,8 @@ ROWS = [("export", "export (into the stage's free slot)", "export"),
 PHASES = ("export", "transfer", "load", "pause / resume", "digest")
 
 
-def whole_path(train_engine, model: Path, dtype: str, bucket: int, repeats: int, tmp: Path) -> None:
+def whole_path(train_engine, model: Path, dtype: str, bucket: int, repeats: int, tmp: Path,
+               rebuild: str = "background") -> None:
     """One tensors update to a real embedded server holding ``model`` (the train engine's shapes), phase by phase
     (see the module's docstring)."""
     import asyncio
@@ -235,7 +238,7 @@ def whole_path(train_engine, model: Path, dtype: str, bucket: int, repeats: int,
     cfg = RunConfig()
     cfg.model.path, cfg.model.dtype = str(model), dtype
     cfg.output_dir, cfg.experiment, cfg.trial = str(tmp / "runs"), "bench", "weights"
-    options = LocalEngineConfig(max_batch=8)
+    options = LocalEngineConfig(max_batch=8, rebuild_in_background=rebuild == "background")
     load_before = loadavg()
     with ServerFleet(tmp / "logs") as fleet:
         server = fleet.launch(lambda i, port: LocalEngine.server_process(Context(config=cfg, options=options), i,
@@ -343,6 +346,8 @@ def whole_path(train_engine, model: Path, dtype: str, bucket: int, repeats: int,
         print(f"  {label:38s} {t:8.3f} {nbytes / t / 1e9 if t > 0 else float('inf'):7.2f} {t / plain:9.1f}")
 
     for key, label, _ in ROWS:
+        if key == "load_derived" and rebuild == "foreground":
+            label = "load: packed copies (digest beside)"
         line(label, median[key])
     print("  the issue's phases:")
     for phase in PHASES:
@@ -351,16 +356,18 @@ def whole_path(train_engine, model: Path, dtype: str, bucket: int, repeats: int,
     line(f"memcpy, torch copy_ ({torch.get_num_threads()} threads)", copy_all)
     line("memcpy, torch copy_ (1 thread)", copy_one)
     line("a first token with no update before it", alone)
-    line("packed / fused copies, in the background", median["background"])
-    print("    (after the load returned, on one load worker; generation runs on the weights themselves meanwhile)")
+    if rebuild == "background":
+        line("packed copies, in the background", median["background"])
+        print("    (after the load returned, on one load worker; generation runs on the weights themselves meanwhile)")
     print(f"  whole path / plain memcpy: {median['whole'] / plain:.1f}x; the issue's target is 2x")
     update = sum(median[key] for key, _, phase in ROWS if phase in ("export", "transfer", "load"))
     print(f"  the update alone (export + transfer + load): {update:.3f} s = {update / plain:.1f}x memcpy; the floor "
           f"of the whole path (export + a token with no update): {(median['export'] + alone) / plain:.1f}x")
     first_load = sum(rows[key][0] for key, _, phase in ROWS if phase == "load")
     print(f"  the first update (the warm-up, not in the medians): whole path {rows['whole'][0]:.3f} s, load "
-          f"{first_load:.3f} s (copy into the model {rows['load_copied'][0]:.3f}, digest "
-          f"{rows['load_derived'][0]:.3f}; packed / fused copies in the background {rows['background'][0]:.3f})")
+          f"{first_load:.3f} s (copy into the model {rows['load_copied'][0]:.3f}, "
+          + (f"digest {rows['load_derived'][0]:.3f}; packed copies in the background {rows['background'][0]:.3f})"
+             if rebuild == "background" else f"packed copies and digest {rows['load_derived'][0]:.3f})"))
 
 
 if __name__ == "__main__":

@@ -73,6 +73,20 @@ def test_digests_compare_by_name_and_say_what_differs():
     assert differences[1].startswith("y: sent") and "reports no such tensor" in differences[1]
 
 
+@pytest.mark.parametrize("mode", ["on", "sample"])
+def test_digests_taken_on_several_threads_are_the_ones_taken_on_one(mode):
+    """digest_named(workers=4): every name gets its own tensor's digest (aliases, views, empty tensors, order)."""
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(300, 200, generator=g)
+    named = [(f"t{i}", torch.randn(64 + i, generator=g)) for i in range(12)]
+    named += [("big", big), ("alias", big), ("rows", big[:100]), ("empty", torch.zeros(0)), ("empty2", torch.ones(0)),
+              ("bf16", big.to(torch.bfloat16)), ("ints", torch.arange(10))]
+    one = digest_named(named, mode)
+    assert list(one) == [name for name, _ in named]
+    assert one == {name: tensor_digest(t, mode) for name, t in named}
+    assert digest_named(named, mode, workers=4) == one
+
+
 def test_a_tensor_the_engine_cannot_digest_is_skipped_and_listed_with_its_reason():
     sent = digest_named([("x", torch.ones(4)), ("y", torch.zeros(4))])
     held = {"x": f"{NOT_CHECKABLE}: quantised (fp8)", "y": sent["y"]}

@@ -618,6 +618,11 @@ class Generator:
         return self._rebuilding is not None and not all(future.done() for future in self._rebuilding[0])
 
     @property
+    def background_workers(self) -> int:
+        """Load workers a background rebuild takes (``defer_derived``: all but one; 0 without)."""
+        return self._load_workers - 1 if self._defer_derived else 0
+
+    @property
     def background_rebuild_s(self) -> float | None:
         """Seconds from the last load's start of a background rebuild to the end of its last job; None while it
         runs, when it failed, or when the last load rebuilt before returning."""
@@ -680,7 +685,8 @@ class Generator:
         else:  # the largest first, each to the least loaded worker
             deferred = self._defer_derived if defer is None else defer
             # in the background, one worker fewer: generation resumes meanwhile and takes a core of its own
-            shares: list[list] = [[] for _ in range(self._load_workers - 1 if deferred else self._load_workers)]
+            count = max(1, self.background_workers) if deferred else self._load_workers
+            shares: list[list] = [[] for _ in range(count)]
             sizes = [0] * len(shares)
             for size, job in sorted(jobs, key=lambda pair: -pair[0]):
                 k = sizes.index(min(sizes))

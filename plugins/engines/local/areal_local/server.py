@@ -187,9 +187,10 @@ class EngineLoop:
                     except queue.Empty:
                         command = None
                 if self.gen.num_running or self.gen.num_waiting:
-                    # While the load workers rebuild the derived copies on both cores, a step of one thread: an
-                    # OpenMP team of two would wait at every barrier for a core they hold.
-                    with torch_threads(1) if getattr(self.gen, "rebuilding", False) else contextlib.nullcontext():
+                    # While a load worker rebuilds the derived copies, a step leaves it its core: an OpenMP team
+                    # of every core would wait at each barrier for the one it holds (one thread on 2 cores).
+                    with (torch_threads(max(1, self.threads - self.gen.background_workers))
+                          if getattr(self.gen, "rebuilding", False) else contextlib.nullcontext()):
                         for done in self.gen.step():
                             self._finish(done)
         except BaseException as exc:  # the process must not hang with requests waiting forever
@@ -315,7 +316,9 @@ class EngineLoop:
     def _digest_now(self, mode: str) -> dict[str, str]:
         from areal_core.weight_check import digest_named
 
-        return digest_named(self.gen.model.state_dict().items(), mode)
+        # on every core but the one a background rebuild takes (xxhash releases the GIL): one thread on 2 cores
+        workers = max(1, (self.threads or 1) - getattr(self.gen, "background_workers", 0))
+        return digest_named(self.gen.model.state_dict().items(), mode, workers=workers)
 
 
 def _torch_threads() -> int:
