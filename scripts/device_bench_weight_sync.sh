@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Device run (prepare with `bash scripts/device_check_weight_sync.sh --prepare`, carry .whl): benchmarks/weight_sync.py --whole-path-only on the GPU machine's 16 host cores, the embedded server's
-# packed-copy rebuild in the background vs in the foreground, alternated.
+# Device run: benchmarks/weight_sync.py --whole-path-only on a GPU machine's host cores, the embedded server's
+# packed-copy rebuild in the background vs in the foreground, alternated. Prepare here with
+# `bash scripts/device_check_weight_sync.sh --prepare` and carry .whl; the log comes back as $OUT/bench.log.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/device-bench}
