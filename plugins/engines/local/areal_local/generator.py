@@ -180,9 +180,9 @@ class Generator:
         if defer_derived and self._load_pool is None:
             raise ValueError("Generator: defer_derived needs load_workers > 1 (the rebuild runs on the load workers)")
         self._defer_derived = defer_derived
-        # A rebuild still running on the load workers (defer_derived): its futures, the call that puts the lean
-        # decoder's results in place, and when it began; the derived copies are not read meanwhile.
-        self._rebuilding: tuple[list, Callable[[], None] | None, float] | None = None
+        # A rebuild still running on the load workers (defer_derived): its futures and the call that puts the lean
+        # decoder's results in place; the derived copies are not read meanwhile.
+        self._rebuilding: tuple[list, Callable[[], None] | None] | None = None
         self._rebuild_error: BaseException | None = None  # a background rebuild that failed: raised at the next load
         self._derived_live = True  # whether forwards read the derived copies (False while they are rebuilt)
         self._last_background: tuple[float, list] | None = None  # the last background rebuild (background_rebuild_s)
@@ -647,7 +647,7 @@ class Generator:
         rebuild that failed leaves them unused and its error for :meth:`settle` (the next load raises it)."""
         if self._rebuilding is None:
             return
-        running, finish, _ = self._rebuilding
+        running, finish = self._rebuilding
         if not wait and not all(future.done() for future in running):
             return
         self._rebuilding = None
@@ -656,9 +656,8 @@ class Generator:
                 future.result()
             if finish is not None:
                 finish()
-        except BaseException as exc:  # the copies are half rebuilt: never read them
+        except BaseException as exc:  # the copies are half rebuilt: they stay out of use (off since the rebuild began)
             self._rebuild_error = exc
-            self._set_derived_live(False)
             return
         self._set_derived_live(True)
 
@@ -696,7 +695,7 @@ class Generator:
                 self._set_derived_live(False)  # before the first job writes into a copy
                 began = time.perf_counter()
                 running = [self._load_pool.submit(_run_jobs, share) for share in shares]
-                self._rebuilding = (running, finish, began)
+                self._rebuilding = (running, finish)
                 self._last_background = (began, running)
                 try:
                     if beside is not None:

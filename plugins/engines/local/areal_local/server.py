@@ -127,6 +127,8 @@ class EngineLoop:
         self.load_weights = load_weights
         self.threads = threads
         self.load_threads = load_threads
+        # the load workers a background rebuild of the derived copies holds (Generator.background_workers)
+        self.background_workers = getattr(generator, "background_workers", 0)
         self.version = 0
         self.paused = False
         self.pending: dict[str, Pending] = {}
@@ -189,7 +191,7 @@ class EngineLoop:
                 if self.gen.num_running or self.gen.num_waiting:
                     # While a load worker rebuilds the derived copies, a step leaves it its core: an OpenMP team
                     # of every core would wait at each barrier for the one it holds (one thread on 2 cores).
-                    with (torch_threads(max(1, self.threads - self.gen.background_workers))
+                    with (torch_threads(max(1, self.threads - self.background_workers))
                           if getattr(self.gen, "rebuilding", False) else contextlib.nullcontext()):
                         for done in self.gen.step():
                             self._finish(done)
@@ -317,7 +319,7 @@ class EngineLoop:
         from areal_core.weight_check import digest_named
 
         # on every core but the one a background rebuild takes (xxhash releases the GIL): one thread on 2 cores
-        workers = max(1, (self.threads or 1) - getattr(self.gen, "background_workers", 0))
+        workers = max(1, (self.threads or 1) - self.background_workers)
         return digest_named(self.gen.model.state_dict().items(), mode, workers=workers)
 
 
