@@ -150,7 +150,8 @@ class Trainer:
             should_accept=self._should_accept, elastic=r.elastic, pacing=r.pacing,
             engine_factory=lambda address: engine_at(next(joined), address),
             on_topology_event=self._record_topology_event,
-            launcher_discovery_file=os.environ.get(LAUNCHER_DISCOVERY_ENV) or None, clock=self.clock)
+            launcher_discovery_file=os.environ.get(LAUNCHER_DISCOVERY_ENV) or None, clock=self.clock,
+            weight_check_holds=r.weight_check_holds)
         self.weights.controller = self.controller
         self._last_generated = (0, self.clock.now())
         self.dataset = build(self.run, "dataset")

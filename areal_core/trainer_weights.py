@@ -100,7 +100,10 @@ class WeightHandOver:
         end. ``time/weight_sync_s`` is then only the hand-off.
 
         The integrity gate (``rollout.weight_check``): rank 0 digests what it
-        sends for the controller to match against each engine's digests, and
+        sends for the controller to match against each engine's digests (before
+        generation resumes, or beside it with ``rollout.weight_check_holds:
+        training``, the hand-out then waiting for the verdict; :meth:`finish`
+        waits for it too and raises its failure), and
         at probe updates (the first, then every ``weight_probe_every``-th) the
         call waits, whatever eta, and every rank scores the engines' parity
         probe before generation resumes (:meth:`_probe`). With tensors and
@@ -272,9 +275,14 @@ class WeightHandOver:
               f"{time.monotonic() - began:.1f} s)", flush=True)
 
     def finish(self) -> float:
-        """Wait for the weight update still running on the engines (rank 0, eta > 0); its seconds paused."""
+        """Wait for the weight update still running on the engines (rank 0, eta > 0), and for its digest check
+        when that runs beside generation (``rollout.weight_check_holds: training``; its failure is raised here):
+        the seconds generation was paused for it."""
         pending, self._pending = self._pending, None
-        return 0.0 if pending is None else pending.result()
+        paused_s = 0.0 if pending is None else pending.result()
+        if self.controller is not None:
+            self.controller.settle_weight_check()
+        return paused_s
 
 
 def _prune_weights(folder: Path, keep: int) -> None:

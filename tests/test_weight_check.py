@@ -120,16 +120,22 @@ def test_healthy_engines_pass_every_update_with_digests_and_the_probe(setup):
     s = setup("", "", weight_probe_every=2)
     for _ in range(3):
         s.update()
+    s.handover.finish()  # update 3 is checked beside generation (weight_check_holds=training): its end
     assert [e.version for e in s.engines] == [3, 3] and [e.digest_calls for e in s.engines] == [3, 3]
     assert s.handover.probe_s > 0 and s.controller.probe_results  # probed at updates 1 and 2
     assert s.handover.digest_s > 0 and s.controller.fleet.weight_failures == []
 
 
+@pytest.mark.parametrize("holds", ["generation", "training"])
 @pytest.mark.parametrize("fault", [f"permute:{TENSOR}", f"corrupt:{TENSOR}", "skip:model.layers.1."])
-def test_a_loader_bug_is_caught_at_the_first_update_with_the_tensor_named(setup, fault):
-    s = setup("", fault, weight_probe_every=0)
+def test_a_loader_bug_is_caught_at_the_first_update_with_the_tensor_named(setup, fault, holds):
+    s = setup("", fault, weight_probe_every=0, weight_check_holds=holds)
     with pytest.raises(WeightCheckError) as error:
         s.update()
+        # rollout.weight_check_holds=training: the update returns once the engines serve the version, the check
+        # goes on beside generation, and the trainer's next hand-out is where it fails
+        assert holds == "training"
+        s.controller.wait(1, timeout=30)
     message = str(error.value)
     assert "inference server server-1 does not serve the weights of version 1" in message
     assert TENSOR in message and "server-0" not in message
@@ -153,6 +159,7 @@ def test_sample_mode_catches_a_permutation_too(setup):
     s = setup(f"permute:{TENSOR}", weight_check="sample", weight_probe_every=0)
     with pytest.raises(WeightCheckError, match=TENSOR):
         s.update()
+        s.handover.finish()  # the check ran beside generation: the trainer's wait for it raises
 
 
 def test_with_the_gate_off_nothing_is_checked(setup):
@@ -184,15 +191,18 @@ def test_elastic_drops_the_engine_and_reloads_it(setup):
     assert [e.version for e in s.controller.engines] == [2, 2]
 
 
+@pytest.mark.parametrize("holds", ["generation", "training"])
 @pytest.mark.parametrize(("delay", "phase"), [("digest_delay_s", "the weight digest of version 1"),
                                               ("load_delay_s", "update_weights_from_tensors")])
-def test_a_phase_that_hangs_fails_naming_the_server_and_the_phase(setup, delay, phase):
-    s = setup("", "", request_timeout_s=0.5, weight_probe_every=0)
+def test_a_phase_that_hangs_fails_naming_the_server_and_the_phase(setup, delay, phase, holds):
+    s = setup("", "", request_timeout_s=0.5, weight_probe_every=0, weight_check_holds=holds)
     setattr(s.engines[1], delay, 30)
     began = time.monotonic()
     with pytest.raises(TimeoutError, match=rf"inference server server-1: {phase} did not finish: waited 0.5 s "
                                            r"\(rollout.request_timeout_s\)"):
         s.update()
+        assert (holds, delay) == ("training", "digest_delay_s")  # the check beside generation: the hand-out raises
+        s.controller.wait(1, timeout=30)
     assert time.monotonic() - began < 10
 
 
@@ -227,18 +237,117 @@ def test_the_trainer_digests_on_a_thread_of_its_own_while_the_engines_load(setup
     assert threads and threads[0].startswith("areal-digest")
 
 
-def test_trainer_digests_that_never_come_fail_the_update_naming_the_wait(setup, monkeypatch):
+@pytest.mark.parametrize("holds", ["generation", "training"])
+def test_trainer_digests_that_never_come_fail_the_update_naming_the_wait(setup, monkeypatch, holds):
     import threading
 
-    s = setup("", request_timeout_s=0.5, weight_probe_every=0)
+    s = setup("", request_timeout_s=0.5, weight_probe_every=0, weight_check_holds=holds)
     release = threading.Event()
     monkeypatch.setattr(s.handover, "_digests", lambda version, weights: release.wait(30))
     try:
         with pytest.raises(TimeoutError, match=r"the trainer's digests of the weights of version 1 did not come: "
                                                r"waited 0.5 s \(rollout.request_timeout_s\)"):
             s.update()
+            assert holds == "training"
+            s.controller.wait(1, timeout=30)
     finally:
         release.set()
+
+
+def held_digest(engine, monkeypatch):
+    """``engine.weight_digest`` waits, once called, until the returned ``release`` is set; ``began`` is set when
+    it is called, and ``paused`` records, when it answers, whether generation (admission) was paused then."""
+    import asyncio
+    import threading
+
+    began, release, paused = threading.Event(), threading.Event(), []
+    digest = engine.weight_digest
+
+    async def held(mode: str = "on") -> dict:
+        began.set()
+        assert await asyncio.to_thread(release.wait, 30), "the test never released the digest"
+        answer = await digest(mode)
+        paused.append(engine_admission_paused(engine))
+        return answer
+
+    monkeypatch.setattr(engine, "weight_digest", held)
+    return began, release, paused
+
+
+def engine_admission_paused(engine) -> bool:
+    return engine.rig_controller.admission._paused
+
+
+def wait_until(condition, what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout_s} s for {what}"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("fault", ["", f"corrupt:{TENSOR}"])
+def test_beside_generation_episodes_run_while_the_check_runs_and_none_is_handed_out_before_it_passed(
+        setup, monkeypatch, fault):
+    """rollout.weight_check_holds=training: the update returns with the engine's digest still held; a group
+    generated before it is handed out meanwhile, an episode then runs to its end on the new version, and the
+    hand-out of its group waits, saying why; once the digest answers, that group comes (healthy) or the hand-out
+    and the next update raise naming the tensor, and the episode generated from the unchecked weights is never
+    handed out (loader bug)."""
+    s = setup("", fault, weight_probe_every=0, weight_check_holds="training")
+    began, release, _ = held_digest(s.engines[1], monkeypatch)
+    s.engines[1].rig_controller = s.controller
+    s.controller.submit({"id": 6, "length": 3})
+    wait_until(lambda: s.controller.stats()["ready"] == 1, "the episode admitted before the update to end")
+    try:
+        s.update()  # returns although server-1's digest has not answered
+        assert began.wait(10) and not release.is_set()
+        assert not s.controller.admission._paused  # generation resumed
+        (before,) = s.controller.wait(1, timeout=5)  # all its tokens from version 0: not held
+        assert {v for t in before.trajectories for v in t.versions if v >= 0} == {0}
+        s.controller.submit({"id": 7, "length": 3})
+        wait_until(lambda: s.controller.stats()["ready"] == 1, "the episode admitted during the check to end")
+        with pytest.raises(TimeoutError, match=r"the weights of version\(s\) \[1\] still being checked"):
+            s.controller.wait(1, timeout=0.3)
+        assert s.controller.stats()["consumed"] == 1
+    finally:
+        release.set()
+    if not fault:
+        (group,) = s.controller.wait(1, timeout=30)
+        assert {v for t in group.trajectories for v in t.versions if v >= 0} == {1}
+        s.update()
+        s.handover.finish()
+        assert [e.digest_calls for e in s.engines] == [2, 2] and s.controller.fleet.weight_failures == []
+        return
+    with pytest.raises(WeightCheckError, match=TENSOR) as error:
+        s.controller.wait(1, timeout=30)
+    assert "server-1" in str(error.value)
+    assert s.controller.stats()["consumed"] == 1  # nothing generated since the update reached the trainer
+    assert {m.name: m.state for m in s.controller.members()}["server-1"] == DOWN
+    with pytest.raises(WeightCheckError, match=TENSOR):
+        s.update()
+
+
+@pytest.mark.parametrize(("holds", "rig"), [("generation", {}), ("training", {"weight_probe_every": 1}),
+                                            ("training", {"elastic": True})],
+                         ids=["holds-generation", "a-probe-update", "elastic"])
+def test_these_updates_are_checked_before_generation_resumes(setup, monkeypatch, holds, rig):
+    """weight_check_holds=generation, and whatever it says an update with the parity probe or an elastic fleet
+    (a server dropped there is reloaded while the run goes on, so its tokens must not exist): the engine's
+    digest answers while generation is still paused."""
+    import threading
+
+    s = setup("", "", weight_check_holds=holds, **{"weight_probe_every": 0, **rig})
+    began, release, paused = held_digest(s.engines[0], monkeypatch)
+    s.engines[0].rig_controller = s.controller
+    update = threading.Thread(target=s.update)
+    update.start()
+    assert began.wait(10)
+    update.join(0.5)
+    assert update.is_alive(), "the update ended while an engine's digest had not answered"
+    release.set()
+    update.join(30)
+    assert not update.is_alive() and paused == [True]
+    assert s.engines[0].version == 1 and s.controller.fleet.weight_failures == []
 
 
 def test_the_key_takes_on_sample_off_also_as_yaml_reads_them_and_names_the_fix_otherwise():

@@ -101,6 +101,13 @@ class RolloutConfig:
                                   "every byte; sample: 16 blocks of 4 KiB per tensor), and the parity probe runs "
                                   "(weight_probe_every); a server that differs leaves routing and the run stops "
                                   "naming it (elastic: it is reloaded); off: no check")
+    weight_check_holds: str = spec("training", choices=["training", "generation"],
+                                   help="what waits for the digests' verdict after an update: training (generation "
+                                        "resumes at once and the check runs beside it; no batch is handed to the "
+                                        "trainer until it passed, so no sample of unchecked weights is trained on) or "
+                                        "generation (it resumes only once the check passed: no token at all from "
+                                        "unchecked weights). Updates with the parity probe, and every update with "
+                                        "rollout.elastic on, are checked before generation resumes whatever this says")
     weight_probe_every: int = spec(10, ge=0, help="the parity probe (a fixed prompt sampled by each engine, its "
                                    "tokens scored by the trainer, logprobs compared) at the first update and every "
                                    "this many; 0 = never (digests only). Off when weight_check is off")

@@ -91,6 +91,9 @@ class Admission:
         self._error: BaseException | None = None
         self._paused = False
         self._stopped = False  # stop(): no more training episodes
+        # Versions whose weight check (rollout.weight_check_holds: training) runs beside generation: no group with
+        # a token of one is handed out until it has passed (a failed one becomes _error, raised by every hand-out)
+        self._unchecked: set[int] = set()
         self._tasks: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------ versions and switches
@@ -114,6 +117,22 @@ class Admission:
             self._version = self._target_version = version
             self.cond.notify_all()
         self.kick()
+
+    def hold_hand_out(self, version: int) -> None:
+        """The engines' weights of ``version`` are being checked beside generation: no group holding a token
+        sampled under it is handed out until :meth:`checked` (no sample of unchecked weights reaches the
+        trainer); groups generated before the update still go."""
+        with self.cond:
+            self._unchecked.add(version)
+
+    def checked(self, version: int, failure: BaseException | None = None) -> None:
+        """The check of ``version`` has ended; ``failure``: it failed, and every hand-out from now on raises it
+        (the run stops: whatever was generated since the update is never trained on)."""
+        with self.cond:
+            self._unchecked.discard(version)
+            if failure is not None and self._error is None:
+                self._error = failure
+            self.cond.notify_all()
 
     def set_paused(self, paused: bool) -> None:
         with self.cond:
@@ -237,9 +256,18 @@ class Admission:
         return self.staleness.may_hand_out(sorted(entry[0] for entry in self._ready), list(self._running.values()),
                                            count, version)
 
+    def _holds_unchecked(self, count: int) -> bool:
+        """Whether the ``count`` oldest ready groups (the next batch) hold a token sampled under a version whose
+        weight check is still running (:meth:`hold_hand_out`): that batch waits for the verdict; one generated
+        before the update does not."""
+        if not self._unchecked:
+            return False
+        return any(v in self._unchecked for _, _, group in heapq.nsmallest(count, self._ready)
+                   for trajectory in group.trajectories for v in trajectory.versions)
+
     def _stalled(self, count: int) -> bool:
         return (self._source_done or self._source is None) and not self._pending and not self._running \
-            and len(self._ready) < count
+            and len(self._ready) < count and not self._unchecked
 
     def wait(self, count: int, timeout: float | None = None, version: int | None = None) -> list[EpisodeGroup]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -247,7 +275,7 @@ class Admission:
             while True:
                 if self._error is not None:
                     raise self._error
-                if self._can_hand_out(count, self._train_version(version)):
+                if not self._holds_unchecked(count) and self._can_hand_out(count, self._train_version(version)):
                     groups = [heapq.heappop(self._ready)[2] for _ in range(count)]
                     for g in groups:
                         self._mark_done(g.seq)
@@ -272,6 +300,7 @@ class Admission:
         if dataloader is not self._source_obj:
             self.set_source(dataloader)
         with self.cond:
+            # (a wait for a weight check beside generation is no wait for rollouts: pacing does not count it)
             ready, waited = len(self._ready), not self._can_hand_out(self.batch_size, self._train_version(version))
             first = self._consumed_accepted == 0  # nothing could have been generated ahead of it
         groups = self.wait(self.batch_size, timeout, version)
@@ -283,9 +312,11 @@ class Admission:
 
     def _describe(self) -> str:
         c = self.staleness.counts
+        checking = (f", the weights of version(s) {sorted(self._unchecked)} still being checked"
+                    if self._unchecked else "")
         return (f"{len(self._ready)} ready, {len(self._running)} running, {len(self._pending)} queued, "
                 f"{c.rejected} rejected, version {self._version}, paused={self._paused}, "
-                f"admission capacity {self.staleness.capacity(self._version)}")
+                f"admission capacity {self.staleness.capacity(self._version)}{checking}")
 
     # ------------------------------------------------------------ state
     def stats(self, servers: int) -> dict[str, int]:

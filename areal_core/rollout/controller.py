@@ -76,6 +76,7 @@ class RolloutController:
         on_topology_event: Callable[[str, str, str], None] | None = None,
         launcher_discovery_file: str | None = None,
         clock: Clock = REAL_CLOCK,
+        weight_check_holds: str = "generation",
     ) -> None:
         self.clock = clock  # the loop, the episodes' times and the trainer's waits on the loop (areal_core.clock)
         self.batch_size = batch_size
@@ -84,7 +85,8 @@ class RolloutController:
         self.admission = Admission(workflow, self.staleness, should_accept, self._kick, clock)
         self.fleet = Fleet(engines, self.admission, request_timeout_s=request_timeout_s, elastic=elastic,
                            engine_factory=engine_factory, on_topology_event=on_topology_event,
-                           launcher_discovery_file=launcher_discovery_file, clock=clock)
+                           launcher_discovery_file=launcher_discovery_file, clock=clock,
+                           check_holds=weight_check_holds)
         self.workflow = workflow
         self.should_accept = should_accept
         self.request_timeout_s = request_timeout_s
@@ -231,6 +233,13 @@ class RolloutController:
         ``probe``: after the load, every routed engine samples the parity probe
         (:mod:`areal_core.weight_check`; the answers in :attr:`probe_results`) and
         generation stays paused until :meth:`release`.
+
+        The digests' check (``sent`` of the ``update_weights_from_*`` calls) runs
+        before generation resumes, or, built with ``weight_check_holds="training"``
+        (and neither ``probe`` nor elastic), beside it: the update returns once the
+        engines serve the new version, and :meth:`wait` / :meth:`prepare_batch`
+        hand nothing out until the check has passed; a failure is raised by them
+        and by the next update.
         """
         self.admission.aim(version)
         what = f"update weights to version {version}"
@@ -246,6 +255,12 @@ class RolloutController:
         ``concurrent.futures.Future`` of them, still being computed while the engines load, waited for at most
         ``request_timeout_s`` before the comparison."""
         return self.update_weights(lambda: self.fleet.load_from_disk(path, version, sent), version, wait, probe)
+
+    def settle_weight_check(self) -> None:
+        """Wait until the last update's digest check beside generation (``weight_check_holds="training"``) has
+        ended; raise its failure (a :class:`~areal_core.weight_check.WeightCheckError` naming the server and the
+        tensors). Returns at once when none runs."""
+        self._call(self.fleet.settle_check(), "finish the check of the weights the engines serve")
 
     @property
     def probe_results(self) -> dict:
@@ -320,8 +335,11 @@ class RolloutController:
         (default: "the evaluation of N items")."""
         if self._loop is None:
             raise RuntimeError("the rollout controller is not started; call start() first")
-        future = asyncio.run_coroutine_threadsafe(run_evaluation(workflow, self.engine, items, concurrency),
-                                                  self._loop)
+        async def checked_then_run() -> Any:
+            await self.fleet.settle_check()  # no evaluation of weights whose check beside generation is running
+            return await run_evaluation(workflow, self.engine, items, concurrency)
+
+        future = asyncio.run_coroutine_threadsafe(checked_then_run(), self._loop)
         return PendingCall(future, timeout_s, waited_for or f"the evaluation of {len(items)} items", self.clock)
 
     def stats(self) -> dict[str, int]:

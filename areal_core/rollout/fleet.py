@@ -42,7 +42,11 @@ class Fleet:
                  elastic: ElasticConfig | None = None,
                  engine_factory: Callable[[str], InferenceEngine] | None = None,
                  on_topology_event: Callable[[str, str, str], None] | None = None,
-                 launcher_discovery_file: str | None = None, clock: Clock = REAL_CLOCK) -> None:
+                 launcher_discovery_file: str | None = None, clock: Clock = REAL_CLOCK,
+                 check_holds: str = "generation") -> None:
+        if check_holds not in ("generation", "training"):
+            raise ValueError(f"check_holds={check_holds!r}: choose 'generation' or 'training' "
+                             "(rollout.weight_check_holds)")
         self.initial_engines = list(engines)
         self.clock = clock
         self.admission = admission
@@ -69,6 +73,12 @@ class Fleet:
         self.held = False  # generation stays paused after an update until release() (the parity probe is judged)
         self.probe_results: dict[str, GenerationResponse] = {}  # the last parity probe, per server
         self.delta_bytes = self.full_bytes = 0  # what the last tensors update sent, as deltas and as full weights
+        # rollout.weight_check_holds: "training" checks the digests beside generation (only the hand-out waits for the
+        # verdict; see check_beside), "generation" before it resumes. Probe updates and elastic fleets: always before.
+        self.check_holds = check_holds
+        self.defer_check = False  # this update's check runs beside generation (set per update by swap)
+        self.checking: asyncio.Task | None = None  # the last update's check beside generation, while it runs
+        self.check_failure: BaseException | None = None  # ... and how it failed: raised at the next update
 
     # ------------------------------------------------------------ lifecycle (on the loop)
     def open(self) -> None:
@@ -148,8 +158,10 @@ class Fleet:
 
         ``probe``: then sample the parity probe on every routed engine (:meth:`probe_engines`) and keep
         generation paused (``held``) until :meth:`release`, once the trainer has judged the probe."""
+        await self.settle_check()  # the last update's check beside generation has ended (and passed)
         began = self.clock.now()
         async with self.pool.lock:  # never beside a rebuild of the server set
+            self.defer_check = self.check_holds == "training" and self.elastic is None and not probe
             await self.pause()
             hold = False
             try:
@@ -205,7 +217,7 @@ class Fleet:
     async def load_from_disk(self, path: str, version: int, sent: SentDigests | Future | None = None) -> None:
         await self._on_members(lambda e: e.update_weights_from_disk(path, version), "update_weights_from_disk")
         self.weights_path, self.weights_tensors = str(path), None
-        await self.check_weights(await self._sent(sent, version))
+        await self._judge(sent, version)
 
     async def _sent(self, sent: SentDigests | Future | None, version: int) -> SentDigests | None:
         """The trainer's digests of ``version``: as given, or, given as a ``concurrent.futures.Future`` (the
@@ -248,9 +260,47 @@ class Fleet:
         self.weights_path = None  # the weights now loaded are on no disk
         # A joiner (a restarted server) takes these; kept only when servers may join (one model's copy)
         self.weights_tensors = list(named_tensors) if self.elastic is not None else None
-        await self.check_weights(await self._sent(sent, version))
+        await self._judge(sent, version)
 
     # ------------------------------------------------------------ the integrity gate
+    async def _judge(self, sent: SentDigests | Future | None, version: int) -> None:
+        """The integrity gate on the update to ``version`` just loaded: :meth:`check_weights` now (generation
+        still paused), or, when this update's check runs beside generation (``defer_check``), begun as a task
+        (:meth:`check_beside`) with the hand-out held until it ends."""
+        if not self.defer_check or sent is None:
+            await self.check_weights(await self._sent(sent, version))
+            return
+        self.admission.hold_hand_out(version)
+        self.checking = asyncio.ensure_future(self.check_beside(sent, version))
+
+    async def check_beside(self, sent: SentDigests | Future, version: int) -> None:
+        """``rollout.weight_check_holds: training``: the check of ``version`` while generation goes on. The trainer
+        is handed no batch until it has ended; a failure (a server that differs leaves routing at once, a digest
+        that never came) is raised by every hand-out from then on and by the next update, so no sample generated
+        since the update is trained on and the run stops naming the server and the tensors. Never raises
+        itself."""
+        failure: BaseException | None = None
+        try:
+            await self.check_weights(await self._sent(sent, version))
+        except asyncio.CancelledError:  # the controller is closing: nothing unchecked may be handed out after
+            failure = RuntimeError(f"the check of the weights of version {version} was cancelled")
+            raise
+        except Exception as exc:
+            failure = self.check_failure = exc
+            log.error("weight check of version %d (beside generation) failed: %s", version, exc)
+        finally:
+            self.admission.checked(version, failure)
+
+    async def settle_check(self) -> None:
+        """Wait for the last update's check beside generation to end; raise how it failed, if it did."""
+        task = self.checking
+        if task is not None:
+            await asyncio.shield(task)  # an awaiter cancelled must not cancel the check itself
+            if self.checking is task:
+                self.checking = None
+        if self.check_failure is not None:
+            raise self.check_failure
+
     async def check_weights(self, sent: SentDigests | None) -> None:
         """Every routed engine that declares ``weight_digest`` reports the digests of what it now holds; one
         that differs from ``sent`` (the trainer's) leaves routing before generation resumes: the run stops

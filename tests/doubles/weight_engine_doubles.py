@@ -217,7 +217,7 @@ class HandOverRig:
         self.controller = RolloutController(
             self.engines, GroupWorkflowDouble(), batch_size=1, request_timeout_s=request_timeout_s,
             elastic=ElasticConfig(enabled=True, interval_s=0.05, cooldown_s=0.0) if elastic else None,
-            engine_factory=factory).start()
+            engine_factory=factory, weight_check_holds=self.cfg.rollout.weight_check_holds).start()
         self.handover = WeightHandOver(self.cfg, self.actor, run_dir, 0, 1)
         self.handover.controller = self.controller
 

@@ -27,11 +27,13 @@ touches the model happens between two decode steps of one thread:
   nothing changed, when the server does not hold ``base_version``.
 - ``GET /weight_digest?mode=on|sample``: the version and, per tensor name, the
   digest (:func:`areal_core.weight_check.tensor_digest`) of the weights the
-  model holds now, taken on the engine thread between decode steps (the
-  integrity gate, ``rollout.weight_check``), or during the last load when
-  its request named the mode (``digest``; the client does once the gate has
-  asked): then on the engine thread while the load workers rebuild the
-  derived copies, once the new weights are in place. The model's own tensors are
+  model holds now (the integrity gate, ``rollout.weight_check``), taken on a
+  digest thread of the server's own: begun by the last load when its request
+  named the mode (``digest``; the client does once the gate has asked), as
+  soon as the new weights are in place, else when asked. The load answers
+  without waiting for it, so generation may resume while it runs (the
+  controller's ``rollout.weight_check_holds: training``); nothing writes the
+  weights meanwhile (the next load waits for it). The model's own tensors are
   hashed: the copies derived from them for speed (oneDNN-packed linears, the
   lean decoder's fused projections) are checked by the parity probe.
 - ``GET /health``: version, running / waiting counts, paused.
@@ -42,6 +44,7 @@ touches the model happens between two decode steps of one thread:
 # annotations of routes defined inside build_app, which must be real classes.
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import faulthandler
 import logging
@@ -54,7 +57,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from areal_core.api.inference import SamplingParams
-from areal_core.threads import torch_threads
+from areal_core.threads import serial_torch, torch_threads
 from areal_core.weight_check import PROBE_RID_PREFIX
 
 log = logging.getLogger("areal.local.server")
@@ -133,7 +136,13 @@ class EngineLoop:
         self.paused = False
         self.pending: dict[str, Pending] = {}
         self.last_load_s = 0.0  # the last weight update on this thread: read, copy into the model, derived copies
-        self.digested: tuple[str, dict[str, str]] | None = None  # (mode, digests) taken during the last load
+        # The digests of the weights held, on a thread of their own (the load answers without waiting for them):
+        # (mode, future) of those taken since the last load, and the last one begun, which every load waits for
+        # before it changes the weights it reads.
+        self.digested: tuple[str, concurrent.futures.Future] | None = None
+        self._digesting: concurrent.futures.Future | None = None
+        self._digest_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="areal-digest",
+                                                                   initializer=serial_torch)
         self.commands: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="areal-engine", daemon=True)
@@ -226,7 +235,7 @@ class EngineLoop:
             elif name == "delta":
                 self._delta(*args)
             elif name == "digest":
-                self._reply(future, loop, {"version": self.version, "digests": self._digest(*args)})
+                self._answer_digest(*args, future=future, loop=loop)
                 return
             else:
                 raise ValueError(f"unknown command {name!r}")
@@ -263,19 +272,43 @@ class EngineLoop:
         self._update(path, version, lambda: self.gen.load_delta_dir(path, base_version, version, beside=beside))
 
     def _digest_beside(self, mode: str | None) -> Any:
-        """For a load whose client will ask for the digests in ``mode``: take them on this thread once the new
-        weights are in place, while the load workers rebuild the derived copies (see ``_digest``)."""
+        """For a load whose client will ask for the digests in ``mode``: begin them on the digest thread once the
+        new weights are in place (beside the rebuild of the derived copies); the load does not wait for them."""
         if mode not in ("on", "sample"):
             return None
 
         def digest() -> None:
-            self.digested = (mode, self._digest_now(mode))
+            self._begin_digest(mode)
 
         return digest
 
+    def _begin_digest(self, mode: str) -> concurrent.futures.Future:
+        self._digesting = self._digest_pool.submit(self._digest_now, mode)
+        self.digested = (mode, self._digesting)
+        return self._digesting
+
+    def _answer_digest(self, mode: str, *, future: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
+        """Reply to ``GET /weight_digest`` once the digests of the weights held now are taken (those begun by the
+        last load when it was asked for this mode: nothing writes the weights between loads, and every load
+        drops them first), without holding this thread meanwhile."""
+        version = self.version
+        pending = self.digested[1] if self.digested is not None and self.digested[0] == mode else None
+        if pending is None or (pending.done() and pending.exception() is not None):  # none yet, or it failed
+            pending = self._begin_digest(mode)
+
+        def answer(done: concurrent.futures.Future) -> None:
+            if done.exception() is not None:
+                loop.call_soon_threadsafe(_set_exception, future, done.exception())
+            else:
+                self._reply(future, loop, {"version": version, "digests": done.result()})
+
+        pending.add_done_callback(answer)
+
     def _update(self, path: str, version: int, load: Any = None) -> None:
+        if self._digesting is not None:  # it reads the weights this load replaces (its failure went to the asker)
+            concurrent.futures.wait([self._digesting])
         began = time.monotonic()
-        self.digested = None  # taken during this load (_digest_beside), or asked for afterwards
+        self.digested = None  # begun by this load (_digest_beside), or when asked afterwards
         interrupted = []
         for done in self.gen.abort_all():  # nothing runs on stale KV after the swap
             pending = self.pending[done.rid]
@@ -307,15 +340,8 @@ class EngineLoop:
                  len(interrupted))
 
 
-    def _digest(self, mode: str) -> dict[str, str]:
-        """Digests of the weights the model holds (its state dict, in HF names), on this thread: those taken
-        during the last load when it was asked for them in this mode (nothing writes the weights between
-        loads, and every update drops them first), else taken now."""
-        if self.digested is not None and self.digested[0] == mode:
-            return self.digested[1]
-        return self._digest_now(mode)
-
     def _digest_now(self, mode: str) -> dict[str, str]:
+        """Digests of the weights the model holds (its state dict, in HF names); on the digest thread."""
         from areal_core.weight_check import digest_named
 
         # on every core but the one a background rebuild takes (xxhash releases the GIL): one thread on 2 cores
