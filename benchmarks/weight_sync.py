@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/weight_sync.py [--model DIR] [--dtype bfloat16|float32] [--repeats 3]
                                                [--bucket-mb 256] [--whole-path-only]
+                                               [--rebuild background|foreground] [--check-holds training|generation]
 
 Model: ``--model`` (an HF folder), else a random Llama with SmolLM2-135M's
 shapes (30 layers, hidden 576, 9 / 3 heads, MLP 1536, vocab 49,152, tied
@@ -37,9 +38,16 @@ thread (the controller's, see ``areal_core.threads``), pause, transfer (the
 stage write: only the header, the tensors lying in place already), load (the
 server's own phases from ``/health``'s ``last_load_phases``: map and header,
 names and shapes checked, the slot adopted as the model's weights (no copy),
-the packed / fused copies, with the engine's digests taken meanwhile; then the
-rest: HTTP and requeue), the engine's digest (asked for), resume and the first
-token (one greedy token of a short prompt); and
+the engine's digests begun, to go on after the load returns, and the packed /
+fused copies rebuilt (with ``--rebuild background``, the default, only begun
+too); then the rest:
+HTTP and requeue), the check (the engine's digests asked for, then the
+trainer's waited for, compared), resume and the first token (one greedy token
+of a short prompt). With ``--check-holds training`` (the default, as
+``rollout.weight_check_holds``) the check runs beside resume and the first
+token, as the controller's task does, and its rows are shown apart, not on the
+path; with ``generation`` it comes before resume. Either way the line "the
+check's verdict" says when it passed, counted from the optimizer step. Then
 the same token with no update before it, one forward over every weight: the
 whole path cannot be shorter than the export and that. Each row in seconds, bytes/s
 and as a multiple of a plain ``memcpy`` of the same bytes on this machine (one
@@ -109,6 +117,9 @@ def main() -> None:
     parser.add_argument("--whole-path-only", action="store_true", help="only the whole path to the embedded engine")
     parser.add_argument("--rebuild", default="background", choices=["background", "foreground"],
                         help="the server's rebuild of its packed copies (rollout.rebuild_in_background)")
+    parser.add_argument("--check-holds", default="training", choices=["training", "generation"],
+                        help="what waits for the digests' verdict (rollout.weight_check_holds): training (generation "
+                             "resumes at once, the check beside it) or generation (resumes after it)")
     args = parser.parse_args()
     from safetensors.torch import save_file
 
@@ -164,7 +175,7 @@ def main() -> None:
             from areal_local.models import demo_model_path
 
             served = demo_model_path(args.dtype)
-        whole_path(engine, served, args.dtype, bucket, args.repeats, tmp, args.rebuild)
+        whole_path(engine, served, args.dtype, bucket, args.repeats, tmp, args.rebuild, args.check_holds)
         engine.close()
 
 
@@ -212,17 +223,19 @@ ROWS = [("export", "export (into the stage's free slot)", "export"),
         ("load_read", "load: map + header", "load"),
         ("load_checked", "load: names / shapes checked", "load"),
         ("load_copied", "load: adopt the slot (no copy)", "load"),
-        ("load_derived", "load: digest (copies rebuilt beside)", "load"),
+        ("load_derived", "load: copies' rebuild and digest begun", "load"),
         ("load_rest", "load: the rest (HTTP, requeue)", "load"),
-        ("digest_engine", "digest, engine (taken during the load)", "digest"),
+        ("digest_engine", "digest, engine (asked for after the load)", "digest"),
         ("digest_trainer", "digest, trainer (waited for, after)", "digest"),
         ("resume", "resume + first token", "pause / resume"),
         ("whole", "whole path", None)]
 PHASES = ("export", "transfer", "load", "pause / resume", "digest")
+# With --check-holds training the digest rows run beside resume + first token: not on the path
+BESIDE = ("digest_engine", "digest_trainer")
 
 
 def whole_path(train_engine, model: Path, dtype: str, bucket: int, repeats: int, tmp: Path,
-               rebuild: str = "background") -> None:
+               rebuild: str = "background", holds: str = "training") -> None:
     """One tensors update to a real embedded server holding ``model`` (the train engine's shapes), phase by phase
     (see the module's docstring)."""
     import asyncio
@@ -276,14 +289,22 @@ def whole_path(train_engine, model: Path, dtype: str, bucket: int, repeats: int,
             for key, seconds in phases.items():
                 add(f"load_{key}", seconds)
             add("load_rest", took - sum(phases.values()))
-            at = time.perf_counter()
-            held = await client.weight_digest("on")
-            add("digest_engine", time.perf_counter() - at)
-            at = time.perf_counter()
-            sent = await asyncio.wrap_future(sending)  # taken beside the load, as WeightHandOver does
-            add("digest_trainer", time.perf_counter() - at)
-            if compare_digests(sent, held):
-                raise RuntimeError(f"the engine's digests differ from the trainer's: {compare_digests(sent, held)[:3]}")
+
+            async def check() -> float:  # the controller's check_weights: the engine's digests, then the trainer's
+                at = time.perf_counter()
+                held = await client.weight_digest("on")
+                add("digest_engine", time.perf_counter() - at)
+                at = time.perf_counter()
+                sent = await asyncio.wrap_future(sending)  # taken beside the load, as WeightHandOver does
+                add("digest_trainer", time.perf_counter() - at)
+                if compare_digests(sent, held):
+                    raise RuntimeError(f"the engine's digests differ from the trainer's: "
+                                       f"{compare_digests(sent, held)[:3]}")
+                return time.perf_counter()
+
+            # generation: the verdict before generation resumes; training: beside it (the controller's task)
+            checking = asyncio.ensure_future(check()) if holds == "training" else None
+            verdict = await check() if checking is None else None
             at = time.perf_counter()
             await client.resume()
             first = await client.agenerate(GenerationRequest([1, 2, 3, 4], SamplingParams(max_new_tokens=1,
@@ -292,6 +313,9 @@ def whole_path(train_engine, model: Path, dtype: str, bucket: int, repeats: int,
             if first.output_versions != [version]:
                 raise RuntimeError(f"the first token carries version {first.output_versions}, not {version}")
             add("whole", time.perf_counter() - began)
+            if checking is not None:
+                verdict = await checking
+            add("verdict", verdict - began)
             # The derived copies (packed / fused) are rebuilt in the background after the load (the server's
             # defer_derived); a run's next update comes seconds later, so the next repeat waits for them to end.
             deadline = time.monotonic() + 60
@@ -345,13 +369,22 @@ def whole_path(train_engine, model: Path, dtype: str, bucket: int, repeats: int,
     def line(label: str, t: float) -> None:
         print(f"  {label:38s} {t:8.3f} {nbytes / t / 1e9 if t > 0 else float('inf'):7.2f} {t / plain:9.1f}")
 
+    beside = BESIDE if holds == "training" else ()
     for key, label, _ in ROWS:
         if key == "load_derived" and rebuild == "foreground":
-            label = "load: packed copies (digest beside)"
-        line(label, median[key])
+            label = "load: packed copies (digest begun beside)"
+        if key not in beside:
+            line(label, median[key])
+    if beside:
+        print("  beside resume + first token (rollout.weight_check_holds: training; the trainer is handed nothing "
+              "until the verdict):")
+        for key, label, _ in ROWS:
+            if key in beside:
+                line(f"  {label}", median[key])
+    line("the check's verdict (from the optimizer step)", median["verdict"])
     print("  the issue's phases:")
     for phase in PHASES:
-        line(f"  {phase}", sum(median[key] for key, _, p in ROWS if p == phase))
+        line(f"  {phase}", sum(median[key] for key, _, p in ROWS if p == phase and key not in beside))
     line("plain memcpy (libc, one thread)", plain)
     line(f"memcpy, torch copy_ ({torch.get_num_threads()} threads)", copy_all)
     line("memcpy, torch copy_ (1 thread)", copy_one)
@@ -360,14 +393,18 @@ def whole_path(train_engine, model: Path, dtype: str, bucket: int, repeats: int,
         line("packed copies, in the background", median["background"])
         print("    (after the load returned, on one load worker; generation runs on the weights themselves meanwhile)")
     print(f"  whole path / plain memcpy: {median['whole'] / plain:.1f}x; the issue's target is 2x")
-    update = sum(median[key] for key, _, phase in ROWS if phase in ("export", "transfer", "load"))
-    print(f"  the update alone (export + transfer + load): {update:.3f} s = {update / plain:.1f}x memcpy; the floor "
+    # Until generation may resume on the new version: with the verdict first (generation) its wait is part of it
+    update = sum(median[key] for key, _, phase in ROWS
+                 if phase in ("export", "transfer", "load") or (phase == "digest" and key not in beside))
+    what = "export + transfer + load" + (" + the digests' verdict" if not beside else "; the verdict comes beside")
+    print(f"  the update alone ({what}): {update:.3f} s = {update / plain:.1f}x memcpy; the floor "
           f"of the whole path (export + a token with no update): {(median['export'] + alone) / plain:.1f}x")
     first_load = sum(rows[key][0] for key, _, phase in ROWS if phase == "load")
     print(f"  the first update (the warm-up, not in the medians): whole path {rows['whole'][0]:.3f} s, load "
           f"{first_load:.3f} s (copy into the model {rows['load_copied'][0]:.3f}, "
-          + (f"digest {rows['load_derived'][0]:.3f}; packed copies in the background {rows['background'][0]:.3f})"
-             if rebuild == "background" else f"packed copies and digest {rows['load_derived'][0]:.3f})"))
+          + (f"packed copies in the background {rows['background'][0]:.3f}; "
+             if rebuild == "background" else f"packed copies {rows['load_derived'][0]:.3f}; ")
+          + f"engine's digest {rows['digest_engine'][0]:.3f})")
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ KIT_ENTRY_POINTS = {
         "waiting_pause_engine_double": "echo_engine_double:WaitingPauseEngineDouble",
         "misspelt_capability_engine_double": "echo_engine_double:MisspeltCapabilityEngineDouble",
         "permuting_loader_engine_double": "echo_engine_double:PermutingLoaderEngineDouble",
+        "pausing_digest_engine_double": "echo_engine_double:PausingDigestEngineDouble",
     },
     "areal.rewards": {
         "toy_reward_double": "reward_doubles:ToyRewardDouble",
@@ -341,12 +342,15 @@ def test_inference_engine_suite_passes_the_echo_double_and_fails_broken_engines(
 
         class TestPermutingLoaderEngine(EngineSuite):
             component_name = "permuting_loader_engine_double"
+
+        class TestPausingDigestEngine(EngineSuite):
+            component_name = "pausing_digest_engine_double"
     """)
     every = set(public_tests(InferenceEngineConformance))
     assert outcomes(results, "TestEchoEngine") == {"passed": every, "skipped": set(), "failed": set()}
 
     generating = {t for t in every if "generat" in t or "logprobs" in t or "versions" in t or "seed" in t
-                  or "concurrent" in t or "pause" in t or "update" in t}
+                  or "concurrent" in t or "pause" in t or "update" in t or "request_runs" in t}
     assert failed(results, "TestShortLogprobsEngine") == generating
     assert "8 output tokens but 7 logprobs" in message(
         results, "TestShortLogprobsEngine::test_generate_stays_within_max_new_tokens")
@@ -365,13 +369,19 @@ def test_inference_engine_suite_passes_the_echo_double_and_fails_broken_engines(
     assert "server log tail of the waiting double" in waiting  # what the suite's diagnostics() adds
     assert waiting.count("came back complete (400 tokens, stop_reason 'length')") == 5  # every attempt, each seed
 
-    assert failed(results, "TestPermutingLoaderEngine") == {"test_weight_digest_matches_the_weights_loaded"}
+    assert failed(results, "TestPermutingLoaderEngine") == {"test_weight_digest_matches_the_weights_loaded",
+                                                            "test_weight_digest_answers_while_a_request_runs"}
     digest_failure = message(results, "TestPermutingLoaderEngine::test_weight_digest_matches_the_weights_loaded")
     assert "differs from the digests the trainer computes (PermutingLoaderEngineDouble.sent_digests, by default " \
            "areal_core.weight_check.digest_folder) for 1 of 2 tensors, e.g. ['layer.weight: sent float32[3,4]:" \
            in digest_failure
 
-    assert failed(results, "TestStaleVersionEngine") == {"test_update_weights_from_disk_sets_the_version"}
+    assert failed(results, "TestPausingDigestEngine") == {"test_weight_digest_answers_while_a_request_runs"}
+    assert "asking for the digests must not interrupt generation" in message(
+        results, "TestPausingDigestEngine::test_weight_digest_answers_while_a_request_runs")
+
+    assert failed(results, "TestStaleVersionEngine") == {"test_update_weights_from_disk_sets_the_version",
+                                                         "test_weight_digest_answers_while_a_request_runs"}
     assert "tokens generated after the update to version 1 carry [0, 0" in message(
         results, "TestStaleVersionEngine::test_update_weights_from_disk_sets_the_version")
 
@@ -391,7 +401,7 @@ def test_undeclared_capabilities_are_skipped_with_their_name(pytester, kit_doubl
     """)
     assert outcomes(results, "TestEchoSeedOnly")["skipped"] == {
         "test_pause_returns_partial_output_and_resume_continues", "test_update_weights_from_disk_sets_the_version",
-        "test_weight_digest_matches_the_weights_loaded"}
+        "test_weight_digest_matches_the_weights_loaded", "test_weight_digest_answers_while_a_request_runs"}
     assert message(results, "TestEchoSeedOnly::test_pause_returns_partial_output_and_resume_continues") == (
         "Skipped: echo_engine_double does not declare capability 'pause'")
     assert message(results, "TestEchoSeedOnly::test_update_weights_from_disk_sets_the_version") == (

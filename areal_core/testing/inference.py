@@ -36,7 +36,8 @@ class InferenceEngineConformance(ComponentConformance):
     Capabilities tested: ``seed``, ``pause``, ``update_weights_from_disk``,
     ``weight_digest`` (after loading :meth:`weights_path_for_update`, the engine's digests of what it holds
     equal the engine's ``sent_digests`` of that folder, :func:`areal_core.weight_check.digest_folder` unless
-    the backend overrides it, in both modes).
+    the backend overrides it, in both modes; and asked while a request runs, as the controller does with
+    ``rollout.weight_check_holds: training``).
     """
 
     kind: ClassVar[str] = "inference_engine"
@@ -234,6 +235,53 @@ class InferenceEngineConformance(ComponentConformance):
                     f"areal_core.weight_check.digest_folder) for {len(differences)} of {len(digests)} tensors, "
                     f"e.g. {differences[:3]}; digest each tensor where it landed, mapped back to the name, shape "
                     "and dtype it was sent in (or override sent_digests to compute what the server reports)")
+
+        self.run_engine(body)
+
+    @requires("weight_digest")
+    @requires("update_weights_from_disk")
+    def test_weight_digest_answers_while_a_request_runs(self) -> None:
+        """With ``rollout.weight_check_holds: training`` (the default) the controller asks for the digests right
+        after the load, while generation already goes on: they must come, be those of the weights loaded, and
+        leave the requests in flight running to their end. The digests are asked for a third of the way through
+        a long request (then a sixth, a twelfth), timed as in the pause test; an attempt whose request had
+        already ended is retried with another seed."""
+        from areal_core.weight_check import compare_digests
+
+        path = self.weights_path_for_update()
+
+        async def body(engine: Any) -> None:
+            sent = engine.sent_digests(path, "on")
+            version = engine.version + 1
+            await self.within(engine.update_weights_from_disk(path, version), "update_weights_from_disk()")
+            began = time.monotonic()
+            timing = await self.generate(engine, self.request(max_new_tokens=self.long_max_new_tokens, seed=999))
+            whole_s = (time.monotonic() - began) / max(1, len(timing.output_ids)) * self.long_max_new_tokens
+            ended_first: list[str] = []
+            for attempt in range(self.pause_attempts):
+                delay = whole_s / 3 / 2 ** (attempt % 3)
+                long = self.request(max_new_tokens=self.long_max_new_tokens, seed=2000 + attempt)
+                running = asyncio.ensure_future(self.generate(engine, long))
+                await asyncio.sleep(delay)
+                if running.done():
+                    ended_first.append(f"asking at {delay:.2f}s: the request had ended with "
+                                       f"{len((await running).output_ids)} tokens")
+                    continue
+                held = await self.within(engine.weight_digest("on"), "weight_digest('on') while a request runs")
+                response = await self.within(running, "the request in flight while the digests were taken")
+                differences = compare_digests(sent, held)
+                assert not differences, (
+                    f"{self.component_name}.weight_digest('on') asked while a request ran differs from the digests "
+                    f"of the weights loaded for {len(differences)} of {len(sent)} tensors, e.g. {differences[:3]}")
+                assert response.stop_reason != "abort" and set(response.output_versions) <= {version}, (
+                    f"the request in flight while the digests were taken ended with {response.stop_reason!r} "
+                    f"after {len(response.output_ids)} tokens, versions {sorted(set(response.output_versions))}: "
+                    "asking for the digests must not interrupt generation")
+                break
+            else:
+                pytest.fail(f"in {self.pause_attempts} attempts no request of up to {self.long_max_new_tokens} "
+                            "tokens was still running when the digests were to be asked for: "
+                            f"{'; '.join(ended_first)}; raise long_max_new_tokens")
 
         self.run_engine(body)
 

@@ -160,6 +160,18 @@ class PermutingLoaderEngineDouble(EchoInferenceEngineDouble):
         self.held = {name: t.flip(0) if t.dim() > 1 else t for name, t in self.held.items()}
 
 
+class PausingDigestEngineDouble(EchoInferenceEngineDouble):
+    """Broken: it pauses to hash what it holds (the requests in flight come back aborted), which a controller
+    checking beside generation (rollout.weight_check_holds: training) turns into interrupted rollouts."""
+
+    async def weight_digest(self, mode: str = "on") -> dict[str, str]:
+        await self.pause()
+        try:
+            return await super().weight_digest(mode)
+        finally:
+            await self.resume()
+
+
 class MisspeltCapabilityEngineDouble(EchoInferenceEngineDouble):
     """Broken: a typo in capabilities would silently skip the pause tests."""
 
