@@ -618,6 +618,12 @@ class Generator:
         return self._rebuilding is not None and not all(future.done() for future in self._rebuilding[0])
 
     @property
+    def derived_live(self) -> bool:
+        """Whether steps now read the derived copies (False from a background rebuild's start until it is
+        settled; always True when the model has none)."""
+        return self._derived_live
+
+    @property
     def background_workers(self) -> int:
         """Load workers a background rebuild takes (``defer_derived``: all but one; 0 without)."""
         return self._load_workers - 1 if self._defer_derived else 0

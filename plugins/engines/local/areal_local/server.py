@@ -36,7 +36,10 @@ touches the model happens between two decode steps of one thread:
   weights meanwhile (the next load waits for it). The model's own tensors are
   hashed: the copies derived from them for speed (oneDNN-packed linears, the
   lean decoder's fused projections) are checked by the parity probe.
-- ``GET /health``: version, running / waiting counts, paused.
+- ``GET /health``: version, running / waiting counts, paused, the last load's
+  phases, whether the derived copies are being rebuilt (``rebuilding``), and
+  the last parity probe admitted (``last_probe``: its rid, version, and
+  whether it ran on the derived copies, ``derived_live``).
 """
 
 
@@ -145,6 +148,9 @@ class EngineLoop:
                                                                    initializer=serial_torch)
         self.commands: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
+        # The last parity probe admitted: its rid, the version it ran on, and whether the derived copies were in
+        # use (they must be: the probe checks what the server serves from then on)
+        self.last_probe: dict | None = None
         self.thread = threading.Thread(target=self._run, name="areal-engine", daemon=True)
 
     def start(self) -> None:
@@ -164,6 +170,7 @@ class EngineLoop:
                 "last_load_phases": self._load_phases(),
                 "digested_during_load": None if self.digested is None else self.digested[0],
                 "rebuilding": getattr(self.gen, "rebuilding", False),
+                "last_probe": self.last_probe,
                 "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}"}
 
     def _load_phases(self) -> dict:
@@ -251,9 +258,13 @@ class EngineLoop:
         if rid in self.pending:
             pending.fail(ValueError(f"request {rid}: a request with this id is already running"))
             return
-        if rid.startswith(PROBE_RID_PREFIX) and hasattr(self.gen, "settle"):
+        probe = rid.startswith(PROBE_RID_PREFIX)
+        if probe and hasattr(self.gen, "settle"):
             self.gen.settle()  # the probe's tokens come from the packed copies the engine serves from from now on
         self.gen.add(rid, list(input_ids), sampling)  # RequestError: the caller sees it as a 400
+        if probe:
+            self.last_probe = {"rid": rid, "version": self.version,
+                               "derived_live": bool(getattr(self.gen, "derived_live", True))}
         self.pending[rid] = pending
 
     def _update_from(self, path: str, version: int, adopt: bool = False, digest: str | None = None) -> None:
