@@ -204,3 +204,76 @@ def test_a_trainer_killed_while_it_exports_into_the_stage_resumes_and_leaves_no_
     left = [p.name for p in Path("/dev/shm").iterdir()
             if p.name.startswith(("areal-weights-", "areal-delta-")) and f"-{trainer}-" in p.name]
     assert left == [], left
+
+
+@requires_plugin("areal.engines.inference", "local")
+@requires_plugin("areal.algorithms", "grpo")
+@requires_plugin("areal.workflows", "rlvr")
+@requires_plugin("areal.datasets", "arithmetic")
+@pytest.mark.slow
+def test_a_trainer_killed_during_a_delta_update_resumes_and_leaves_no_shared_memory(tmp_path):
+    """A delta update under a real kill (issue 26): with bf16 weights and ``rollout.weight_delta: auto`` the
+    trainer hands each version after the first over as a delta, a safetensors file in a folder of its own in
+    /dev/shm (``areal-delta-<pid>-...``) that lives while it is written and the server applies it. The trainer
+    is SIGKILLed as soon as such a folder appears. Then the run stops naming the rank, nothing of the run
+    outlives it, the folder is still there (SIGKILL skips every cleanup), and ``--resume`` finishes every step
+    once with the integrity gate on, sweeping the dead trainer's folders: nothing of it is left in /dev/shm."""
+    import signal
+    import time
+
+    from areal_core.testing import tiny_model
+    from areal_core.testing.processes import launched_pids, processes_mentioning, read_jsonl
+
+    model = tiny_model(tmp_path / "tiny", seed=0, hidden_size=128, layers=4)
+    (tmp_path / "t5_parity_reward.py").write_text(REWARD_MODULE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    runs, steps = tmp_path / "runs", 8
+    run_dir = runs / "kill" / "delta"
+    # lr 1e-5 on bf16 weights: few elements change bits per step, so every update after the first is a delta
+    cmd = [AREAL, "run", f"output_dir={runs}", "experiment=kill", "trial=delta", "allocation=local:cpu+fsdp:cpu",
+           f"model.path={model}", "model.dtype=bfloat16", "rollout.weight_sync=tensors", "rollout.weight_delta=auto",
+           "rollout.weight_check=on", f"trainer.total_steps={steps}", "trainer.save_every=2", "rollout.batch_size=2",
+           "rollout.group_size=4", "rollout.sampling.max_new_tokens=8", "eval.size=0",
+           "rollout.max_head_offpolicyness=1", "actor.optimizer.lr=1e-5", "reward.name=function",
+           "reward.target=t5_parity_reward:score"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        trainer = None
+        while trainer is None:  # the trainer (rank 0 hands the weights over), after its first step
+            assert proc.poll() is None, proc.communicate()[0][-4000:]
+            assert time.monotonic() < deadline, "waited 180 s for the run's trainer and its step 1"
+            pids = launched_pids("areal_core.trainer", str(run_dir))
+            if pids and read_jsonl(run_dir / "metrics.jsonl"):
+                trainer = pids[0]
+            time.sleep(0.05)
+        prefix, caught = f"areal-delta-{trainer}-", None
+        while caught is None:  # a delta being written or applied: its folder exists only meanwhile
+            assert proc.poll() is None, proc.communicate()[0][-4000:]
+            assert time.monotonic() < deadline, "waited 180 s for a delta update to catch"
+            caught = next((Path(e.path) for e in os.scandir("/dev/shm") if e.name.startswith(prefix)), None)
+        os.kill(trainer, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 1 and "actor-rank0 was killed by signal 9" in out, out[-4000:]
+    deadline = time.monotonic() + 20
+    while processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_mentioning(str(run_dir)) == [], "processes of the run outlived the killed trainer"
+    assert caught.exists()  # SIGKILL skips every cleanup: the next stage on this machine must sweep it
+
+    resumed = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    assert all(m["time/weight_digest_s"] > 0 for m in metrics)  # the gate checked every update, resumed ones too
+    assert any(m.get("weight_sync/delta_bytes", 0) > 0 for m in metrics), \
+        "no update went as a delta: the test did not exercise what it kills"
+    assert not caught.exists()
+    left = [p.name for p in Path("/dev/shm").iterdir()
+            if p.name.startswith(("areal-weights-", "areal-delta-")) and f"-{trainer}-" in p.name]
+    assert left == [], left
