@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -125,6 +126,95 @@ def _stage_headers(folder: Path) -> dict[Path, bytes]:
     return out
 
 
+class KilledRun:
+    """``areal run`` with the fsdp trainer and the embedded engine, weights as tensors through /dev/shm with the
+    integrity gate on, whose trainer a test SIGKILLs at a moment it picks (:meth:`kill_when`); then
+    :meth:`check_stopped` and :meth:`check_resumed` check the documented outcome."""
+
+    STEPS = 8
+
+    def __init__(self, tmp_path: Path, trial: str, *overrides: str) -> None:
+        from areal_core.testing import tiny_model
+
+        model = tiny_model(tmp_path / "tiny", seed=0, hidden_size=128, layers=4)  # an export of ~1 ms, not ~0.1
+        (tmp_path / "t5_parity_reward.py").write_text(REWARD_MODULE)
+        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+                    "OMP_NUM_THREADS": "1"}
+        runs = tmp_path / "runs"
+        self.run_dir = runs / "kill" / trial
+        self.cmd = [AREAL, "run", f"output_dir={runs}", "experiment=kill", f"trial={trial}",
+                    "allocation=local:cpu+fsdp:cpu", f"model.path={model}", "rollout.weight_sync=tensors",
+                    "rollout.weight_check=on", f"trainer.total_steps={self.STEPS}", "trainer.save_every=2",
+                    "rollout.batch_size=2", "rollout.group_size=4", "rollout.sampling.max_new_tokens=8", "eval.size=0",
+                    "rollout.max_head_offpolicyness=1", "reward.name=function",
+                    "reward.target=t5_parity_reward:score", *overrides]
+        self.trainer: int | None = None
+
+    def kill_when(self, ready: Any, moment: Any, what: str) -> Any:
+        """Start the run; once ``ready(trainer_pid)`` gives something (polled every 0.05 s) and then
+        ``moment(that)`` does (polled as fast as it goes), SIGKILL the trainer; both's results. Fails if the run
+        ends first or 180 s pass."""
+        import signal
+        import time
+
+        from areal_core.testing.processes import launched_pids
+
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
+        try:
+            deadline = time.monotonic() + 180
+            got = None
+            while got is None:
+                assert self.proc.poll() is None, self.proc.communicate()[0][-4000:]
+                assert time.monotonic() < deadline, f"waited 180 s for the run's trainer ({what})"
+                pids = launched_pids("areal_core.trainer", str(self.run_dir))
+                if pids:
+                    self.trainer = pids[0]
+                    got = ready(self.trainer)
+                time.sleep(0.05)
+            caught = None
+            while caught is None:
+                assert self.proc.poll() is None, self.proc.communicate()[0][-4000:]
+                assert time.monotonic() < deadline, f"waited 180 s for {what} to catch"
+                caught = moment(got)
+            os.kill(self.trainer, signal.SIGKILL)
+            self.out, _ = self.proc.communicate(timeout=60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(10)
+        return got, caught
+
+    def check_stopped(self) -> None:
+        """The run stopped naming the rank, and nothing of it outlives the killed trainer."""
+        import time
+
+        from areal_core.testing.processes import processes_mentioning
+
+        assert self.proc.returncode == 1 and "actor-rank0 was killed by signal 9" in self.out, self.out[-4000:]
+        deadline = time.monotonic() + 20
+        while processes_mentioning(str(self.run_dir)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert processes_mentioning(str(self.run_dir)) == [], "processes of the run outlived the killed trainer"
+
+    def check_resumed(self) -> list[dict]:
+        """``--resume`` finishes every step once, the gate checking every update, and nothing of the dead trainer
+        is left in /dev/shm; the metrics."""
+        from areal_core.testing.processes import read_jsonl
+
+        resumed = subprocess.run(self.cmd + ["--resume"], env=self.env, capture_output=True, text=True, timeout=300)
+        assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
+        metrics = read_jsonl(self.run_dir / "metrics.jsonl")
+        assert [m["step"] for m in metrics] == list(range(1, self.STEPS + 1))
+        assert all(m["time/weight_digest_s"] > 0 for m in metrics)  # the gate checked every update, resumed ones too
+        assert "resume: the inference engines serve the restored weights" in \
+            (self.run_dir / "logs" / "actor-rank0.log").read_text()
+        left = [p.name for p in Path("/dev/shm").iterdir()
+                if p.name.startswith(("areal-weights-", "areal-delta-")) and f"-{self.trainer}-" in p.name]
+        assert left == [], left
+        return metrics
+
+
 @requires_plugin("areal.engines.inference", "local")
 @requires_plugin("areal.algorithms", "grpo")
 @requires_plugin("areal.workflows", "rlvr")
@@ -137,73 +227,29 @@ def test_a_trainer_killed_while_it_exports_into_the_stage_resumes_and_leaves_no_
     independent safetensors reader, the run stops naming the rank, nothing of the run outlives it, and
     ``--resume`` finishes every step once with the integrity gate on, its first stage sweeping the dead
     trainer's folder, and nothing is left in /dev/shm after it."""
-    import signal
-    import time
-
     from safetensors import safe_open
 
-    from areal_core.testing import tiny_model
-    from areal_core.testing.processes import launched_pids, processes_mentioning, read_jsonl
+    from areal_core.testing.processes import read_jsonl
 
-    model = tiny_model(tmp_path / "tiny", seed=0, hidden_size=128, layers=4)  # an export of ~1 ms, not ~0.1
-    (tmp_path / "t5_parity_reward.py").write_text(REWARD_MODULE)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    runs, steps = tmp_path / "runs", 8
-    run_dir = runs / "kill" / "export"
-    cmd = [AREAL, "run", f"output_dir={runs}", "experiment=kill", "trial=export", "allocation=local:cpu+fsdp:cpu",
-           f"model.path={model}", "model.dtype=float32", "rollout.weight_sync=tensors", "rollout.weight_delta=off",
-           "rollout.weight_check=on", f"trainer.total_steps={steps}", "trainer.save_every=2", "rollout.batch_size=2",
-           "rollout.group_size=4", "rollout.sampling.max_new_tokens=8", "eval.size=0",
-           "rollout.max_head_offpolicyness=1", "actor.optimizer.lr=1e-3", "reward.name=function",
-           "reward.target=t5_parity_reward:score"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 180
-        trainer, folder = None, None
-        while folder is None:  # the trainer (rank 0 holds the stage) and its stage folder, after step 2
-            assert proc.poll() is None, proc.communicate()[0][-4000:]
-            assert time.monotonic() < deadline, "waited 180 s for the run's trainer, its stage and step 2"
-            pids = launched_pids("areal_core.trainer", str(run_dir))
-            if pids and len(read_jsonl(run_dir / "metrics.jsonl")) >= 2:
-                trainer = pids[0]
-                found = sorted(Path("/dev/shm").glob(f"areal-weights-{trainer}-*"))
-                folder = found[0] if found else None
-            time.sleep(0.05)
-        caught = None
-        while caught is None:  # a stage file whose header length is zero: a version is being written into it
-            assert proc.poll() is None, proc.communicate()[0][-4000:]
-            assert time.monotonic() < deadline, "waited 180 s for an export into the stage to catch"
-            caught = next((file for file, head in _stage_headers(folder).items() if head == bytes(8)), None)
-        os.kill(trainer, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    assert proc.returncode == 1 and "actor-rank0 was killed by signal 9" in out, out[-4000:]
+    run = KilledRun(tmp_path, "export", "model.dtype=float32", "rollout.weight_delta=off", "actor.optimizer.lr=1e-3")
+
+    def stage_after_step_2(trainer: int) -> Path | None:  # rank 0 holds the stage
+        found = sorted(Path("/dev/shm").glob(f"areal-weights-{trainer}-*"))
+        return found[0] if found and len(read_jsonl(run.run_dir / "metrics.jsonl")) >= 2 else None
+
+    def being_written(folder: Path) -> Path | None:  # a stage file whose header length is zero
+        return next((file for file, head in _stage_headers(folder).items() if head == bytes(8)), None)
+
+    folder, caught = run.kill_when(stage_after_step_2, being_written, "an export into the stage")
+    run.check_stopped()
     # The file the dead trainer was writing reads as incomplete to any safetensors reader, not as a version
     assert _stage_headers(folder)[caught] == bytes(8)
     with pytest.raises(Exception):
         with safe_open(str(caught), "pt") as f:
             list(f.keys())
-    deadline = time.monotonic() + 20
-    while processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert processes_mentioning(str(run_dir)) == [], "processes of the run outlived the killed trainer"
     assert folder.exists()  # SIGKILL skips every cleanup: the next stage on this machine must sweep it
-
-    resumed = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
-    assert all(m["time/weight_digest_s"] > 0 for m in metrics)  # the gate checked every update, resumed ones too
-    assert "resume: the inference engines serve the restored weights" in \
-        (run_dir / "logs" / "actor-rank0.log").read_text()
+    run.check_resumed()
     assert not folder.exists()
-    left = [p.name for p in Path("/dev/shm").iterdir()
-            if p.name.startswith(("areal-weights-", "areal-delta-")) and f"-{trainer}-" in p.name]
-    assert left == [], left
 
 
 @requires_plugin("areal.engines.inference", "local")
@@ -218,62 +264,21 @@ def test_a_trainer_killed_during_a_delta_update_resumes_and_leaves_no_shared_mem
     is SIGKILLed as soon as such a folder appears. Then the run stops naming the rank, nothing of the run
     outlives it, the folder is still there (SIGKILL skips every cleanup), and ``--resume`` finishes every step
     once with the integrity gate on, sweeping the dead trainer's folders: nothing of it is left in /dev/shm."""
-    import signal
-    import time
+    from areal_core.testing.processes import read_jsonl
 
-    from areal_core.testing import tiny_model
-    from areal_core.testing.processes import launched_pids, processes_mentioning, read_jsonl
+    # lr 1e-5 on bf16 weights: few elements change bits per step, so the updates after the first go as deltas
+    run = KilledRun(tmp_path, "delta", "model.dtype=bfloat16", "rollout.weight_delta=auto", "actor.optimizer.lr=1e-5")
 
-    model = tiny_model(tmp_path / "tiny", seed=0, hidden_size=128, layers=4)
-    (tmp_path / "t5_parity_reward.py").write_text(REWARD_MODULE)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    runs, steps = tmp_path / "runs", 8
-    run_dir = runs / "kill" / "delta"
-    # lr 1e-5 on bf16 weights: few elements change bits per step, so every update after the first is a delta
-    cmd = [AREAL, "run", f"output_dir={runs}", "experiment=kill", "trial=delta", "allocation=local:cpu+fsdp:cpu",
-           f"model.path={model}", "model.dtype=bfloat16", "rollout.weight_sync=tensors", "rollout.weight_delta=auto",
-           "rollout.weight_check=on", f"trainer.total_steps={steps}", "trainer.save_every=2", "rollout.batch_size=2",
-           "rollout.group_size=4", "rollout.sampling.max_new_tokens=8", "eval.size=0",
-           "rollout.max_head_offpolicyness=1", "actor.optimizer.lr=1e-5", "reward.name=function",
-           "reward.target=t5_parity_reward:score"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 180
-        trainer = None
-        while trainer is None:  # the trainer (rank 0 hands the weights over), after its first step
-            assert proc.poll() is None, proc.communicate()[0][-4000:]
-            assert time.monotonic() < deadline, "waited 180 s for the run's trainer and its step 1"
-            pids = launched_pids("areal_core.trainer", str(run_dir))
-            if pids and read_jsonl(run_dir / "metrics.jsonl"):
-                trainer = pids[0]
-            time.sleep(0.05)
-        prefix, caught = f"areal-delta-{trainer}-", None
-        while caught is None:  # a delta being written or applied: its folder exists only meanwhile
-            assert proc.poll() is None, proc.communicate()[0][-4000:]
-            assert time.monotonic() < deadline, "waited 180 s for a delta update to catch"
-            caught = next((Path(e.path) for e in os.scandir("/dev/shm") if e.name.startswith(prefix)), None)
-        os.kill(trainer, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    assert proc.returncode == 1 and "actor-rank0 was killed by signal 9" in out, out[-4000:]
-    deadline = time.monotonic() + 20
-    while processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert processes_mentioning(str(run_dir)) == [], "processes of the run outlived the killed trainer"
+    def after_step_1(trainer: int) -> str | None:
+        return f"areal-delta-{trainer}-" if read_jsonl(run.run_dir / "metrics.jsonl") else None
+
+    def a_delta_folder(prefix: str) -> Path | None:  # it exists only while a delta is written or applied
+        return next((Path(e.path) for e in os.scandir("/dev/shm") if e.name.startswith(prefix)), None)
+
+    _, caught = run.kill_when(after_step_1, a_delta_folder, "a delta update")
+    run.check_stopped()
     assert caught.exists()  # SIGKILL skips every cleanup: the next stage on this machine must sweep it
-
-    resumed = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
-    assert all(m["time/weight_digest_s"] > 0 for m in metrics)  # the gate checked every update, resumed ones too
+    metrics = run.check_resumed()
     assert any(m.get("weight_sync/delta_bytes", 0) > 0 for m in metrics), \
         "no update went as a delta: the test did not exercise what it kills"
     assert not caught.exists()
-    left = [p.name for p in Path("/dev/shm").iterdir()
-            if p.name.startswith(("areal-weights-", "areal-delta-")) and f"-{trainer}-" in p.name]
-    assert left == [], left
