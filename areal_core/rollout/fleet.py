@@ -275,10 +275,10 @@ class Fleet:
 
     async def check_beside(self, sent: SentDigests | Future, version: int) -> None:
         """``rollout.weight_check_holds: training``: the check of ``version`` while generation goes on. The trainer
-        is handed no batch until it has ended; a failure (a server that differs leaves routing at once, a digest
-        that never came) is raised by every hand-out from then on and by the next update, so no sample generated
-        since the update is trained on and the run stops naming the server and the tensors. Never raises
-        itself."""
+        is handed no batch holding a token of ``version`` until it has ended; a failure (a server that differs
+        leaves routing at once, a digest that never came) is raised by every hand-out from then on and by the
+        next update, so no sample generated since the update is trained on and the run stops naming the server
+        and the tensors. Never raises itself."""
         failure: BaseException | None = None
         try:
             await self.check_weights(await self._sent(sent, version))
