@@ -103,8 +103,9 @@ class RolloutConfig:
                                   "naming it (elastic: it is reloaded); off: no check")
     weight_check_holds: str = spec("training", choices=["training", "generation"],
                                    help="what waits for the digests' verdict after an update: training (generation "
-                                        "resumes at once and the check runs beside it; no batch is handed to the "
-                                        "trainer until it passed, so no sample of unchecked weights is trained on) or "
+                                        "resumes at once and the check runs beside it; no batch holding a token of "
+                                        "the new version is handed to the trainer until it passed, so no sample of "
+                                        "unchecked weights is trained on) or "
                                         "generation (it resumes only once the check passed: no token at all from "
                                         "unchecked weights). Updates with the parity probe, and every update with "
                                         "rollout.elastic on, are checked before generation resumes whatever this says")
