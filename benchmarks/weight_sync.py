@@ -376,8 +376,8 @@ def whole_path(train_engine, model: Path, dtype: str, bucket: int, repeats: int,
         if key not in beside:
             line(label, median[key])
     if beside:
-        print("  beside resume + first token (rollout.weight_check_holds: training; the trainer is handed nothing "
-              "until the verdict):")
+        print("  beside resume + first token (rollout.weight_check_holds: training; batches holding the new "
+              "version's tokens wait for the verdict):")
         for key, label, _ in ROWS:
             if key in beside:
                 line(f"  {label}", median[key])

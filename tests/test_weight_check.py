@@ -254,9 +254,10 @@ def test_trainer_digests_that_never_come_fail_the_update_naming_the_wait(setup, 
         release.set()
 
 
-def held_digest(engine, monkeypatch):
+def held_digest(engine, controller, monkeypatch):
     """``engine.weight_digest`` waits, once called, until the returned ``release`` is set; ``began`` is set when
-    it is called, and ``paused`` records, when it answers, whether generation (admission) was paused then."""
+    it is called, and ``paused`` records, when it answers, whether ``controller``'s admission (generation) was
+    paused then."""
     import asyncio
     import threading
 
@@ -267,15 +268,11 @@ def held_digest(engine, monkeypatch):
         began.set()
         assert await asyncio.to_thread(release.wait, 30), "the test never released the digest"
         answer = await digest(mode)
-        paused.append(engine_admission_paused(engine))
+        paused.append(controller.admission._paused)
         return answer
 
     monkeypatch.setattr(engine, "weight_digest", held)
     return began, release, paused
-
-
-def engine_admission_paused(engine) -> bool:
-    return engine.rig_controller.admission._paused
 
 
 def wait_until(condition, what: str, timeout_s: float = 30) -> None:
@@ -294,8 +291,7 @@ def test_beside_generation_episodes_run_while_the_check_runs_and_none_is_handed_
     and the next update raise naming the tensor, and the episode generated from the unchecked weights is never
     handed out (loader bug)."""
     s = setup("", fault, weight_probe_every=0, weight_check_holds="training")
-    began, release, _ = held_digest(s.engines[1], monkeypatch)
-    s.engines[1].rig_controller = s.controller
+    began, release, _ = held_digest(s.engines[1], s.controller, monkeypatch)
     s.controller.submit({"id": 6, "length": 3})
     wait_until(lambda: s.controller.stats()["ready"] == 1, "the episode admitted before the update to end")
     try:
@@ -337,8 +333,7 @@ def test_these_updates_are_checked_before_generation_resumes(setup, monkeypatch,
     import threading
 
     s = setup("", "", weight_check_holds=holds, **{"weight_probe_every": 0, **rig})
-    began, release, paused = held_digest(s.engines[0], monkeypatch)
-    s.engines[0].rig_controller = s.controller
+    began, release, paused = held_digest(s.engines[0], s.controller, monkeypatch)
     update = threading.Thread(target=s.update)
     update.start()
     assert began.wait(10)

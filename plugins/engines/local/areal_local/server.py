@@ -316,7 +316,9 @@ class EngineLoop:
         pending.add_done_callback(answer)
 
     def _update(self, path: str, version: int, load: Any = None) -> None:
-        if self._digesting is not None:  # it reads the weights this load replaces (its failure went to the asker)
+        # The last digests begun read the weights this load replaces (their failure went to the asker); the digest
+        # thread is one, so every digest begun before them has ended too.
+        if self._digesting is not None:
             concurrent.futures.wait([self._digesting])
         began = time.monotonic()
         self.digested = None  # begun by this load (_digest_beside), or when asked afterwards

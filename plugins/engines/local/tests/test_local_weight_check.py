@@ -47,11 +47,12 @@ class Servers:
         self.supervisor.wait_ready(process, recipe.ready, 120, recipe.what)
         self.ports.append(port)
 
-    def controller(self) -> RolloutController:
+    def controller(self, holds: str = "generation") -> RolloutController:
         engines = [LocalEngine.create(Context(config=self.config, extras={"address": f"127.0.0.1:{port}",
                                                                           "server_index": i}))
                    for i, port in enumerate(self.ports)]
-        return RolloutController(engines, GroupWorkflowDouble(), batch_size=1, request_timeout_s=60).start()
+        return RolloutController(engines, GroupWorkflowDouble(), batch_size=1, request_timeout_s=60,
+                                 weight_check_holds=holds).start()
 
 
 @pytest.fixture(scope="module")
@@ -75,16 +76,19 @@ def test_digests_match_after_tensors_and_after_a_folder(servers):
         assert controller.fleet.digest_s < 5
 
 
+@pytest.mark.parametrize("holds", ["generation", "training"])
 @pytest.mark.parametrize("fault", [f"permute:{TENSOR}", "skip:model.layers.1."])
-def test_a_loader_bug_at_a_later_update_is_caught_by_the_digests_taken_during_the_load(servers, fault):
+def test_a_loader_bug_at_a_later_update_is_caught_by_the_digests_taken_during_the_load(servers, fault, holds):
     """Once the gate has asked for the digests, the client names the mode in every later load and the server
-    takes them during the load (beside the rebuild of its derived copies): they must still see the bug."""
+    begins them with the load, on its digest thread (beside the rebuild of its derived copies): they must still
+    see the bug, checked before generation resumes or beside it (``weight_check_holds``; then the trainer's wait
+    for the check raises, as ``WeightHandOver.finish`` does)."""
     from safetensors.torch import load_file
 
     servers.fault_file.write_text("")
     first = list(load_file(str(servers.other / "model.safetensors")).items())
     second = list(load_file(str(servers.model / "model.safetensors")).items())
-    with servers.controller() as controller:
+    with servers.controller(holds) as controller:
         controller.update_weights_from_tensors(first, 1, sent=SentDigests(1, "on", digest_named(first)))
         engine = controller.engines[0]
         controller.update_weights_from_tensors(second, 2, sent=SentDigests(2, "on", digest_named(second)))
@@ -93,6 +97,8 @@ def test_a_loader_bug_at_a_later_update_is_caught_by_the_digests_taken_during_th
         servers.fault_file.write_text(fault)
         with pytest.raises(WeightCheckError) as error:
             controller.update_weights_from_tensors(first, 3, sent=SentDigests(3, "on", digest_named(first)))
+            assert holds == "training"
+            controller.settle_weight_check()
         assert "does not serve the weights of version 3" in str(error.value) and TENSOR in str(error.value)
     servers.fault_file.write_text("")
 
