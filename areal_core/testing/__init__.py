@@ -18,7 +18,8 @@ Helpers that several plugins' tests share live here too, so each plugin's
 tests run with only the core and that plugin installed: :func:`tiny_model`
 (a tiny random HF model folder, in :mod:`areal_core.testing.models` beside
 the numbers tests compare) and :func:`requires_plugin` (skip a test that
-drives another plugin when that plugin is not installed).
+drives another plugin when that plugin is not installed), and :func:`scaled` /
+:func:`wait_until` (timeouts a slow machine raises with ``AREAL_TEST_TIMEOUT_SCALE``).
 
 Only test suites import this package (it imports pytest; never torch);
 importing :mod:`areal_core` does not.
@@ -33,6 +34,7 @@ from areal_core.testing.installed import plugin_installed, requires_plugin
 from areal_core.testing.models import tiny_model
 from areal_core.testing.reward import RewardConformance
 from areal_core.testing.scripted_engine import ScriptedInferenceEngine
+from areal_core.testing.waits import scaled, wait_until
 from areal_core.testing.train import TrainEngineConformance, neg_logprob_loss
 from areal_core.testing.workflow import WorkflowConformance, engine_spans
 
@@ -41,5 +43,5 @@ __all__ = [
     "InferenceEngineConformance",
     "RewardConformance", "ScriptedInferenceEngine", "TrainEngineConformance", "WorkflowConformance",
     "engine_spans", "install_fake_distribution", "neg_logprob_loss", "plugin_installed", "requires",
-    "requires_plugin", "tiny_model",
+    "requires_plugin", "scaled", "tiny_model", "wait_until",
 ]

@@ -11,6 +11,7 @@ import pytest
 
 from areal_core.api.inference import STOP_REASONS, GenerationRequest, GenerationResponse, SamplingParams
 from areal_core.testing.base import ComponentConformance, requires
+from areal_core.testing.waits import SCALE_ENV, scaled, timeout_scale
 
 T = TypeVar("T")
 
@@ -72,11 +73,12 @@ class InferenceEngineConformance(ComponentConformance):
         return asyncio.run(main())
 
     async def within(self, awaitable: Awaitable[T], what: str) -> T:
+        limit = scaled(self.timeout_s)  # AREAL_TEST_TIMEOUT_SCALE raises it on a slow machine
         try:
-            return await asyncio.wait_for(awaitable, self.timeout_s)
+            return await asyncio.wait_for(awaitable, limit)
         except asyncio.TimeoutError:
-            pytest.fail(f"{self.component_name}: {what} did not finish within {self.timeout_s}s "
-                        f"(timeout_s of {type(self).__name__})")
+            pytest.fail(f"{self.component_name}: {what} did not finish within {limit:g}s "
+                        f"(timeout_s of {type(self).__name__}, times {SCALE_ENV}={timeout_scale():g})")
 
     def request(self, **sampling: Any) -> GenerationRequest:
         params = {"max_new_tokens": self.max_new_tokens, **sampling}

@@ -26,7 +26,10 @@ def run_worker_ranks(worker: str | os.PathLike[str], spec: dict, folder: Path, w
                      timeout: float = 300, env: dict[str, str] | None = None) -> None:
     """Run ``worker`` on ``world`` ranks with ``spec`` plus ``"out": folder`` (written to ``folder/spec.json``;
     logs in ``folder/rank{r}.log``). Fails the test, quoting every rank's log tail, when any rank exits
-    non-zero or they take longer than ``timeout`` seconds together."""
+    non-zero or they take longer than ``timeout`` seconds together (:func:`~areal_core.testing.scaled`)."""
+    from areal_core.testing.waits import scaled
+
+    timeout = scaled(timeout)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "spec.json").write_text(json.dumps({**spec, "out": str(folder)}))
     port = free_port()
