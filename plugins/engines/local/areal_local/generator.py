@@ -224,6 +224,11 @@ class Generator:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def progress(self) -> dict[str, int]:
+        """Tokens sampled so far by each live request (running, then waiting), by rid. Safe to call from another
+        thread than the one stepping: it reads copies of the lists (a snapshot, possibly one token behind)."""
+        return {r.rid: len(r.output_ids) for r in [*list(self._rows), *list(self._waiting)]}
+
     # ---------------------------------------------------------------- requests
     def add(self, rid: str, input_ids: list[int], sampling: SamplingParams) -> None:
         """Queue a request; it joins the running batch at the next :meth:`step` with a free row.

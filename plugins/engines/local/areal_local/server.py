@@ -36,7 +36,8 @@ touches the model happens between two decode steps of one thread:
   weights meanwhile (the next load waits for it). The model's own tensors are
   hashed: the copies derived from them for speed (oneDNN-packed linears, the
   lean decoder's fused projections) are checked by the parity probe.
-- ``GET /health``: version, running / waiting counts, paused, the last load's
+- ``GET /health``: version, running / waiting counts, the tokens each
+  unanswered request has produced so far (``progress``: rid -> tokens), paused, the last load's
   phases, whether the derived copies are being rebuilt (``rebuilding``), and
   the last parity probe admitted (``last_probe``: its rid, version, and
   whether it ran on the derived copies, ``derived_live``).
@@ -166,12 +167,20 @@ class EngineLoop:
     def health(self) -> dict:
         return {"status": "ok" if self.error is None else "error", "version": self.version,
                 "running": self.gen.num_running, "waiting": self.gen.num_waiting, "paused": self.paused,
+                "progress": self.progress(),
                 "threads": self.threads, "last_load_s": self.last_load_s,
                 "last_load_phases": self._load_phases(),
                 "digested_during_load": None if self.digested is None else self.digested[0],
                 "rebuilding": getattr(self.gen, "rebuilding", False),
                 "last_probe": self.last_probe,
                 "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}"}
+
+    def progress(self) -> dict[str, int]:
+        """Tokens each unanswered request has produced so far, by rid: those kept across a weight update (already
+        carrying their version) plus those of its current run in the generator. A snapshot read off the HTTP
+        thread while the engine thread steps: copies, never the live containers."""
+        running = self.gen.progress() if hasattr(self.gen, "progress") else {}
+        return {rid: len(p.output_ids) + running.get(rid, 0) for rid, p in list(self.pending.items())}
 
     def _load_phases(self) -> dict:
         """The last load's phases (Generator.load_phases), with ``derived_background``: the derived copies'
