@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from areal_core.testing.processes import launched_pids, process_name, processes_mentioning, read_jsonl
+from areal_core.testing.waits import scaled
 
 AREAL = str(Path(sys.executable).with_name("areal"))
 
@@ -461,28 +462,32 @@ def test_elastic_restarts_a_killed_server_and_it_rejoins_with_the_current_weight
     model = tiny_model(tmp_path / "tiny", seed=0)
     start, runs = rl_run
     lags = tmp_path / f"lags-{sync}.jsonl"
+    release = tmp_path / f"release-{sync}"
     proc = start(f"trial=elastic-{sync}", "allocation=local:d2@cpu+rl_train_double:cpu", "rollout.backend=local",
                  f"model.path={model}", "model.dtype=float32", f"rollout.weight_sync={sync}",
-                 # 60 steps of 0.3 s: time for the replacement (a torch import and a model load) to rejoin
-                 "rollout.max_head_offpolicyness=1", "trainer.total_steps=60", "actor.step_s=0.3",
+                 "rollout.max_head_offpolicyness=1", "trainer.total_steps=20", "actor.step_s=0.3",
                  "rollout.elastic.enabled=true", "rollout.elastic.interval_s=0.5",
                  "rollout.elastic.failure_threshold=2", "rollout.elastic.cooldown_s=0", "rollout.elastic.restarts=1",
-                 extra_env={"AREAL_TEST_LAGS_FILE": str(lags)})
+                 # the step training version 15 waits for the test: the run outlasts the replacement's rejoining
+                 # (a torch import and a model load) however slow the machine, and trains 5 versions after it
+                 extra_env={"AREAL_TEST_LAGS_FILE": str(lags), "AREAL_TEST_HOLD_AT_VERSION": f"15:{release}"})
     run_dir = runs / f"elastic-{sync}"
     wait_for_lines(lags, 3, proc)
     victims = real_server_pids(str(model))
     assert [process_name(pid) for pid in victims] == ["rollout-0", "rollout-1"]
     os.kill(victims[1], signal.SIGKILL)
-    out = finish(proc, timeout=300)
+    wait_for_lines(run_dir / "events.jsonl", 2, proc, timeout_s=300)  # "left", then "joined"
+    release.touch()
+    out = finish(proc, timeout=scaled(300))
     assert "restarting it (restart 1 of 1, rollout.elastic.restarts)" in out
     assert "is back on 127.0.0.1:" in out
     assert "left routing" in out and "joined routing" in out  # the trainer's topology events, on the terminal
     events = read_jsonl(run_dir / "events.jsonl")
     assert [e["event"] for e in events] == ["left", "joined"]
     metrics = read_jsonl(run_dir / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == list(range(1, 61))
+    assert [m["step"] for m in metrics] == list(range(1, 21))
     trained = [json.loads(line) for line in lags.read_text().splitlines()]
-    assert [t["version"] for t in trained] == list(range(60))
+    assert [t["version"] for t in trained] == list(range(20))
     assert max(max(t["lags"]) for t in trained) <= 1
     # The replacement loaded the trainer's weights when it joined and every version after (its own log): it
     # stayed in routing, where only routed servers get updates.

@@ -89,6 +89,14 @@ class CounterTrainEngineDouble(TrainEngine):
             with open(record_to, "a") as f:
                 f.write(json.dumps({"version": self.version, "lags": self.lags[-1]}) + "\n")
         loss, stats = loss_fn(None, None, batch)
+        # "N:FILE": the step that trains version N waits until FILE exists, so a test can keep the run going until
+        # something it waits for has happened (a server rejoining), however fast or loaded the machine is
+        hold = os.environ.get("AREAL_TEST_HOLD_AT_VERSION")
+        if hold and self.version == int(hold.split(":", 1)[0]):
+            from areal_core.testing.waits import wait_until
+
+            release = Path(hold.split(":", 1)[1])
+            wait_until(release.exists, 600, f"{release} to exist (AREAL_TEST_HOLD_AT_VERSION={hold})", 0.05)
         time.sleep(self.context.options.step_s)
         self.state["version"] += 1
         self.state["tokens_seen"] += len(batch["input_ids"])
@@ -306,13 +314,15 @@ def areal_run(folder: Path, trial: str, overrides: list[str], timeout_s: float =
     """``areal run`` of :data:`CONFIG` with the doubles installed (:func:`installed`), output under
     ``folder/runs``, then ``overrides`` (``key=value``: the real engines or algorithm a test puts in place of
     the doubles). Returns the finished process (stdout and stderr together in ``stdout``) and the run's folder.
-    Waits at most ``timeout_s``."""
+    Waits at most ``timeout_s`` (:func:`~areal_core.testing.scaled`)."""
     import subprocess
     import sys
+
+    from areal_core.testing.waits import scaled
 
     areal = str(Path(sys.executable).with_name("areal"))
     with installed(folder) as (config, env):
         proc = subprocess.run([areal, "run", str(config), f"output_dir={folder / 'runs'}", f"trial={trial}",
                                *overrides], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=timeout_s)
+                              timeout=scaled(timeout_s))
     return proc, folder / "runs" / "areal" / trial
