@@ -36,6 +36,7 @@ for; a failure at any step stops everything that was started):
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from dataclasses import dataclass, field
@@ -208,12 +209,15 @@ class RaySession:
                                                             f"to start")
         placed = [Placed(slot, actor, node, log_name=name or slot.name) for slot, actor, node in zip(slots, actors, nodes)]
         self.placed.extend(placed)
-        niced = sorted({p.where() for p in placed if p.node["nice"] > 0})
+        # Against this command's own niceness: a user who runs `areal run` under `nice` chose it for the run; only
+        # what Ray added on top is worth a word (and only that can RAY_worker_niceness=0 undo).
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        niced = sorted({p.where() for p in placed if p.node["nice"] > own})
         if niced:
             self.progress.say(f"the run's processes on {', '.join(niced)} run at nice {max(p.node['nice'] for p in placed)} "
-                              f"(Ray's worker niceness), so anything else on those nodes gets the CPU first; to run "
-                              f"them at normal priority start Ray there with RAY_worker_niceness=0 "
-                              f"(RAY_worker_niceness=0 ray start ...)")
+                              f"(Ray's worker niceness; `areal run` itself runs at nice {own}), so anything else on "
+                              f"those nodes gets the CPU first; to run them at normal priority start Ray there with "
+                              f"RAY_worker_niceness=0 (RAY_worker_niceness=0 ray start ...)")
         return placed
 
     def _get(self, ref: Any, what: str, timeout_s: float | None = None) -> Any:
