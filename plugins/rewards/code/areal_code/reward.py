@@ -36,7 +36,8 @@ class CodeConfig:
     test_code_key: str = spec("test_code", help="item field: assert-style Python run after the solution")
     partial: bool = spec(False, help="score the fraction of tests passed instead of all-or-nothing")
     cpu_s: int = spec(5, ge=1, help="CPU seconds per test run (RLIMIT_CPU)")
-    wall_s: float = spec(10.0, gt=0.0, help="wall-clock seconds per test run; then the whole sandbox is killed")
+    wall_s: float = spec(10.0, gt=0.0, help="wall-clock seconds per test run, not counting time spent waiting "
+                                                "for a CPU the machine gave to other work; then the sandbox is killed")
     memory_mb: int = spec(512, ge=64, help="address space per process (RLIMIT_AS)")
     max_processes: int = spec(32, ge=1, help="processes per run (pids cgroup, else RLIMIT_NPROC)")
     file_size_mb: int = spec(16, ge=1, help="largest file or output a run may write (RLIMIT_FSIZE)")

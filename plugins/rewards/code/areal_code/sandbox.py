@@ -16,6 +16,13 @@ Layers, each used where this machine allows it (:func:`isolation` says which):
 - always: its own session (``start_new_session``), a wall-clock bound, a
   fresh folder removed afterwards, a scrubbed environment, an audit hook
   refusing sockets and writes outside the folder.
+
+The wall clock bounds programs that sleep or block; it does not count the time
+the sandbox waited for a CPU that the machine gave to other work (the longest
+run-queue delay among its processes, ``/proc/PID/schedstat``, but no more than
+the wall time they did not spend on a CPU), up to :data:`MAX_CPU_WAIT` times
+``wall_s`` more. Without that, on a machine busy with a run's trainer and
+inference servers a correct solution timed out and scored 0.
 """
 
 from __future__ import annotations
@@ -35,6 +42,12 @@ from pathlib import Path
 
 RUNNER = str(Path(__file__).with_name("_runner.py"))
 MARK = "areal-sandbox: blocked"
+# The wall clock is extended by the time the sandbox waited for a CPU, by at most this many times wall_s: its
+# processes can make one another wait only as long as their CPU seconds (cpu_s each) allow, and a machine so
+# busy that a run waits longer than this is better told by timeouts than by an endless wait.
+MAX_CPU_WAIT = 4.0
+# How often the host looks at the sandbox's run-queue delay while it runs.
+POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,7 @@ class Outcome:
     stdout: str
     stderr: str
     seconds: float
+    cpu_wait_s: float = 0.0  # time the sandbox waited for a CPU, not counted against wall_s
 
 
 @functools.lru_cache(maxsize=1)
@@ -127,6 +141,67 @@ def _kill_cgroup(path: Path) -> None:
         pass
 
 
+def _run_delay_s(pid: int) -> float:
+    """Seconds process ``pid`` has been runnable but not running (the kernel's run-queue delay); 0 when the
+    kernel does not say (no schedstat) or the process has gone."""
+    try:
+        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+TICK_S = 1 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+
+def _usage(session: int, cgroup: Path | None) -> tuple[float, float]:
+    """(the longest run-queue delay, the CPU seconds used) among the sandbox's processes as the host sees them:
+    those of its session (its first process's pid) and of its cgroup (which the code's process joins once set
+    up, and which a process leaving the session stays in)."""
+    pids = {session}
+    if cgroup is not None:
+        try:
+            pids.update(int(p) for p in (cgroup / "cgroup.procs").read_text().split())
+        except (OSError, ValueError):
+            pass
+    cpu = 0.0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            # after the command's closing parenthesis: state, ppid, pgrp, session, ..., utime (11), stime (12)
+            fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == session or int(entry.name) in pids:
+                pids.add(int(entry.name))
+                cpu += (int(fields[11]) + int(fields[12])) * TICK_S
+        except (OSError, IndexError, ValueError):
+            continue
+    return max(_run_delay_s(pid) for pid in pids), cpu
+
+
+def _wait(proc: subprocess.Popen, stdin: bytes | None, limits: Limits, cgroup: Path | None) -> tuple[bool, float]:
+    """Wait for ``proc`` with ``stdin`` written to it: (whether the wall clock ran out, the seconds not counted
+    on it because the sandbox waited for a CPU). Hand-written because subprocess's timeout is plain wall time.
+
+    What is not counted is the longest run-queue delay among the sandbox's processes, but never more than the
+    wall time it did not spend on a CPU: processes of its own that keep one another waiting (a fork bomb) use
+    the CPUs meanwhile, so their waits are the program's own, not the machine's."""
+    start = time.monotonic()
+    cpu_wait = 0.0
+    cap = MAX_CPU_WAIT * limits.wall_s
+    while True:
+        delay, cpu = _usage(proc.pid, cgroup)
+        cpu_wait = min(cap, max(cpu_wait, min(delay, time.monotonic() - start - cpu)))
+        left = start + limits.wall_s + cpu_wait - time.monotonic()
+        if left <= 0:
+            return True, cpu_wait
+        try:
+            # the input goes with the first call only; a retry after a timeout goes on writing it
+            proc.communicate(stdin, timeout=min(left, POLL_S))
+            return False, cpu_wait
+        except subprocess.TimeoutExpired:
+            stdin = None
+
+
 def _pids_max_hit(path: Path | None) -> bool:
     if path is None:
         return False
@@ -196,7 +271,7 @@ def run_python(source: str, stdin: str = "", limits: Limits = Limits(), max_outp
             cmd = [sys.executable, "-I", RUNNER, "run", json.dumps(cfg)]
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(box), "TMPDIR": str(box)}
     start = time.monotonic()
-    timed_out = False
+    timed_out, cpu_wait = False, 0.0
     # Output goes to files, not pipes: RLIMIT_FSIZE then bounds it, and a flood cannot fill our memory.
     with open(work / "stdout", "w+b") as out, open(work / "stderr", "w+b") as err:
         try:
@@ -206,9 +281,7 @@ def run_python(source: str, stdin: str = "", limits: Limits = Limits(), max_outp
             shutil.rmtree(work, ignore_errors=True)
             return Outcome("sandbox_error", None, "", f"could not start the sandbox: {exc}", 0.0)
         try:
-            proc.communicate(stdin.encode(), timeout=limits.wall_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
+            timed_out, cpu_wait = _wait(proc, stdin.encode(), limits, cgroup)
         except (BrokenPipeError, OSError):
             pass
         finally:
@@ -227,4 +300,4 @@ def run_python(source: str, stdin: str = "", limits: Limits = Limits(), max_outp
         stderr = err.read(max_output).decode("utf-8", "replace")
     shutil.rmtree(work, ignore_errors=True)
     status = _status(proc.returncode, stderr, timed_out, forks_refused)
-    return Outcome(status, proc.returncode, stdout, stderr, seconds)
+    return Outcome(status, proc.returncode, stdout, stderr, seconds, cpu_wait)

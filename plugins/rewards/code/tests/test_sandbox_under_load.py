@@ -1,0 +1,63 @@
+"""The sandbox's wall clock on a machine busy with other work: the time it waits for a CPU is not the program's.
+
+The test runs the sandbox on one core shared with 16 busy loops at the same priority (the test process's
+affinity, inherited by both), so a program that needs a fraction of a second of CPU takes several seconds of
+wall time; on a training machine the trainer and the inference servers take that place."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+import pytest
+
+from areal_code.sandbox import MAX_CPU_WAIT, Limits, run_python
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/schedstat") or not hasattr(os, "sched_setaffinity"),
+                                reason="needs Linux's schedstat and CPU affinity")
+
+
+@contextmanager
+def one_busy_core(burners: int = 16):
+    """This process, and what it starts, on one core, with ``burners`` busy loops there too, each in a session of
+    its own as the sandbox is (with the kernel's autogroups, CPU is shared between sessions first)."""
+    before = os.sched_getaffinity(0)
+    core = min(before)
+    os.sched_setaffinity(0, {core})
+    loops = [subprocess.Popen([sys.executable, "-c", "import sys; sys.stdout.write('busy\\n'); sys.stdout.flush()\n"
+                                                    "while True: pass"], stdout=subprocess.PIPE,
+                              start_new_session=True) for _ in range(burners)]
+    try:
+        for loop in loops:  # each is in its loop (not still starting) before the sandbox starts
+            assert loop.stdout.readline() == b"busy\n"
+        yield
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+        os.sched_setaffinity(0, before)
+
+
+def test_a_correct_program_starved_of_cpu_is_not_timed_out():
+    source = "import json, sys\nprint(sum(json.loads(sys.stdin.read())))"
+    limits = Limits(wall_s=0.25)
+    with one_busy_core():
+        outcome = run_python(source, "[1, 2, 3]", limits)
+    # it waited for the core longer than its whole wall clock (else this machine did not starve it: no test)
+    assert outcome.cpu_wait_s > limits.wall_s, outcome
+    assert (outcome.status, outcome.stdout.strip()) == ("ok", "6"), outcome
+    assert outcome.seconds > limits.wall_s  # on the wall clock alone it would have been killed
+
+
+def test_a_sleeping_program_is_still_stopped_when_the_machine_is_busy():
+    limits = Limits(wall_s=0.25)
+    began = time.monotonic()
+    with one_busy_core():
+        outcome = run_python("import time\nwhile True:\n    time.sleep(1)", "", limits)
+    assert outcome.status == "timeout", outcome
+    # at most wall_s plus what it waited for the core (itself at most MAX_CPU_WAIT times wall_s), and the kill
+    assert outcome.seconds <= limits.wall_s * (1 + MAX_CPU_WAIT) + 2, outcome
+    assert time.monotonic() - began < 30
