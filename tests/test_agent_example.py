@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from areal_core.testing.waits import scaled
+
 
 @pytest.mark.slow
 def test_the_example_config_runs_end_to_end_on_the_demo_model(tmp_path):
@@ -21,7 +23,7 @@ def test_the_example_config_runs_end_to_end_on_the_demo_model(tmp_path):
     overrides = [f"output_dir={tmp_path}", "trainer.total_steps=2", "trainer.save_every=0", "eval.size=2",
                  "rollout.group_size=4", "rollout.batch_size=1", "rollout.max_head_offpolicyness=1"]
     proc = subprocess.run([str(Path(sys.executable).with_name("areal")), "run", "examples/agent_calculator.yaml",
-                           *overrides], cwd=root, capture_output=True, text=True, timeout=600)
+                           *overrides], cwd=root, capture_output=True, text=True, timeout=scaled(600))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = tmp_path / "agent_calculator" / "run0"
     assert "agent: areal_agent.examples.calculator:run" in (run_dir / "config.yaml").read_text()

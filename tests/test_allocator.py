@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from areal_core.allocator import retain_freed_memory
+from areal_core.testing.waits import scaled
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
 
@@ -40,7 +41,7 @@ def probe(mode: str, where: str = "main", **env: str) -> tuple[int, str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")
              and k not in ("GLIBC_TUNABLES", "LD_PRELOAD", "AREAL_MALLOC")}
     out = subprocess.run([sys.executable, "-c", PROBE, mode, where], capture_output=True, text=True, check=True,
-                         env={**clean, **env}, timeout=60).stdout.strip()
+                         env={**clean, **env}, timeout=scaled(60)).stdout.strip()
     mmapped, said = out.split("|")
     return int(mmapped), said
 

@@ -8,16 +8,17 @@ import threading
 import pytest
 
 from areal_core.pending import PendingCall
+from areal_core.testing.waits import scaled
 
 
 def test_result_and_failure_reach_the_caller():
-    assert PendingCall.on_thread(lambda: 41 + 1, 5.0, "a background call to add").result() == 42
+    assert PendingCall.on_thread(lambda: 41 + 1, scaled(5.0), "a background call to add").result() == 42
 
     def fail():
         raise ValueError("the server went away")
 
     with pytest.raises(ValueError, match="the server went away"):
-        PendingCall.on_thread(fail, 5.0, "a background call to fail").result()
+        PendingCall.on_thread(fail, scaled(5.0), "a background call to fail").result()
 
 
 def test_a_call_past_its_timeout_is_named():
@@ -60,7 +61,7 @@ def test_a_timeout_given_to_result_overrides_the_calls_own():
     with pytest.raises(TimeoutError, match="^waited 0 s for a background call that waits"):
         call.result(timeout=0.05)
     release.set()
-    assert call.result(timeout=5) is True and call.done()
+    assert call.result(timeout=scaled(5)) is True and call.done()
 
 
 def test_an_evaluation_is_a_pending_call_that_names_what_it_waited_for():
@@ -88,4 +89,4 @@ def test_an_evaluation_is_a_pending_call_that_names_what_it_waited_for():
             pending.result()
         again = ctrl.evaluate(HeldWorkflowDouble(), [1, 2])
         gate.set()
-        assert again.result(timeout=10) == [None, None]
+        assert again.result(timeout=scaled(10)) == [None, None]

@@ -22,6 +22,7 @@ from areal_core.checkpoint import (
     save_pickle_atomic,
     set_rng_state,
 )
+from areal_core.testing.waits import wait_until
 
 
 def writer_of(text):
@@ -172,7 +173,6 @@ WRITER = textwrap.dedent('''
     store = CheckpointStore(sys.argv[1])
     latest = store.latest()
     step = store.load_meta(latest)["step"] + 1 if latest else 0
-    print("ready", flush=True)
     while True:
         files = {name: os.urandom(3 * 1024 * 1024) for name in ("model.bin", "optim.bin")}
         def write(folder):
@@ -184,6 +184,8 @@ WRITER = textwrap.dedent('''
         digests = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
         store.save(step, write, {"sha256": digests})
         store.prune(keep=3)
+        with open(sys.argv[2], "a") as log:
+            log.write(f"saved {step}\\n")
         step += 1
 ''')
 
@@ -195,14 +197,17 @@ def test_sigkill_at_random_moments_never_leaves_a_broken_checkpoint(tmp_path):
     store = CheckpointStore(root)
     rng = random.Random(0)
     steps = []
-    for _ in range(10):
-        proc = subprocess.Popen([sys.executable, str(script), str(root)],
-                                stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline().strip() == "ready"
+    for i in range(10):
+        saved = tmp_path / f"saved-{i}.log"  # a line per checkpoint this writer has saved
+        proc = subprocess.Popen([sys.executable, str(script), str(root), str(saved)])
+        # Each writer saves one checkpoint first, so every round moves the run on however slow the machine; the
+        # kill then lands at a random moment of the saves after it (most of them mid-write).
+        wait_until(lambda: proc.poll() is not None or (saved.exists() and saved.read_text().endswith("\n")), 120,
+                   f"writer {i} to save a checkpoint")
+        assert proc.poll() is None, f"writer {i} exited with {proc.returncode}"
         time.sleep(rng.uniform(0.02, 0.4))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        proc.stdout.close()
 
         # every folder under a final name that has meta.json is whole, not only the latest
         complete = [p for p in root.glob("step-*") if ".tmp-" not in p.name and (p / "meta.json").exists()]

@@ -27,6 +27,7 @@ import pytest
 
 from areal_core import checkpoint
 from areal_core.checkpoint import CheckpointSpaceError, CheckpointStore, is_disk_full
+from areal_core.testing.waits import scaled
 
 MiB = 1024**2
 Usage = namedtuple("Usage", "total used free")
@@ -51,7 +52,7 @@ def can_mount_tmpfs() -> bool:
     probe.mkdir(exist_ok=True)
     try:
         done = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs '{probe}'"],
-                              capture_output=True, timeout=30)
+                              capture_output=True, timeout=scaled(30))
         return done.returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
@@ -66,7 +67,7 @@ def in_tmpfs(mount: Path, size: str, command: str, **kwargs) -> subprocess.Compl
     """Run ``command`` (sh) with a ``size`` tmpfs mounted at ``mount``, in a namespace of its own."""
     mount.mkdir(parents=True, exist_ok=True)
     return subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size={size} tmpfs '{mount}' && "
-                           f"{command}"], capture_output=True, text=True, timeout=180, **kwargs)
+                           f"{command}"], capture_output=True, text=True, timeout=scaled(180), **kwargs)
 
 
 # ------------------------------------------------------------------ the precheck
@@ -329,7 +330,7 @@ def test_a_run_whose_engine_meets_enospc_stops_with_the_message(rl_doubles_env, 
     config, env = rl_doubles_env
     env.update(AREAL_TEST_CHECKPOINT_PAD_MB="1", AREAL_TEST_CHECKPOINT_PAD_DEVICE="/dev/full")
     done = subprocess.run([AREAL, "run", str(config), f"output_dir={tmp_path / 'runs'}", "trial=devfull",
-                           "trainer.total_steps=2"], env=env, capture_output=True, text=True, timeout=180)
+                           "trainer.total_steps=2"], env=env, capture_output=True, text=True, timeout=scaled(180))
     out = done.stdout + done.stderr
     assert done.returncode == 1 and "Traceback" not in out, out
     checkpoints = tmp_path / "runs" / "areal" / "devfull" / "checkpoints"

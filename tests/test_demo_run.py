@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from areal_core.testing.waits import scaled
+
 AREAL = str(Path(sys.executable).with_name("areal"))
 
 
@@ -31,7 +33,7 @@ def test_a_short_default_run_writes_a_complete_run_folder(tmp_path):
                  "rollout.group_size=2", "rollout.max_head_offpolicyness=2", "actor.optimizer.lr=1e-3",
                  # a random model scores 0 on (nearly) every group: the demo's filter would reject them all
                  "rollout.dynamic_filtering=false"]
-    proc = subprocess.run([AREAL, "run", *overrides], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([AREAL, "run", *overrides], capture_output=True, text=True, timeout=scaled(900))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir = tmp_path / "runs" / "demo" / "run0"
 
@@ -67,14 +69,14 @@ def test_a_short_default_run_writes_a_complete_run_folder(tmp_path):
     trained = AutoModelForCausalLM.from_pretrained(latest / "actor")  # plain HF safetensors
     assert trained.config.vocab_size > 0
 
-    plotted = subprocess.run([AREAL, "plot", str(run_dir)], capture_output=True, text=True, timeout=120)
+    plotted = subprocess.run([AREAL, "plot", str(run_dir)], capture_output=True, text=True, timeout=scaled(120))
     assert plotted.returncode == 0, plotted.stderr
     png = run_dir / "curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_plot_names_what_is_missing(tmp_path):
-    proc = subprocess.run([AREAL, "plot", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([AREAL, "plot", str(tmp_path)], capture_output=True, text=True, timeout=scaled(60))
     assert proc.returncode == 1
     assert f"{tmp_path} has no metrics.jsonl. Fix: pass the run folder" in proc.stderr
     assert "Traceback" not in proc.stderr

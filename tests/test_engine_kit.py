@@ -16,6 +16,7 @@ from areal_core.engine_kit.optim import Schedule, adamw_kwargs, parameter_groups
 from areal_core.engine_kit.packing import (buckets, first_fit_decreasing, karmarkar_karp, micro_batches,
                                            rank_micro_batches)
 from areal_core.engine_kit.setup import pick_device, run_config
+from areal_core.testing.waits import scaled
 
 
 def test_importing_the_kit_imports_no_torch():
@@ -234,5 +235,5 @@ def test_max_over_ranks_agrees_over_two_gloo_ranks(tmp_path):
     )
     procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], stdout=subprocess.PIPE, text=True)
              for r in range(2)]
-    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    outs = [p.communicate(timeout=scaled(120))[0].strip() for p in procs]
     assert [p.returncode for p in procs] == [0, 0] and outs == ["11", "11"]

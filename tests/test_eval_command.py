@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from areal_core.testing.processes import read_jsonl
+from areal_core.testing.waits import scaled
 
 AREAL = str(Path(sys.executable).with_name("areal"))
 DOUBLES = Path(__file__).parent / "doubles"
@@ -26,8 +27,10 @@ COMPARED = ("eval/accuracy", "eval/mean_at_k", "eval/reward_mean", "eval/complet
 
 
 def areal(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`areal *args` in ``cwd``, finished within scaled ``timeout``."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(DOUBLES), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([AREAL, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([AREAL, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=scaled(timeout))
 
 
 def short_run(tmp_path: Path, *overrides: str) -> tuple[Path, Path, dict[int, dict]]:

@@ -3,8 +3,9 @@ outcome (issue 21).
 
 Every run is `areal run` in a subprocess: two real embedded inference servers (``areal_local.server``, a tiny
 random model) and the counter train engine double on one or two ranks, checkpointing every two steps. A fault
-is injected once a random number of steps is recorded, after a random delay; seeds make each moment
-reproducible (``pytest tests/test_faults.py -m slow -k "server-kill and 3"``). What each fault must give:
+is injected once a random number of steps is recorded, after a random delay, while the run holds two steps later
+until the fault is in (so however loaded the machine, it is still going); seeds make each moment reproducible
+(``pytest tests/test_faults.py -m slow -k "server-kill and 3"``). What each fault must give:
 
 - a train rank killed: the launcher stops within seconds naming the rank and how it died, every process of the
   run is gone, and ``--resume`` finishes the run with each step recorded once and no item trained twice;
@@ -34,6 +35,7 @@ from pathlib import Path
 import pytest
 
 from areal_core.testing.processes import launched_pids, process_name, processes_mentioning, read_jsonl
+from areal_core.testing.waits import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -50,39 +52,50 @@ class Run:
         self.runs = tmp_path / "runs"
         self.run_dir = self.runs / "areal" / trial
         self.lags = tmp_path / f"lags-{trial}.jsonl"
+        self.released = tmp_path / f"released-{trial}"  # a run started with hold_at waits for this file
         self.args = [f"output_dir={self.runs}", f"trial={trial}", "rollout.backend=local", f"model.path={model}",
                      "model.dtype=float32", f"rollout.max_head_offpolicyness={ETA}", f"trainer.total_steps={STEPS}",
                      "trainer.save_every=2", "actor.step_s=0.25", "rollout.batch_size=2", *extra]
         self.proc: subprocess.Popen | None = None
 
-    def start(self, *more: str) -> subprocess.Popen:
-        self.proc = subprocess.Popen([AREAL, "run", str(self.config), *self.args, *more],
-                                     env={**self.env, "AREAL_TEST_LAGS_FILE": str(self.lags)},
+    def start(self, *more: str, hold_at: int | None = None) -> subprocess.Popen:
+        """Start `areal run`; with ``hold_at``, the step that trains that version waits until :meth:`release`."""
+        env = {**self.env, "AREAL_TEST_LAGS_FILE": str(self.lags)}
+        if hold_at is not None:
+            env["AREAL_TEST_HOLD_AT_VERSION"] = f"{hold_at}:{self.released}"
+        self.proc = subprocess.Popen([AREAL, "run", str(self.config), *self.args, *more], env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         return self.proc
 
     def start_until(self, steps: int, delay_s: float) -> None:
-        """Start, and return ``delay_s`` after ``steps`` steps were trained: the moment of the fault."""
-        self.start()
+        """Start, and return ``delay_s`` after ``steps`` steps were trained: the moment of the fault. The run holds
+        at the step of version ``steps + 2`` (before its last, STEPS - 1) until :meth:`release`, so it has not
+        ended by the fault however long this process was kept off the CPU."""
+        self.start(hold_at=steps + 2)
         self.wait_for_steps(steps)
         time.sleep(delay_s)
 
+    def release(self) -> None:
+        """Let a run started with ``hold_at`` go on past that step (call once the fault is in)."""
+        self.released.touch()
+
     def wait_for_steps(self, n: int, timeout_s: float = 180) -> None:
-        deadline = time.monotonic() + timeout_s
+        limit = scaled(timeout_s)
+        deadline = time.monotonic() + limit
         while len(read_jsonl(self.lags)) < n:
             assert self.proc.poll() is None, self.proc.communicate()[0]
-            assert time.monotonic() < deadline, f"waited {timeout_s:.0f} s for {n} trained steps"
+            assert time.monotonic() < deadline, f"waited {limit:.0f} s for {n} trained steps"
             time.sleep(0.02)
 
     def finish(self, timeout_s: float = 300) -> str:
-        out, _ = self.proc.communicate(timeout=timeout_s)
+        out, _ = self.proc.communicate(timeout=scaled(timeout_s))
         assert self.proc.returncode == 0, out
         return out
 
     def fails(self, within_s: float) -> tuple[str, float]:
-        """The launcher's output and how long after this call it exited (it must, within ``within_s``)."""
+        """The launcher's output and how long after this call it exited (it must, within scaled ``within_s``)."""
         began = time.monotonic()
-        out, _ = self.proc.communicate(timeout=within_s)
+        out, _ = self.proc.communicate(timeout=scaled(within_s))
         return out, time.monotonic() - began
 
     def pids(self, role: str) -> list[int]:
@@ -91,7 +104,7 @@ class Run:
         return launched_pids(module, str(self.model), str(self.run_dir))
 
     def assert_no_orphans(self, within_s: float = 20) -> None:
-        deadline = time.monotonic() + within_s
+        deadline = time.monotonic() + scaled(within_s)
         while (left := processes_mentioning(str(self.run_dir)) + processes_mentioning(str(self.model))) and \
                 time.monotonic() < deadline:
             time.sleep(0.1)
@@ -143,9 +156,10 @@ def test_train_rank_killed(faulty_run, seed):
     assert [process_name(pid) for pid in trainers] == ["actor-rank0", "actor-rank1"]
     rank = rng.randrange(2)
     os.kill(trainers[rank], signal.SIGKILL)
+    run.release()
     out, took = run.fails(within_s=60)
     assert run.proc.returncode == 1 and "was killed by signal 9 (SIGKILL)" in out, out
-    assert f"actor-rank{rank} was killed by signal 9" in out and took < 30, (took, out)
+    assert f"actor-rank{rank} was killed by signal 9" in out and took < scaled(30), (took, out)
     run.assert_no_orphans()
     run.start("--resume")
     run.finish()
@@ -163,10 +177,11 @@ def test_train_rank_hung(faulty_run):
     trainers = run.pids("trainer")
     assert [process_name(pid) for pid in trainers] == ["actor-rank0", "actor-rank1"]
     os.kill(trainers[1], signal.SIGSTOP)
+    run.release()
     out, took = run.fails(within_s=120)
     assert run.proc.returncode == 1 and "exited with code 1" in out, out
     assert "waited trainer.collective_timeout_s = 15 s" in out and "one of them is hung or lost" in out, out
-    assert took < 15 + 45, (took, out)
+    assert took < 15 + scaled(45), (took, out)  # the collective timeout under test, and the teardown after it
     run.assert_no_orphans()
     run.start("--resume")
     run.finish()
@@ -179,7 +194,8 @@ def test_launcher_killed(faulty_run, seed):
     run = faulty_run(f"launcher-kill-{seed}", "allocation=local:d2@cpu+rl_train_double:cpu")
     run.start_until(steps, delay)
     run.proc.send_signal(signal.SIGKILL)  # no cleanup runs in the launcher: its children must follow anyway
-    run.proc.wait(30)
+    run.release()
+    run.proc.wait(scaled(30))
     run.assert_no_orphans()
     run.start("--resume")
     run.finish()
@@ -189,11 +205,12 @@ def test_launcher_killed(faulty_run, seed):
 def test_launcher_stopped_and_continued(faulty_run):
     _, steps, delay = moment(7)
     run = faulty_run("launcher-stop", "allocation=local:d2@cpu+rl_train_double:cpu")
-    run.start()
+    run.start(hold_at=steps + 2)
     run.wait_for_steps(steps)
     run.proc.send_signal(signal.SIGSTOP)
-    time.sleep(2 + delay)
+    time.sleep(2 + delay)  # how long the launcher stays stopped: the run must finish after any time
     run.proc.send_signal(signal.SIGCONT)
+    run.release()
     run.finish()
     run.assert_trained_once_within_the_bound()
     run.assert_no_orphans()
@@ -215,6 +232,7 @@ def test_server_killed_or_hung(faulty_run, seed, elastic, fault):
     assert [process_name(pid) for pid in servers] == ["rollout-0", "rollout-1"]
     victim = rng.randrange(2)
     os.kill(servers[victim], signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+    run.release()
     try:
         if elastic:
             out = run.finish()
@@ -228,11 +246,11 @@ def test_server_killed_or_hung(faulty_run, seed, elastic, fault):
             out, took = run.fails(within_s=90)
             assert run.proc.returncode == 1, out
             if fault == "kill":
-                assert f"rollout-{victim} was killed by signal 9" in out and took < 30, (took, out)
+                assert f"rollout-{victim} was killed by signal 9" in out and took < scaled(30), (took, out)
             else:
                 assert "rollout.request_timeout_s" in out and "waited 8 s" in out, out
                 assert "embedded engine" in out and "127.0.0.1:" in out, out
-                assert took < 60, (took, out)
+                assert took < 8 + scaled(52), (took, out)  # the request timeout under test, and the teardown
     finally:
         if fault == "hang":
             try:

@@ -16,6 +16,7 @@ from areal_core.config.validate import validate_run
 from areal_core.metrics import JsonlSink, MetricsLogger, TensorboardSink
 from areal_core.registry import list_components, resolve
 from areal_core.testing.distributions import install_fake_distribution
+from areal_core.testing.waits import scaled
 
 DOUBLES = Path(__file__).parent / "doubles"
 AREAL = str(Path(sys.executable).with_name("areal"))
@@ -44,7 +45,7 @@ def test_the_core_ships_jsonl_and_tensorboard_as_loggers_listed_by_areal_plugins
 
     listed = next(d for d in collect_listing()["distributions"] if d["distribution"] == "areal-core")
     assert listed["components"]["logger"] == ["jsonl", "tensorboard"]
-    shown = subprocess.run([AREAL, "plugins", "--json"], capture_output=True, text=True, timeout=120)
+    shown = subprocess.run([AREAL, "plugins", "--json"], capture_output=True, text=True, timeout=scaled(120))
     core = next(d for d in json.loads(shown.stdout)["distributions"] if d["distribution"] == "areal-core")
     assert core["components"]["logger"] == ["jsonl", "tensorboard"]
 
@@ -91,7 +92,7 @@ def test_areal_check_refuses_an_unknown_logger_without_a_traceback(monkeypatch):
 
     env = {**os.environ, "AREAL_DISABLE_PLUGINS": NO_FIRST_PARTY}
     proc = subprocess.run([AREAL, "check", "metrics.loggers=[jsonl,mlflow]"], capture_output=True, text=True,
-                          timeout=120, env=env)
+                          timeout=scaled(120), env=env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     assert "metrics.loggers: [jsonl, mlflow]: no metrics logger named 'mlflow' is installed" in out

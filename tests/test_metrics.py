@@ -25,6 +25,7 @@ from areal_core.metrics import (
     histogram,
     summarize,
 )
+from areal_core.testing.waits import scaled
 
 
 def read_jsonl(run_dir):
@@ -205,18 +206,20 @@ def test_for_run_writes_jsonl_and_tensorboard(tmp_path):
 
 
 class SlowSink(ListSink):
-    """A tracker whose every write takes ``seconds`` (a database, a store that retries), or waits for ``gate``."""
+    """A tracker whose every write waits for ``gate`` (a database, a store that retries) and records the thread it
+    ran on."""
 
-    def __init__(self, seconds=0.0, gate=None, fail_at=None):
+    def __init__(self, gate=None, fail_at=None):
         super().__init__()
-        self.seconds, self.gate, self.fail_at, self.closed_after = seconds, gate, fail_at, None
+        self.gate, self.fail_at, self.closed_after = gate, fail_at, None
         self.entered = threading.Event()
+        self.threads = set()
 
     def write(self, step, metrics):
         self.entered.set()
+        self.threads.add(threading.get_ident())
         if self.gate is not None:
-            self.gate.wait(30)
-        time.sleep(self.seconds)
+            self.gate.wait(scaled(30))
         if step == self.fail_at:
             raise OSError("store refused")
         super().write(step, metrics)
@@ -226,15 +229,18 @@ class SlowSink(ListSink):
 
 
 def test_a_background_sink_never_holds_the_step_and_keeps_every_step_in_order():
-    slow, failures = SlowSink(seconds=0.3), []
-    sink = BackgroundSink(slow, "slow", lambda step, e: failures.append(step))
-    began = time.monotonic()
+    gate = threading.Event()
+    slow, failures = SlowSink(gate=gate), []
+    sink = BackgroundSink(slow, "slow", lambda step, e: failures.append(step), close_timeout_s=scaled(30))
     for step in range(4):
         sink.write(step, {"loss": float(step)})
-    assert time.monotonic() - began < 0.25  # four writes of 0.3 s each, none waited for
+    # every write waits for the gate, which opens only now: the step went on without waiting for any of them
+    assert slow.rows == [] and not gate.is_set()
+    gate.set()
     sink.close()
     assert [(step, m["loss"]) for step, m in slow.rows] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0)]
     assert slow.closed_after == 4 and failures == []  # closed after the last write, on the writer's thread
+    assert slow.threads and threading.get_ident() not in slow.threads
 
 
 def test_a_background_sink_that_fails_is_reported_once_and_takes_no_more():
@@ -252,12 +258,12 @@ def test_a_stuck_background_sink_is_named_at_close_and_a_full_queue_drops_steps_
     sink = BackgroundSink(stuck, "metrics logger 'stuck'", lambda step, e: None, max_queued=2, close_timeout_s=0.3)
     with caplog.at_level(logging.WARNING, logger="areal_core.metrics"):
         sink.write(0, {"loss": 0.0})
-        assert stuck.entered.wait(10)
+        assert stuck.entered.wait(scaled(10))
         for step in range(1, 6):  # step 0 being written, two queued, three dropped
             sink.write(step, {"loss": 0.0})
         began = time.monotonic()
         sink.close()
-    assert time.monotonic() - began < 5
+    assert time.monotonic() - began < scaled(5)  # close_timeout_s (0.3 s), not the write's wait for the gate
     messages = [r.getMessage() for r in caplog.records]
     assert len([m for m in messages if "steps behind" in m]) == 1
     assert any("metrics logger 'stuck' is 2 steps behind; step 3 and later ones" in m for m in messages)

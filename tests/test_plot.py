@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from areal_cli.plot import build_figure, elapsed, label_runs, load_run, series
+from areal_core.testing.waits import scaled
 
 AREAL = str(Path(sys.executable).with_name("areal"))
 CHROMIUM = Path("/usr/bin/chromium")
@@ -37,7 +38,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 
 def areal_plot(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([AREAL, "plot", *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+    return subprocess.run([AREAL, "plot", *args], capture_output=True, text=True, timeout=scaled(120), cwd=cwd)
 
 
 def figure_of(paths: list[Path], **options):
@@ -227,8 +228,8 @@ def test_the_html_page_renders_both_runs_in_headless_chromium_offline(runs, tmp_
             page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
             page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
             page.on("request", lambda r: requests.append(r.url))
-            page.goto(page_file.as_uri(), wait_until="load", timeout=60_000)
-            page.wait_for_selector(".plotly-graph-div .scatterlayer .trace", timeout=60_000)
+            page.goto(page_file.as_uri(), wait_until="load", timeout=scaled(60) * 1000)
+            page.wait_for_selector(".plotly-graph-div .scatterlayer .trace", timeout=scaled(60) * 1000)
             legend = page.eval_on_selector_all(".legend .legendtext", "els => els.map(e => e.textContent)")
             traces = page.eval_on_selector_all(".scatterlayer .trace path.js-line", "els => els.length")
             names = page.evaluate("() => document.querySelector('.plotly-graph-div').data.map(t => t.name)")

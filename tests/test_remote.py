@@ -12,6 +12,7 @@ import pytest
 
 from areal_core.api import ServerProcess
 from areal_core.remote import RemoteEngine, RemoteError, ServerFleet, check_server_version, http_ready
+from areal_core.testing.waits import scaled, wait_until
 
 
 class PlainRemote(RemoteEngine):
@@ -21,13 +22,18 @@ class PlainRemote(RemoteEngine):
         raise NotImplementedError
 
 
-def never_ready(index: int, port: int) -> ServerProcess:
-    argv = [sys.executable, "-c", "print('loading weights 3/7', flush=True); import time; time.sleep(60)"]
-    return ServerProcess(argv, lambda: False, f"the never-ready server {index}", startup_timeout_s=1.5)
-
-
 def test_readiness_timeout_names_the_wait_and_quotes_the_log(tmp_path):
-    with ServerFleet(tmp_path) as fleet:
+    printed = tmp_path / "printed"  # the server touches it once its line is in its log
+
+    def never_ready(index: int, port: int) -> ServerProcess:
+        code = (f"import pathlib, time; print('loading weights 3/7', flush=True); pathlib.Path({str(printed)!r})"
+                ".touch(); time.sleep(60)")
+        # Never ready; its first check returns only once the line is in the log, so the readiness timeout (what
+        # this test checks) fires after it however slowly the process starts.
+        return ServerProcess([sys.executable, "-c", code], lambda: not wait_until(printed.exists, 60, "its line"),
+                             f"the never-ready server {index}", startup_timeout_s=1.5)
+
+    with ServerFleet(tmp_path / "logs") as fleet:
         with pytest.raises(TimeoutError) as info:
             fleet.launch(never_ready, 1)
     message = str(info.value)
@@ -37,7 +43,7 @@ def test_readiness_timeout_names_the_wait_and_quotes_the_log(tmp_path):
 def test_launch_serves_on_a_free_port_and_kill_stops_it(tmp_path):
     def recipe(index: int, port: int) -> ServerProcess:
         argv = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
-        return ServerProcess(argv, http_ready(port, "/"), f"http.server {index}", startup_timeout_s=30)
+        return ServerProcess(argv, http_ready(port, "/"), f"http.server {index}", startup_timeout_s=scaled(30))
 
     with ServerFleet(tmp_path) as fleet:
         a, b = fleet.launch(recipe, 2)

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from areal_core.clock import VirtualClock
 from areal_core.rollout import RolloutController, RolloutError, StallError, has_reward_variance, pack_groups
 from areal_core.rollout.staleness import StalenessManager
 from areal_core.testing.latency_engine import GroupWorkflowDouble, LatencyEngineDouble, items, token_for
+from areal_core.testing.waits import scaled
 
 
 def controller(engines, *, batch_size, eta, max_concurrent=64, group_size=2, **kw):
@@ -25,7 +26,7 @@ def train_steps(ctrl, data, steps, check=None):
     """Run `steps` trainer steps: take a batch, check it, update weights to version + 1."""
     batches = []
     for _ in range(steps):
-        batch = ctrl.prepare_batch(data, timeout=30)
+        batch = ctrl.prepare_batch(data, timeout=scaled(30))
         if check:
             check(ctrl, batch)
         batches.append(batch)
@@ -83,18 +84,20 @@ def test_pacing_lead_grows_when_the_trainer_waits_and_shrinks_when_a_batch_is_sp
 
 def paced_run(pacing: bool, phases: list[tuple[float, float, int]]) -> list[tuple[list[int], int]]:
     """Per phase (token latency s, train step s, steps): each batch's largest episode lag (trainer version -
-    start version), and the lead at the phase's end."""
+    start version), and the lead at the phase's end. Both latencies are simulated time (areal_core.clock), so
+    which side is slower is what the phase says, however fast or loaded the machine."""
     data = items(400, seed=5, max_length=4)
     engine = LatencyEngineDouble(seed=5)
+    clock = VirtualClock(threads=1)
     out = []
-    with controller([engine], batch_size=2, eta=3, pacing=pacing) as ctrl:
+    with controller([engine], batch_size=2, eta=3, pacing=pacing, clock=clock) as ctrl:
         for token_latency_s, train_s, steps in phases:
             engine.max_token_latency_s = token_latency_s
             lags = []
             for _ in range(steps):
-                batch = ctrl.prepare_batch(data, timeout=30)
+                batch = ctrl.prepare_batch(data, timeout=scaled(30))
                 lags.append(max(ctrl.version - g.start_version for g in batch))
-                time.sleep(train_s)
+                clock.sleep(train_s)
                 ctrl.update_weights_from_disk(f"/ckpt/v{ctrl.version + 1}", ctrl.version + 1)
             out.append((lags, ctrl.stats()["lead"]))
     return out
@@ -170,11 +173,12 @@ def test_staleness_bound_and_conservation_hold_under_random_latencies(eta, batch
 def test_interrupted_requests_continue_under_new_weights_and_lose_no_token():
     data = [{"id": i, "length": 40} for i in range(4)]
     engine = LatencyEngineDouble(seed=0, max_token_latency_s=0.004)
-    with controller([engine], batch_size=2, eta=1, group_size=1) as ctrl:
+    clock = VirtualClock(threads=1)  # simulated time: the update lands mid-generation however loaded the machine
+    with controller([engine], batch_size=2, eta=1, group_size=1, clock=clock) as ctrl:
         ctrl.set_source(data)
-        time.sleep(0.05)  # episodes are mid-generation
+        clock.sleep(0.05)  # episodes are mid-generation (40 tokens of up to 4 ms each)
         paused_s = ctrl.update_weights_from_disk("/ckpt/v1", 1)
-        batch = ctrl.wait(2, timeout=30)
+        batch = ctrl.wait(2, timeout=scaled(30))
     assert engine.aborts > 0 and engine.updates == [("/ckpt/v1", 1)]
     assert paused_s < 1.0
     mixed = [t for g in batch for t in g.trajectories if len(set(t.versions[4:])) == 2]
@@ -202,7 +206,7 @@ def test_stall_error_names_the_counts():
     data = [{"id": i, "length": 1, "rewards": [1.0, 1.0]} for i in range(5)]
     with controller([LatencyEngineDouble()], batch_size=2, eta=0, should_accept=has_reward_variance) as ctrl:
         with pytest.raises(StallError) as err:
-            ctrl.prepare_batch(data, timeout=30)
+            ctrl.prepare_batch(data, timeout=scaled(30))
     assert str(err.value) == (
         "the data source ran dry: a batch needs 2 accepted groups but only 0 are ready, none running; "
         "5 episodes started, 5 rejected by the workflow or should_accept. Fix: give the dataset more items "
@@ -214,7 +218,7 @@ def test_workflow_crash_surfaces_with_the_item():
     with controller([LatencyEngineDouble()], batch_size=1, eta=0) as ctrl:
         with pytest.raises(RolloutError, match=r"workflow GroupWorkflowDouble failed on item #0 \(\{'id': 0\}\): "
                                                r"KeyError: 'length'"):
-            ctrl.prepare_batch(data, timeout=30)
+            ctrl.prepare_batch(data, timeout=scaled(30))
 
 
 def test_wait_timeout_says_what_it_waited_for():
@@ -228,10 +232,12 @@ def test_sync_rewards_run_off_the_loop():
     from areal_core.api import call_reward
 
     loop_threads = []
+    # each call returns only once another is running beside it: calls serialised on one thread would break it
+    pairs = threading.Barrier(2, timeout=scaled(30))
 
     def slow_reward(prompt, completion, item):
         loop_threads.append(threading.current_thread().name)
-        time.sleep(0.05)
+        pairs.wait()
         return 1.0
 
     class RewardingWorkflow(GroupWorkflowDouble):
@@ -244,11 +250,9 @@ def test_sync_rewards_run_off_the_loop():
 
     ctrl = RolloutController([LatencyEngineDouble()], RewardingWorkflow(4), batch_size=2, max_head_offpolicyness=0)
     with ctrl:
-        began = time.monotonic()
-        batch = ctrl.prepare_batch([{"id": i, "length": 1} for i in range(2)], timeout=30)
-        took = time.monotonic() - began
+        batch = ctrl.prepare_batch([{"id": i, "length": 1} for i in range(2)], timeout=scaled(30))
     assert all(name.startswith("areal-reward") for name in loop_threads)
-    assert len(loop_threads) == 8 and took < 8 * 0.05  # in parallel in the pool, not serialised on the loop
+    assert len(loop_threads) == 8 and not pairs.broken  # in parallel in the pool, not serialised on the loop
     assert [g.rewards for g in batch] == [[1.0] * 4] * 2
 
 
@@ -261,7 +265,7 @@ def test_resume_skips_done_items_and_redoes_in_flight_ones():
     with controller([LatencyEngineDouble()], batch_size=2, eta=2) as resumed:
         resumed.load_state_dict(state)
         with pytest.raises(RuntimeError, match="restored at version 3 but the engines serve version 0"):
-            resumed.prepare_batch(data, timeout=5)
+            resumed.prepare_batch(data, timeout=scaled(5))
         resumed.update_weights_from_disk("/ckpt/v3", 3)  # the trainer hands the restored weights over first
         assert resumed.version == 3 and resumed.engines[0].version == 3
         later = train_steps(resumed, data, 3)
@@ -273,7 +277,7 @@ def test_resume_skips_done_items_and_redoes_in_flight_ones():
 def test_pack_groups_is_padding_free():
     data = [{"id": 0, "length": 3}, {"id": 1, "length": 1}]
     with controller([LatencyEngineDouble()], batch_size=2, eta=0) as ctrl:
-        batch = pack_groups(ctrl.prepare_batch(data, timeout=30))
+        batch = pack_groups(ctrl.prepare_batch(data, timeout=scaled(30)))
     assert batch["seq_lens"] == [7, 7, 5, 5]
     assert batch["cu_seqlens"] == [0, 7, 14, 19, 24]
     assert len(batch["input_ids"]) == len(batch["versions"]) == len(batch["logprobs"]) == 24

@@ -24,6 +24,7 @@ from areal_core.launch import (
     rendezvous_env,
     split_threads,
 )
+from areal_core.testing.waits import scaled, wait_until
 
 PY = sys.executable
 LINUX = sys.platform.startswith("linux")
@@ -55,8 +56,8 @@ def alive(pid: int) -> bool:
 
 
 def survivors(pids: list[int], within_s: float = 5.0) -> list[int]:
-    """The pids still alive after waiting up to ``within_s`` for all of them to go."""
-    deadline = time.monotonic() + within_s
+    """The pids still alive after waiting up to scaled ``within_s`` for all of them to go."""
+    deadline = time.monotonic() + scaled(within_s)
     while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left
@@ -80,7 +81,7 @@ def test_processes_get_their_env_and_threads_and_log_to_log_dir(tmp_path):
         a = sup.start(ProcessSpec("rollout-0", [PY, "-c", show], env={"ROLE": "server"}, threads=3))
         trainer_env = {"ROLE": "trainer", "OMP_NUM_THREADS": "5"}
         b = sup.start(ProcessSpec("actor-rank0", [PY, "-c", show], env=trainer_env, threads=1))
-        sup.watch(timeout_s=20)
+        sup.watch(timeout_s=scaled(20))
     assert a.poll() == 0 and b.poll() == 0
     assert a.log_path == tmp_path / "logs" / "rollout-0.log"
     assert a.tail()[-1] == "threads 3 3 server rollout-0"
@@ -90,7 +91,7 @@ def test_processes_get_their_env_and_threads_and_log_to_log_dir(tmp_path):
 def test_cwd_is_used_and_a_missing_program_names_the_process(tmp_path):
     with Supervisor(tmp_path / "logs") as sup:
         m = sup.start(ProcessSpec("where", [PY, "-c", "import os; print(os.getcwd())"], cwd=str(tmp_path)))
-        sup.watch(timeout_s=20)
+        sup.watch(timeout_s=scaled(20))
         assert m.tail()[-1] == str(tmp_path)
         with pytest.raises(FileNotFoundError, match="cannot start ghost: 'no-such-program-xyz' is not on its PATH"):
             sup.start(ProcessSpec("ghost", ["no-such-program-xyz"]))
@@ -104,7 +105,7 @@ def test_cwd_is_used_and_a_missing_program_names_the_process(tmp_path):
 def test_watch_returns_when_every_process_exits_zero(tmp_path):
     with Supervisor(tmp_path / "logs") as sup:
         ms = [sup.start(ProcessSpec(f"p{i}", [PY, "-c", f"import time; time.sleep({0.1 * i})"])) for i in range(3)]
-        sup.watch(timeout_s=20)
+        sup.watch(timeout_s=scaled(20))
         assert [m.poll() for m in ms] == [0, 0, 0]
 
 
@@ -113,10 +114,10 @@ def test_a_crash_is_raised_with_its_log_and_stops_the_others_and_their_children(
     with Supervisor(tmp_path / "logs", term_timeout_s=5) as sup:
         long_running = [sup.start(spawner(f"server-{i}", tmp_path / f"pids-{i}")) for i in range(2)]
         for i, m in enumerate(long_running):
-            sup.wait_ready(m, (tmp_path / f"pids-{i}").exists, timeout_s=20, what="its pid file")
+            sup.wait_ready(m, (tmp_path / f"pids-{i}").exists, timeout_s=scaled(20), what="its pid file")
         sup.start(ProcessSpec("actor-rank1", [PY, "-c", crash]))
         with pytest.raises(ProcessFailed) as failed:
-            sup.watch(timeout_s=20)
+            sup.watch(timeout_s=scaled(20))
         err = failed.value
         assert (err.name, err.returncode) == ("actor-rank1", 3)
         assert "CUDA out of memory on rank 1" in err.log_tail
@@ -127,15 +128,19 @@ def test_a_crash_is_raised_with_its_log_and_stops_the_others_and_their_children(
 
 
 def test_watch_reports_the_first_failure_not_its_consequences(tmp_path):
-    # "second" fails only because "first" did: the cause is what the user must see.
-    first = "import sys, time; time.sleep(0.3); print('the real cause'); sys.exit(7)"
-    second = "import sys, time; time.sleep(0.35); sys.exit(1)"
+    # "second" fails only because "first" did: the cause is what the user must see. Second is started first and
+    # ends once told to, after first has ended.
+    go = tmp_path / "first-ended"
+    first = "import sys; print('the real cause'); sys.exit(7)"
+    second = f"import pathlib, sys, time\nwhile not pathlib.Path({str(go)!r}).exists(): time.sleep(0.01)\nsys.exit(1)"
     with Supervisor(tmp_path / "logs") as sup:
-        sup.start(ProcessSpec("second", [PY, "-c", second]))
-        sup.start(ProcessSpec("first", [PY, "-c", first]))
-        time.sleep(1.0)  # both have ended before anyone looks
+        after = sup.start(ProcessSpec("second", [PY, "-c", second]))
+        cause = sup.start(ProcessSpec("first", [PY, "-c", first]))
+        assert cause.exited.wait(scaled(20)), "first did not end"
+        go.touch()
+        assert after.exited.wait(scaled(20)), "second did not end"  # both have ended before anyone looks
         with pytest.raises(ProcessFailed, match="first exited with code 7") as failed:
-            sup.watch(timeout_s=20)
+            sup.watch(timeout_s=scaled(20))
         assert failed.value.log_tail[-1] == "the real cause"
 
 
@@ -143,7 +148,7 @@ def test_death_by_signal_is_reported_as_such(tmp_path):
     with Supervisor(tmp_path / "logs") as sup:
         sup.start(ProcessSpec("oom", ["sh", "-c", "kill -9 $$"]))
         with pytest.raises(ProcessFailed, match=r"oom was killed by signal 9 \(SIGKILL\)") as failed:
-            sup.watch(timeout_s=20)
+            sup.watch(timeout_s=scaled(20))
         assert failed.value.returncode == -signal.SIGKILL
 
 
@@ -151,7 +156,7 @@ def test_watch_until_and_timeout(tmp_path):
     with Supervisor(tmp_path / "logs", term_timeout_s=2) as sup:
         server = sup.start(ProcessSpec("server", ["sleep", "1000"]))
         trainer = sup.start(ProcessSpec("trainer", [PY, "-c", "pass"]))
-        sup.watch(until=lambda: trainer.poll() is not None, timeout_s=20)
+        sup.watch(until=lambda: trainer.poll() is not None, timeout_s=scaled(20))
         assert trainer.poll() == 0 and server.poll() is None
         with pytest.raises(TimeoutError, match="waited 0 s for every process to finish; still running: server"):
             sup.watch(timeout_s=0.1)
@@ -172,14 +177,18 @@ def test_on_exit_takes_care_of_an_expendable_process_and_its_replacement_is_watc
 
     with Supervisor(tmp_path / "logs", term_timeout_s=2) as sup:
         sup.start(ProcessSpec("server", ["sh", "-c", "kill -9 $$"]))
-        trainer = sup.start(ProcessSpec("trainer", [PY, "-c", "import time; time.sleep(1.5)"]))
-        sup.watch(until=lambda: trainer.poll() is not None, timeout_s=20, on_exit=on_exit)
+        # the trainer ends once the replacement is starting (its log is opened first): after the server's exit
+        restarted = tmp_path / "logs" / "server-restart1.log"
+        waits = f"import pathlib, time\nwhile not pathlib.Path({str(restarted)!r}).exists(): time.sleep(0.01)"
+        trainer = sup.start(ProcessSpec("trainer", [PY, "-c", waits]))
+        sup.watch(until=lambda: trainer.poll() is not None, timeout_s=scaled(20), on_exit=on_exit)
         assert offered[0] == ("server", -signal.SIGKILL) and ("trainer", 0) in offered
-        replacement = next(m for m in sup.processes if m.name == "server-restart1")
+        replacement = wait_until(lambda: next((m for m in sup.processes if m.name == "server-restart1"), None), 20,
+                                 "the replacement server to be started")
         assert replacement.poll() is None
         sup.start(ProcessSpec("rank", [PY, "-c", "import sys; sys.exit(5)"]))
         with pytest.raises(ProcessFailed, match="rank exited with code 5"):
-            sup.watch(timeout_s=20, on_exit=on_exit)
+            sup.watch(timeout_s=scaled(20), on_exit=on_exit)
         assert replacement.poll() is not None  # the failure stopped everything, the replacement included
         with pytest.raises(RuntimeError, match="supervisor is stopping"):
             sup.start(ProcessSpec("late", ["sleep", "1000"]))
@@ -193,10 +202,11 @@ def test_wait_ready_timeout_names_what_it_waited_for(tmp_path):
     with Supervisor(tmp_path / "logs") as sup:
         loads = "import time; print('loading weights', flush=True); time.sleep(1000)"
         m = sup.start(ProcessSpec("rollout-0", [PY, "-c", loads]))
+        wait_until(lambda: m.tail()[-1:] == ["loading weights"], 20, "its first line")  # to be quoted
         start = time.monotonic()
         with pytest.raises(TimeoutError) as timeout:
             sup.wait_ready(m, lambda: False, timeout_s=1.0, what="the health endpoint")
-        assert 0.9 < time.monotonic() - start < 5
+        assert 0.9 < time.monotonic() - start < 1.0 + scaled(4)
         msg = str(timeout.value)
         assert msg.startswith("waited 1 s for the health endpoint (rollout-0")
         assert "loading weights" in msg
@@ -218,7 +228,7 @@ def test_a_process_dying_during_wait_ready_is_raised(tmp_path):
         m = sup.start(ProcessSpec("rollout-0", [PY, "-c", dies]))
         expected = "rollout-0 exited with code 2 before the health endpoint was ready"
         with pytest.raises(ProcessFailed, match=expected) as failed:
-            sup.wait_ready(m, lambda: False, timeout_s=20, what="the health endpoint")
+            sup.wait_ready(m, lambda: False, timeout_s=scaled(20), what="the health endpoint")
         assert "bad model path" in failed.value.log_tail
 
 
@@ -229,10 +239,10 @@ def test_stop_all_kills_what_ignores_sigterm_and_is_idempotent(tmp_path):
     stubborn = "import signal as s, time; s.signal(s.SIGTERM, s.SIG_IGN); print('up', flush=True); time.sleep(99)"
     sup = Supervisor(tmp_path / "logs", term_timeout_s=0.5)
     m = sup.start(ProcessSpec("stubborn", [PY, "-c", stubborn]))
-    sup.wait_ready(m, lambda: m.tail()[-1:] == ["up"], timeout_s=20, what="its first line")
+    sup.wait_ready(m, lambda: m.tail()[-1:] == ["up"], timeout_s=scaled(20), what="its first line")
     start = time.monotonic()
     sup.stop_all()
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 0.5 + scaled(4.5)  # term_timeout_s, then the kill
     assert m.poll() == -signal.SIGKILL and not alive(m.pid)
     sup.stop_all()
 
@@ -242,7 +252,7 @@ def test_helpers_left_behind_by_a_finished_process_are_stopped(tmp_path):
     leaves_helper = ["sh", "-c", f"sleep 1000 & echo $! > {tmp_path / 'helper'}"]
     with Supervisor(tmp_path / "logs") as sup:
         sup.start(ProcessSpec("leaves-helper", leaves_helper))
-        sup.watch(timeout_s=20)
+        sup.watch(timeout_s=scaled(20))
         assert survivors(read_pids(tmp_path / "helper")) == []  # gone while the supervisor still runs
 
 
@@ -254,7 +264,9 @@ def test_a_process_started_from_a_thread_outlives_the_thread(tmp_path):
         t = threading.Thread(target=lambda: started.append(sup.start(ProcessSpec("server", ["sleep", "1000"]))))
         t.start()
         t.join()
-        time.sleep(0.5)
+        # the thread is gone from the kernel too (the parent-death signal, were it asked for, is sent by then)
+        wait_until(lambda: not Path(f"/proc/self/task/{t.native_id}").exists(), 20, "the thread to exit")
+        time.sleep(0.5)  # time for a signal sent to take effect: it is never sent, so this cannot fail wrongly
         assert started[0].poll() is None
 
 
@@ -265,7 +277,8 @@ def test_the_command_dies_with_its_trampoline_even_when_the_trampoline_is_killed
     pid_file = tmp_path / "command"
     with Supervisor(tmp_path / "logs") as sup:
         managed = sup.start(ProcessSpec("cmd", ["sh", "-c", f"echo $$ > {pid_file}; exec sleep 1000"]))
-        sup.wait_ready(managed, lambda: pid_file.exists() and pid_file.read_text().strip() != "", 20, "its pid file")
+        sup.wait_ready(managed, lambda: pid_file.exists() and pid_file.read_text().strip() != "", scaled(20),
+                       "its pid file")
         command = int(pid_file.read_text())
         assert alive(command)
         os.kill(managed.pid, signal.SIGKILL)  # the trampoline alone
@@ -279,6 +292,7 @@ LAUNCHER = textwrap.dedent(
     import os, sys
     from pathlib import Path
     from areal_core.launch import ProcessSpec, Shutdown, Supervisor
+    from areal_core.testing.waits import scaled
 
     out, spawner = Path(sys.argv[1]), sys.argv[2]
     with Supervisor(out / "logs", term_timeout_s=5) as sup:
@@ -287,7 +301,7 @@ LAUNCHER = textwrap.dedent(
             kids = [sup.start(ProcessSpec(f"spawner-{i}", [sys.executable, "-c", spawner, str(out / f"pids-{i}")]))
                     for i in range(2)]
             for i, kid in enumerate(kids):
-                sup.wait_ready(kid, (out / f"pids-{i}").exists, timeout_s=20, what="its pid file")
+                sup.wait_ready(kid, (out / f"pids-{i}").exists, timeout_s=scaled(20), what="its pid file")
             pids = [kid.pid for kid in kids] + [(out / f"pids-{i}").read_text() for i in range(2)]
             (out / "all.tmp").write_text(" ".join(map(str, pids)))
             os.replace(out / "all.tmp", out / "all")
@@ -312,15 +326,13 @@ def test_no_orphans_when_the_launcher_dies(tmp_path, sig):
     (tmp_path / "launcher.py").write_text(LAUNCHER)
     launcher = subprocess.Popen([PY, str(tmp_path / "launcher.py"), str(tmp_path), SPAWNER])
     try:
-        deadline = time.monotonic() + 20
-        while not (tmp_path / "all").exists():
-            assert launcher.poll() is None, "the launcher exited before starting its children"
-            assert time.monotonic() < deadline, "waited 20 s for the launcher to write its children's pids"
-            time.sleep(0.05)
+        wait_until(lambda: (tmp_path / "all").exists() or launcher.poll() is not None, 20,
+                   "the launcher to write its children's pids")
+        assert launcher.poll() is None, "the launcher exited before starting its children"
         pids = read_pids(tmp_path / "all")  # 2 group leaders, 2 children, 2 grandchildren
         assert len(pids) == 6 and all(alive(p) for p in pids)
         launcher.send_signal(sig)
-        assert launcher.wait(timeout=10) == (-sig if sig == signal.SIGKILL else 128 + sig)
+        assert launcher.wait(timeout=scaled(10)) == (-sig if sig == signal.SIGKILL else 128 + sig)
         assert survivors(pids) == []
     finally:
         launcher.kill()
@@ -388,7 +400,7 @@ def test_two_ranks_rendezvous_with_gloo(tmp_path):
             sup.start(ProcessSpec(f"actor-rank{r}", [PY, "-c", rank], env=rendezvous_env(r, 2, port), threads=1))
             for r in range(2)
         ]
-        sup.watch(timeout_s=60)
+        sup.watch(timeout_s=scaled(60))
     assert [m.tail()[-1] for m in ranks] == ["sum 2.0", "sum 2.0"]
 
 

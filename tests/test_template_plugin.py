@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from areal_core.testing.waits import scaled
+
 TEMPLATE = Path(__file__).resolve().parents[1] / "plugins" / "_template"
 README = TEMPLATE / "README.md"
 
@@ -62,7 +64,7 @@ def run_steps(root: Path, env: dict[str, str] | None = None, *, until: str | Non
         assert until in script, f"the README's steps have no line {until!r}"
         script = script.split(until, 1)[0]
     return subprocess.run(["bash", "-e", "-c", script], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=scaled(600))
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 from areal_core.rollout import RolloutController  # noqa: E402
 from areal_core.threads import serial_torch, torch_threads  # noqa: E402
 from areal_core.testing.latency_engine import GroupWorkflowDouble, LatencyEngineDouble  # noqa: E402
+from areal_core.testing.waits import scaled  # noqa: E402
 
 
 @pytest.fixture
@@ -27,8 +28,8 @@ def in_thread(fn):
     box = []
     t = threading.Thread(target=lambda: box.append(fn()))
     t.start()
-    t.join(30)
-    assert not t.is_alive(), "the helper thread did not finish within 30 s"
+    t.join(scaled(30))
+    assert not t.is_alive(), f"the helper thread did not finish within {scaled(30):.0f} s"
     return box[0]
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from areal_core.testing.processes import launched_pids, process_name, processes_mentioning, read_jsonl
-from areal_core.testing.waits import scaled
+from areal_core.testing.waits import scaled, timeout_scale, wait_until
 
 AREAL = str(Path(sys.executable).with_name("areal"))
 
@@ -35,8 +35,9 @@ def rl_run(tmp_path, rl_doubles_env):
     yield start, tmp_path / "runs" / "areal"
 
 
-def finish(proc: subprocess.Popen, timeout: float = 120) -> str:
-    out, _ = proc.communicate(timeout=timeout)
+def finish(proc: subprocess.Popen, timeout: float | None = None) -> str:
+    """The run's output once it ended with 0 (within ``timeout``, by default scaled 120 s)."""
+    out, _ = proc.communicate(timeout=scaled(120) if timeout is None else timeout)
     assert proc.returncode == 0, out
     return out
 
@@ -71,21 +72,23 @@ def test_async_run_respects_the_staleness_bound(rl_run):
 def test_at_eta_above_0_the_trainer_trains_on_while_the_engines_load_weights(rl_run):
     """Loading takes 0.6 s and a train step 1 s: at eta = 2 the trainer hands the weights over and trains its
     next batch meanwhile (waiting only for the load before the next hand-over, the final checkpoint and the
-    last step), where at eta = 0 each step waits for the load."""
+    last step), where at eta = 0 each step waits for the load. Every duration is times AREAL_TEST_TIMEOUT_SCALE,
+    so on a slow machine the hand-over still takes a small share of the load it must not wait for."""
     start, runs = rl_run
-    slow_load = {"AREAL_TEST_WEIGHT_LOAD_S": "0.6"}
-    finish(start("trial=overlap", "rollout.max_head_offpolicyness=2", "actor.step_s=1.0", "trainer.total_steps=4",
-                 extra_env=slow_load))
-    finish(start("trial=waits", "actor.step_s=1.0", "trainer.total_steps=4", extra_env=slow_load))
+    k = timeout_scale()
+    slow_load = {"AREAL_TEST_WEIGHT_LOAD_S": str(0.6 * k)}
+    finish(start("trial=overlap", "rollout.max_head_offpolicyness=2", f"actor.step_s={1.0 * k}",
+                 "trainer.total_steps=4", extra_env=slow_load))
+    finish(start("trial=waits", f"actor.step_s={1.0 * k}", "trainer.total_steps=4", extra_env=slow_load))
     overlap = read_jsonl(runs / "overlap" / "metrics.jsonl")
     waits = read_jsonl(runs / "waits" / "metrics.jsonl")
-    assert all(m["time/weight_sync_s"] >= 0.6 for m in waits)
-    assert all(m["time/weight_sync_s"] < 0.4 for m in overlap[:-1]), [m["time/weight_sync_s"] for m in overlap]
+    assert all(m["time/weight_sync_s"] >= 0.6 * k for m in waits)
+    assert all(m["time/weight_sync_s"] < 0.4 * k for m in overlap[:-1]), [m["time/weight_sync_s"] for m in overlap]
     # Each update's pause is still reported: the previous one's at the next step, the last one at its own.
-    assert all(m["time/generation_paused_s"] >= 0.6 for m in overlap[1:]), [m["time/generation_paused_s"]
-                                                                             for m in overlap]
+    assert all(m["time/generation_paused_s"] >= 0.6 * k for m in overlap[1:]), [m["time/generation_paused_s"]
+                                                                                 for m in overlap]
     # The last step waits for its own update too (the final checkpoint sees the engines at the final weights).
-    assert overlap[-1]["time/generation_paused_s"] >= 1.2
+    assert overlap[-1]["time/generation_paused_s"] >= 1.2 * k
     assert all(m["staleness/token_lag_max"] <= 2 for m in overlap)
 
 
@@ -94,18 +97,15 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(rl_run):
     finish(start("trial=reference", "actor.step_s=0.3", "trainer.save_every=1"))
     reference = read_jsonl(runs / "reference" / "samples.jsonl")
 
-    proc = start("trial=killed", "actor.step_s=0.3", "trainer.save_every=1")
+    # the step training version 4 waits for a file never written: the kill comes before the run could end
+    proc = start("trial=killed", "actor.step_s=0.3", "trainer.save_every=1",
+                 extra_env={"AREAL_TEST_HOLD_AT_VERSION": f"4:{runs / 'never'}"})
     samples = runs / "killed" / "samples.jsonl"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and (not samples.exists() or len(samples.read_text().splitlines()) < 3):
-        time.sleep(0.05)
+    wait_for_steps(samples, 3, proc)
     proc.send_signal(signal.SIGKILL)  # the launcher dies without cleanup; its children must follow
-    proc.wait(30)
+    proc.wait(scaled(30))
     assert (runs / "killed" / "logs" / "actor-rank0.log").exists()
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and processes_mentioning(str(runs / "killed")):
-        time.sleep(0.1)
-    assert processes_mentioning(str(runs / "killed")) == []  # no orphan trainer
+    wait_until(lambda: not processes_mentioning(str(runs / "killed")), 15, "the run's processes to go")  # no orphan
     done_before = len(read_jsonl(samples))
     assert 3 <= done_before < 6
 
@@ -117,17 +117,19 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(rl_run):
     assert [m["step"] for m in read_jsonl(runs / "killed" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
 
 
+def wait_for_steps(samples: Path, steps: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Until ``samples`` records ``steps`` steps (scaled ``timeout_s``); the run must not end meanwhile."""
+    wait_for_lines(samples, steps, proc, timeout_s)
+
+
 def kill_when(proc: subprocess.Popen, samples: Path, steps: int, extra_s: float, run_dir: Path) -> None:
-    """SIGKILL the launcher ``extra_s`` after ``steps`` steps are recorded; wait for its children to go."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and (not samples.exists() or len(samples.read_text().splitlines()) < steps):
-        time.sleep(0.02)
-    time.sleep(extra_s)
+    """SIGKILL the launcher ``extra_s`` after ``steps`` steps are recorded; wait for its children to go. A run
+    that could end meanwhile is held at a later step (AREAL_TEST_HOLD_AT_VERSION, the train engine double's)."""
+    wait_for_steps(samples, steps, proc)
+    time.sleep(extra_s)  # the moment of the kill, drawn by the test
     proc.send_signal(signal.SIGKILL)
-    proc.wait(30)
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and processes_mentioning(str(run_dir)):
-        time.sleep(0.1)
+    proc.wait(scaled(30))
+    wait_until(lambda: not processes_mentioning(str(run_dir)), 15, f"the processes of {run_dir} to go")
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -144,9 +146,15 @@ def test_resumed_runs_train_only_tokens_within_the_bound(rl_run, tmp_path, seed)
             "trainer.save_every=2", "trainer.total_steps=10")
     env = {"AREAL_TEST_LAGS_FILE": str(lags)}
     samples = runs / "resumed" / "samples.jsonl"
-    kill_when(start(*args, extra_env=env), samples, rng.randint(3, 5), rng.random() * 0.3, runs / "resumed")
-    kill_when(start(*args, "--resume", extra_env=env), samples, rng.randint(6, 8), rng.random() * 0.3,
-              runs / "resumed")
+
+    def held(steps: int) -> dict:
+        """The run holds two steps after the kill's (at most the last, version 9), so it is killed mid-run."""
+        return {**env, "AREAL_TEST_HOLD_AT_VERSION": f"{min(steps + 2, 9)}:{tmp_path / 'never'}"}
+
+    steps = rng.randint(3, 5)
+    kill_when(start(*args, extra_env=held(steps)), samples, steps, rng.random() * 0.3, runs / "resumed")
+    steps = rng.randint(6, 8)
+    kill_when(start(*args, "--resume", extra_env=held(steps)), samples, steps, rng.random() * 0.3, runs / "resumed")
     finish(start(*args, "--resume", extra_env=env))
     records = read_jsonl(lags)
     assert max(max(r["lags"]) for r in records) <= 2, [(r["version"], max(r["lags"])) for r in records]
@@ -192,7 +200,7 @@ def test_the_first_resumed_batch_is_sampled_from_the_restored_weights(rl_run, tm
     restored = checkpoints / (checkpoints / "latest").read_text().strip()
     kept = shutil.copytree(restored / "actor", tmp_path / "restored")  # later saves prune it
     batches.unlink()
-    finish(start(*args, "--resume", extra_env=env), timeout=600)
+    finish(start(*args, "--resume", extra_env=env), timeout=scaled(600))
     first = read_jsonl(batches)[0]
     behaviour = [lp for lp, m in zip(first["logprobs"], first["loss_mask"]) if m]
     assert len(behaviour) > 4
@@ -237,7 +245,7 @@ def test_evaluation_runs_before_beside_and_after_training(rl_run):
 def test_a_run_whose_groups_are_all_filtered_out_stops_with_the_fix(rl_run):
     start, runs = rl_run
     proc = start("trial=no-signal", "rollout.dynamic_filtering=true", "rollout.max_filtered_in_a_row=1")
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=scaled(120))
     assert proc.returncode == 1, out
     assert "dynamic filtering (rollout.dynamic_filtering) dropped 1 groups in a row" in out
     assert "rollout.dynamic_filtering=false" in out
@@ -247,7 +255,7 @@ def test_a_run_whose_groups_are_all_filtered_out_stops_with_the_fix(rl_run):
 def test_a_crashing_trainer_is_reported_with_its_last_lines(rl_run):
     start, runs = rl_run
     proc = start("trial=crash", "actor.step_s=-1")  # time.sleep(-1) raises inside the train engine
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=scaled(120))
     assert proc.returncode == 1
     assert "areal run failed: actor-rank0 exited with code 1" in out
     assert "ValueError: sleep length must be non-negative" in out
@@ -257,15 +265,15 @@ def test_a_killed_trainer_is_reported_with_the_way_to_resume(rl_run):
     """SIGKILL of the trainer rank (as the out-of-memory killer does) after a checkpoint: the launcher's message
     says so and tells how to continue from it."""
     start, runs = rl_run
-    proc = start("trial=oom", "actor.step_s=0.3", "trainer.save_every=1")
+    # the step training version 3 waits for a file never written: the trainer is killed before the run could end
+    proc = start("trial=oom", "actor.step_s=0.3", "trainer.save_every=1",
+                 extra_env={"AREAL_TEST_HOLD_AT_VERSION": f"3:{runs / 'never'}"})
     samples = runs / "oom" / "samples.jsonl"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and (not samples.exists() or len(samples.read_text().splitlines()) < 2):
-        time.sleep(0.05)
+    wait_for_steps(samples, 2, proc)
     trainers = [pid for pid in processes_mentioning(str(runs / "oom")) if pid in processes_mentioning("areal_core.trainer")]
     assert trainers
     os.kill(trainers[0], signal.SIGKILL)
-    out, _ = proc.communicate(timeout=60)
+    out, _ = proc.communicate(timeout=scaled(60))
     assert proc.returncode == 1
     assert "actor-rank0 was killed by signal 9 (SIGKILL) (often the kernel's out-of-memory killer)" in out
     assert "The checkpoint of step" in out and "--resume" in out
@@ -279,7 +287,7 @@ def test_a_run_with_the_real_embedded_engine(rl_run, tmp_path):
     start, runs = rl_run
     finish(start("trial=embedded", "allocation=local:cpu+rl_train_double:cpu", "rollout.backend=local",
                  f"model.path={model}", "model.dtype=float32", "rollout.max_head_offpolicyness=1",
-                 "trainer.total_steps=4"), timeout=300)
+                 "trainer.total_steps=4"), timeout=scaled(300))
     run_dir = runs / "embedded"
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
@@ -309,7 +317,7 @@ def test_fsdp_trains_against_the_embedded_engine(rl_run, tmp_path, placement, st
                  "rollout.dynamic_filtering=true", "trainer.save_every=1",
                  # the integrity gate: digests (on by default) and the parity probe at every update, which
                  # must pass with a real trainer and a real engine
-                 "rollout.weight_probe_every=1"), timeout=600)
+                 "rollout.weight_probe_every=1"), timeout=scaled(600))
     run_dir = runs / trial
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
@@ -355,7 +363,7 @@ def test_grpo_with_decoupled_ppo_trains_fsdp_against_the_embedded_engine(rl_run,
                  "algorithm.name=grpo", "algorithm.decoupled=true", "algorithm.prox_approx=recompute",
                  f"model.path={model}", "model.dtype=float32", "actor.optimizer.lr=1e-3",
                  "rollout.max_head_offpolicyness=1", "trainer.total_steps=3", "rollout.dynamic_filtering=true"),
-           timeout=600)
+           timeout=scaled(600))
     metrics = read_jsonl(runs / "grpo" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert all(m["train/grad_norm"] > 0 and math.isfinite(m["train/loss"]) for m in metrics)
@@ -378,7 +386,7 @@ def test_grpo_in_minibatches_and_epochs_clips_through_areal_run(rl_run, tmp_path
                  "algorithm.name=grpo", "algorithm.eps_clip=0.001", f"model.path={model}", "model.dtype=float32",
                  "actor.optimizer.lr=1e-2", "actor.ppo_minibatches=2", "actor.ppo_epochs=2", "rollout.batch_size=2",
                  "rollout.max_head_offpolicyness=1", "trainer.total_steps=3", "rollout.dynamic_filtering=true"),
-           timeout=600)
+           timeout=scaled(600))
     run_dir = runs / "minibatches"
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]
@@ -401,7 +409,7 @@ def test_ppo_with_a_critic_trains_fsdp_against_the_embedded_engine(rl_run, tmp_p
     args = ("trial=ppo", "allocation=local:cpu+fsdp:cpu", "rollout.backend=local", "actor.backend=fsdp",
             "algorithm.name=ppo", f"model.path={model}", "model.dtype=float32", "actor.optimizer.lr=1e-3",
             "rollout.max_head_offpolicyness=1", "trainer.save_every=1", "rollout.dynamic_filtering=true")
-    finish(start(*args, "trainer.total_steps=2"), timeout=600)
+    finish(start(*args, "trainer.total_steps=2"), timeout=scaled(600))
     metrics = read_jsonl(runs / "ppo" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(math.isfinite(m["critic/loss"]) and m["critic/grad_norm"] > 0 for m in metrics)
@@ -436,12 +444,10 @@ def test_groups_the_algorithm_drops_count_toward_max_filtered_in_a_row():
 
 
 def wait_for_lines(path: Path, n: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
-    """Until ``path`` has ``n`` complete lines; the run must not end meanwhile."""
-    deadline = time.monotonic() + timeout_s
-    while not path.exists() or path.read_text().count("\n") < n:
-        assert proc.poll() is None, proc.communicate()[0]
-        assert time.monotonic() < deadline, f"waited {timeout_s:.0f} s for {n} lines in {path}"
-        time.sleep(0.05)
+    """Until ``path`` has ``n`` complete lines (within scaled ``timeout_s``); the run must not end meanwhile."""
+    wait_until(lambda: proc.poll() is not None or (path.exists() and path.read_text().count("\n") >= n),
+               timeout_s, f"{n} lines in {path}", 0.05)
+    assert proc.poll() is None, proc.communicate()[0]
 
 
 def real_server_pids(marker: str) -> list[int]:
@@ -540,6 +546,6 @@ def test_a_run_torn_down_by_a_server_kill_leaves_no_weights_in_shared_memory(rl_
     stages = [p for pid in trainers for p in Path("/dev/shm").glob(f"areal-weights-{pid}-*")]
     assert stages, "the trainer stages its weights in /dev/shm"
     os.kill(real_server_pids(str(model))[0], signal.SIGKILL)
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=scaled(120))
     assert proc.returncode == 1 and "rollout-0 was killed by signal 9" in out
     assert not [p for p in stages if p.exists()]

@@ -9,6 +9,7 @@ import asyncio
 import pytest
 
 from areal_core.rollout.elastic import INLINE_CALLS, Deadlines, Member, WatchEnded, watched
+from areal_core.testing.waits import scaled
 
 pytestmark = pytest.mark.skipif(not INLINE_CALLS, reason="Python < 3.11: calls run in a task of their own (settle)")
 
@@ -152,7 +153,11 @@ def test_waits_that_share_a_timeout_each_time_out_at_their_own_deadline_on_one_t
             entries.append(queue.add(lambda i=i: fired.append((i, loop.time() - began))))
             if i in (1, 4):  # these waits end before their deadline (no await in between: no race)
                 queue.done(entries[i])
-        await asyncio.sleep(0.15)
+        # until the last deadline's wait has fired (FIFO: any wrongly fired wait of 1 or 4 came before it),
+        # however late this loop runs
+        while 5 not in [i for i, _ in fired]:
+            assert loop.time() - began < scaled(10), f"waits fired so far: {fired}"
+            await asyncio.sleep(0.01)
         assert [i for i, _ in fired] == [0, 2, 3, 5]
         for i, at in fired:
             assert at >= added[i] + 0.05 - 1e-3

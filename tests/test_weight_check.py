@@ -14,6 +14,7 @@ from areal_core.config.schema import RunConfig
 from areal_core.rollout.elastic import ACTIVE, DOWN
 from areal_core.testing import tiny_model
 from areal_core.testing.latency_engine import LatencyEngineDouble
+from areal_core.testing.waits import scaled, wait_until
 from areal_core.weight_check import (NOT_CHECKABLE, WeightCheckError, compare_digests, compare_probe, digest_named,
                                      not_checkable, probe_due, tensor_digest)
 from weight_engine_doubles import FaultyEngineDouble, HandOverRig
@@ -135,7 +136,7 @@ def test_a_loader_bug_is_caught_at_the_first_update_with_the_tensor_named(setup,
         # rollout.weight_check_holds=training: the update returns once the engines serve the version, the check
         # goes on beside generation, and the trainer's next hand-out is where it fails
         assert holds == "training"
-        s.controller.wait(1, timeout=30)
+        s.controller.wait(1, timeout=scaled(30))
     message = str(error.value)
     assert "inference server server-1 does not serve the weights of version 1" in message
     assert TENSOR in message and "server-0" not in message
@@ -182,10 +183,8 @@ def test_elastic_drops_the_engine_and_reloads_it(setup):
     s = setup("", f"permute:{TENSOR}", elastic=True, weight_probe_every=0)
     s.update()  # no error: the run goes on
     assert len(s.controller.fleet.weight_failures) == 1 and TENSOR in str(s.controller.fleet.weight_failures[0])
-    deadline = time.monotonic() + 30
-    while not (s.made and s.made[0].version == 1 and len(s.controller.engines) == 2):
-        assert time.monotonic() < deadline, f"the reloaded server did not rejoin: {s.controller.members()}"
-        time.sleep(0.05)
+    wait_until(lambda: s.made and s.made[0].version == 1 and len(s.controller.engines) == 2, 30,
+               "the reloaded server to rejoin", 0.05)
     assert s.made[0].digest_calls == 1  # the joiner was checked before it took traffic
     s.update()
     assert [e.version for e in s.controller.engines] == [2, 2]
@@ -196,14 +195,14 @@ def test_elastic_drops_the_engine_and_reloads_it(setup):
                                               ("load_delay_s", "update_weights_from_tensors")])
 def test_a_phase_that_hangs_fails_naming_the_server_and_the_phase(setup, delay, phase, holds):
     s = setup("", "", request_timeout_s=0.5, weight_probe_every=0, weight_check_holds=holds)
-    setattr(s.engines[1], delay, 30)
+    setattr(s.engines[1], delay, scaled(30))  # longer than the bound below, on any machine
     began = time.monotonic()
     with pytest.raises(TimeoutError, match=rf"inference server server-1: {phase} did not finish: waited 0.5 s "
                                            r"\(rollout.request_timeout_s\)"):
         s.update()
         assert (holds, delay) == ("training", "digest_delay_s")  # the check beside generation: the hand-out raises
-        s.controller.wait(1, timeout=30)
-    assert time.monotonic() - began < 10
+        s.controller.wait(1, timeout=scaled(30))
+    assert time.monotonic() - began < scaled(10)  # the request timeout (0.5 s), not the engine's hang
 
 
 def test_the_trainer_digests_on_a_thread_of_its_own_while_the_engines_load(setup, monkeypatch):
@@ -250,7 +249,7 @@ def test_trainer_digests_that_never_come_fail_the_update_naming_the_wait(setup, 
                                                r"waited 0.5 s \(rollout.request_timeout_s\)"):
             s.update()
             assert holds == "training"
-            s.controller.wait(1, timeout=30)
+            s.controller.wait(1, timeout=scaled(30))
     finally:
         release.set()
 
@@ -267,20 +266,13 @@ def held_digest(engine, controller, monkeypatch):
 
     async def held(mode: str = "on") -> dict:
         began.set()
-        assert await asyncio.to_thread(release.wait, 30), "the test never released the digest"
+        assert await asyncio.to_thread(release.wait, scaled(30)), "the test never released the digest"
         answer = await digest(mode)
         paused.append(controller.admission._paused)
         return answer
 
     monkeypatch.setattr(engine, "weight_digest", held)
     return began, release, paused
-
-
-def wait_until(condition, what: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"waited {timeout_s} s for {what}"
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("fault", ["", f"corrupt:{TENSOR}"])
@@ -294,29 +286,29 @@ def test_beside_generation_episodes_run_while_the_check_runs_and_none_is_handed_
     s = setup("", fault, weight_probe_every=0, weight_check_holds="training")
     began, release, _ = held_digest(s.engines[1], s.controller, monkeypatch)
     s.controller.submit({"id": 6, "length": 3})
-    wait_until(lambda: s.controller.stats()["ready"] == 1, "the episode admitted before the update to end")
+    wait_until(lambda: s.controller.stats()["ready"] == 1, 30, "the episode admitted before the update to end")
     try:
         s.update()  # returns although server-1's digest has not answered
-        assert began.wait(10) and not release.is_set()
+        assert began.wait(scaled(10)) and not release.is_set()
         assert not s.controller.admission._paused  # generation resumed
-        (before,) = s.controller.wait(1, timeout=5)  # all its tokens from version 0: not held
+        (before,) = s.controller.wait(1, timeout=scaled(5))  # all its tokens from version 0: not held
         assert {v for t in before.trajectories for v in t.versions if v >= 0} == {0}
         s.controller.submit({"id": 7, "length": 3})
-        wait_until(lambda: s.controller.stats()["ready"] == 1, "the episode admitted during the check to end")
+        wait_until(lambda: s.controller.stats()["ready"] == 1, 30, "the episode admitted during the check to end")
         with pytest.raises(TimeoutError, match=r"the weights of version\(s\) \[1\] still being checked"):
             s.controller.wait(1, timeout=0.3)
         assert s.controller.stats()["consumed"] == 1
     finally:
         release.set()
     if not fault:
-        (group,) = s.controller.wait(1, timeout=30)
+        (group,) = s.controller.wait(1, timeout=scaled(30))
         assert {v for t in group.trajectories for v in t.versions if v >= 0} == {1}
         s.update()
         s.handover.finish()
         assert [e.digest_calls for e in s.engines] == [2, 2] and s.controller.fleet.weight_failures == []
         return
     with pytest.raises(WeightCheckError, match=TENSOR) as error:
-        s.controller.wait(1, timeout=30)
+        s.controller.wait(1, timeout=scaled(30))
     assert "server-1" in str(error.value)
     assert s.controller.stats()["consumed"] == 1  # nothing generated since the update reached the trainer
     assert {m.name: m.state for m in s.controller.members()}["server-1"] == DOWN
@@ -337,11 +329,11 @@ def test_these_updates_are_checked_before_generation_resumes(setup, monkeypatch,
     began, release, paused = held_digest(s.engines[0], s.controller, monkeypatch)
     update = threading.Thread(target=s.update)
     update.start()
-    assert began.wait(10)
+    assert began.wait(scaled(10))
     update.join(0.5)
     assert update.is_alive(), "the update ended while an engine's digest had not answered"
     release.set()
-    update.join(30)
+    update.join(scaled(30))
     assert not update.is_alive() and paused == [True]
     assert s.engines[0].version == 1 and s.controller.fleet.weight_failures == []
 

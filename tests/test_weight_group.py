@@ -11,8 +11,9 @@ import pytest
 
 from areal_core.rollout.elastic import Member
 from areal_core.rollout.weight_group import FleetWeightGroup, GroupMemberFailed, plan_layout
+from areal_core.testing.waits import scaled
 
-TIMEOUT_S = 20
+TIMEOUT_S = scaled(20)  # the ranks' joins and broadcasts
 
 
 def test_layout_gives_each_server_contiguous_ranks_after_the_trainer():
@@ -120,7 +121,7 @@ def test_a_member_that_refuses_is_named_and_the_group_is_dropped():
         a, bad = GroupMemberDouble(1), RefusingMemberDouble(1)
         ma, mbad = Member(a, "a:1"), Member(bad, "bad:1")
         # the trainer's broadcast to the refusing rank ends by this timeout (in its thread, after the failure)
-        group = FleetWeightGroup(host="127.0.0.1", backend="gloo", bucket_bytes=300, timeout_s=3)
+        group = FleetWeightGroup(host="127.0.0.1", backend="gloo", bucket_bytes=300, timeout_s=scaled(3))
         with pytest.raises(GroupMemberFailed) as failed:
             await group.update([ma, mbad], 0, tensors(1), 1)
         return failed.value, group, a
@@ -146,7 +147,7 @@ def test_a_survivor_failing_because_another_server_died_does_not_take_the_blame(
 
     async def body():
         survivor, dead = EchoFailureMemberDouble(1), DyingMemberDouble(1)
-        group = FleetWeightGroup(host="127.0.0.1", backend="gloo", bucket_bytes=300, timeout_s=3)
+        group = FleetWeightGroup(host="127.0.0.1", backend="gloo", bucket_bytes=300, timeout_s=scaled(3))
         with pytest.raises(GroupMemberFailed) as failed:
             await group.update([Member(survivor, "survivor:1"), Member(dead, "dead:1")], 0, tensors(1), 1)
         return failed.value

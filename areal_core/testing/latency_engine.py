@@ -61,8 +61,10 @@ class LatencyEngineDouble(InferenceEngine):
 
     async def pause(self):
         self._paused = True
+        # on a timer, not sleep(0): a virtual clock's loop that always has work to run never moves time, so the
+        # requests in flight would never wake to see the pause
         while self._active:
-            await asyncio.sleep(0)
+            await asyncio.sleep(0.001)
 
     async def resume(self):
         self._paused = False
