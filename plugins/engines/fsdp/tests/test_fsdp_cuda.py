@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from areal_core.testing import requires_plugin, tiny_model  # noqa: E402
+from areal_core.testing import requires_plugin, scaled, tiny_model  # noqa: E402
 
 # The engine tests' helpers (make_batch, LENGTHS, and dist_worker's make_engine / scenario), loaded as
 # test_shared_prefixes.py does.
@@ -183,7 +183,7 @@ def test_a_run_training_on_the_gpu_passes_the_integrity_gate_at_every_update(tmp
            "rollout.dynamic_filtering=true"]
     if lora:  # adapters trained on the GPU, merged weights sent: only q/v change, so versions 2.. go as deltas
         cmd += ["actor.lora_rank=4", "actor.lora_target_modules=[q_proj,v_proj]", "actor.optimizer.lr=1e-2"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(300))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     run_dir = runs / "gpu" / "gate"
     assert "rank 0/1 on cuda" in (run_dir / "logs" / "actor-rank0.log").read_text()

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM, Qwen2ForCausalL
 
 from areal_core.api import Context  # noqa: E402
 from areal_core.config.schema import RunConfig  # noqa: E402
-from areal_core.testing import TrainEngineConformance, tiny_model  # noqa: E402
+from areal_core.testing import TrainEngineConformance, scaled, tiny_model  # noqa: E402
 from areal_core.testing.models import hf_logprobs, max_abs_diff as worst  # noqa: E402
 from areal_core.testing.ranks import run_worker_ranks  # noqa: E402
 from areal_core.testing.train import (check_two_steps, engine_run_config, masked_nll as nll,  # noqa: E402
@@ -359,16 +359,25 @@ def test_an_export_read_on_another_thread_holds_the_optimizer_step_until_it_is_r
 
     import areal_fsdp.engine as fsdp_engine
 
-    monkeypatch.setattr(fsdp_engine, "EXPORT_WAIT_S", 20.0)  # a broken lock fails here, not in 10 minutes
+    monkeypatch.setattr(fsdp_engine, "EXPORT_WAIT_S", scaled(20.0))  # a broken lock fails here, not in 10 minutes
     e = engine(config(models["llama"]))
     before = dict(pair for bucket in e.export_tensors(1 << 30) for pair in bucket)
     stream = e.export_tensors(40_000)  # the weights are held from this call on, before anything is read
-    stepped = threading.Event()
+    stepped, at_the_step = threading.Event(), threading.Event()
+    hold = e._hold_weights
+
+    def noting_hold(what, *args):  # train_batch's: the gradients are computed, the step comes next
+        if what == "train_batch":
+            at_the_step.set()
+        hold(what, *args)
+
+    monkeypatch.setattr(e, "_hold_weights", noting_hold)
     trainer = threading.Thread(target=lambda: (e.train_batch(make_batch(), nll), stepped.set()))
     trainer.start()
+    assert at_the_step.wait(scaled(60)), "the trainer never reached its optimizer step"
     assert not stepped.wait(0.5), "the optimizer step ran while an export had not read the weights"
     exported = dict(pair for bucket in stream for pair in bucket)  # read on this thread, to the end
-    trainer.join(20)
+    trainer.join(scaled(20))
     assert stepped.is_set() and e.version == 1
     assert exported.keys() == before.keys()
     assert all(torch.equal(exported[n], before[n]) for n in before)  # every bucket: the weights before the step

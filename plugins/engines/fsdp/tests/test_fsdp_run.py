@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from areal_core.testing import requires_plugin
+from areal_core.testing import requires_plugin, scaled, wait_until
 
 pytest.importorskip("areal_fsdp")
 torch = pytest.importorskip("torch")
@@ -58,7 +58,7 @@ def test_a_run_syncs_weights_as_tensors_through_shared_memory(tmp_path, actor, l
            "reward.target=t5_parity_reward:score", "rollout.dynamic_filtering=true"]
     if lora:  # adapters trained, merged weights sent
         cmd += ["actor.lora_rank=4", "actor.lora_target_modules=[q_proj,v_proj]", "actor.optimizer.lr=1e-2"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(300))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir = runs / "sync" / "tensors"
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -153,7 +153,7 @@ class KilledRun:
     def kill_when(self, ready: Any, moment: Any, what: str) -> Any:
         """Start the run; once ``ready(trainer_pid)`` gives something (polled every 0.05 s) and then
         ``moment(that)`` does (polled as fast as it goes), SIGKILL the trainer; both's results. Fails if the run
-        ends first or 180 s pass."""
+        ends first or ``scaled(180)`` s pass."""
         import signal
         import time
 
@@ -162,11 +162,12 @@ class KilledRun:
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)
         try:
-            deadline = time.monotonic() + 180
+            limit = scaled(180)
+            deadline = time.monotonic() + limit
             got = None
             while got is None:
                 assert self.proc.poll() is None, self.proc.communicate()[0][-4000:]
-                assert time.monotonic() < deadline, f"waited 180 s for the run's trainer ({what})"
+                assert time.monotonic() < deadline, f"waited {limit:.0f} s for the run's trainer ({what})"
                 pids = launched_pids("areal_core.trainer", str(self.run_dir))
                 if pids:
                     self.trainer = pids[0]
@@ -175,10 +176,10 @@ class KilledRun:
             caught = None
             while caught is None:
                 assert self.proc.poll() is None, self.proc.communicate()[0][-4000:]
-                assert time.monotonic() < deadline, f"waited 180 s for {what} to catch"
+                assert time.monotonic() < deadline, f"waited {limit:.0f} s for {what} to catch"
                 caught = moment(got)
             os.kill(self.trainer, signal.SIGKILL)
-            self.out, _ = self.proc.communicate(timeout=60)
+            self.out, _ = self.proc.communicate(timeout=scaled(60))
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()
@@ -187,22 +188,19 @@ class KilledRun:
 
     def check_stopped(self) -> None:
         """The run stopped naming the rank, and nothing of it outlives the killed trainer."""
-        import time
-
         from areal_core.testing.processes import processes_mentioning
 
         assert self.proc.returncode == 1 and "actor-rank0 was killed by signal 9" in self.out, self.out[-4000:]
-        deadline = time.monotonic() + 20
-        while processes_mentioning(str(self.run_dir)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert processes_mentioning(str(self.run_dir)) == [], "processes of the run outlived the killed trainer"
+        wait_until(lambda: processes_mentioning(str(self.run_dir)) == [], 20,
+                   "the processes of the run to end after the killed trainer", 0.1)
 
     def check_resumed(self) -> list[dict]:
         """``--resume`` finishes every step once, the gate checking every update, and nothing of the dead trainer
         is left in /dev/shm; the metrics."""
         from areal_core.testing.processes import read_jsonl
 
-        resumed = subprocess.run(self.cmd + ["--resume"], env=self.env, capture_output=True, text=True, timeout=300)
+        resumed = subprocess.run(self.cmd + ["--resume"], env=self.env, capture_output=True, text=True,
+                                 timeout=scaled(300))
         assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
         metrics = read_jsonl(self.run_dir / "metrics.jsonl")
         assert [m["step"] for m in metrics] == list(range(1, self.STEPS + 1))

@@ -9,7 +9,6 @@ bugs).
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2C
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from areal_core.api.inference import SamplingParams
+from areal_core.testing import scaled, wait_until
 from areal_local.generator import Finished, Generator, RequestError
 from areal_local.models import tiny_model
 
@@ -437,7 +437,7 @@ class HeldRebuild:
 
         def hold(job):
             def run():
-                assert self.release.wait(60), "the test never released the rebuild"
+                assert self.release.wait(scaled(60)), "the test never released the rebuild"
                 if self.fail is not None:
                     raise self.fail
                 job()
@@ -481,12 +481,9 @@ def test_a_background_rebuild_is_never_read_before_it_ends_and_a_load_waits_for_
     loading.join(0.3)
     assert loading.is_alive()
     held.release.set()
-    loading.join(60)
+    loading.join(scaled(60))
     assert not loading.is_alive()
-    deadline = time.monotonic() + 60
-    while gen.rebuilding:
-        assert time.monotonic() < deadline, "the background rebuild did not end"
-        time.sleep(0.01)
+    wait_until(lambda: not gen.rebuilding, 60, "the background rebuild to end", 0.01)
     assert gen.background_rebuild_s is not None and gen.background_rebuild_s > 0
     results, _ = drain(gen, {0: [("b", prompt, greedy(n))]})  # the first step puts the rebuilt copies in use
     assert results["b"].output_ids == ref_newer and gen._derived_live and gen._packed.live
@@ -504,10 +501,7 @@ def test_a_background_rebuild_that_fails_is_never_read_and_fails_the_next_load(f
     held = HeldRebuild(gen, monkeypatch, fail=MemoryError("no room for a packed copy"))
     gen.load_state_dict(new.state_dict())
     held.release.set()
-    deadline = time.monotonic() + 60
-    while gen.rebuilding:
-        assert time.monotonic() < deadline, "the background rebuild did not end"
-        time.sleep(0.01)
+    wait_until(lambda: not gen.rebuilding, 60, "the background rebuild to end", 0.01)
     results, _ = drain(gen, {0: [("a", prompt, greedy(n))]})  # half-rebuilt copies: steps stay on the weights
     assert results["a"].output_ids == hf_greedy(new, prompt, n, eos=None) and not gen._derived_live
     with pytest.raises(RuntimeError, match="the background rebuild of the derived copies failed: MemoryError: "

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from areal_core.api.inference import SamplingParams
+from areal_core.testing import scaled
 from areal_core.weight_check import digest_named
 from areal_local.generator import Generator
 from areal_local.models import tiny_model
@@ -45,7 +46,7 @@ class HeldDigests:
 
         def held(mode: str) -> dict:
             self.began.set()
-            assert self.release.wait(30), "the test never released the digests"
+            assert self.release.wait(scaled(30)), "the test never released the digests"
             return digest(mode)
 
         self.engine._digest_now = held
@@ -59,7 +60,7 @@ class HeldDigests:
         return future
 
     def settle(self, future: asyncio.Future, timeout_s: float = 30) -> dict:
-        return self.loop.run_until_complete(asyncio.wait_for(future, timeout_s))
+        return self.loop.run_until_complete(asyncio.wait_for(future, scaled(timeout_s)))
 
 
 def test_a_load_answers_before_its_digests_generation_runs_meanwhile_and_the_next_load_waits_for_them(model):
@@ -67,7 +68,7 @@ def test_a_load_answers_before_its_digests_generation_runs_meanwhile_and_the_nex
     # The client named the mode: the load begins the digests. The command returns (on this thread, as on the
     # engine thread) with them still held, and its answer is the new version.
     loaded = s.command("update", "/v1", 1, False, "on")
-    assert s.began.wait(10) and not s.release.is_set()
+    assert s.began.wait(scaled(10)) and not s.release.is_set()
     assert s.settle(loaded, timeout_s=5)["version"] == 1
 
     answer = s.command("generate", "r", [5, 6, 7], SamplingParams(max_new_tokens=3, temperature=0.0))
@@ -86,7 +87,7 @@ def test_a_load_answers_before_its_digests_generation_runs_meanwhile_and_the_nex
     next_load.join(0.3)
     assert next_load.is_alive() and s.engine.version == 1, "a load changed the weights while they were digested"
     s.release.set()
-    next_load.join(30)
+    next_load.join(scaled(30))
     assert not next_load.is_alive() and s.engine.version == 2
     held = s.settle(asked)
     assert held["version"] == 1 and held["digests"] == digest_named(s.versions[1].items(), "on")

@@ -17,13 +17,14 @@ from areal_core.api import Context
 from areal_core.config.schema import RunConfig
 from areal_core.launch import ProcessSpec, Supervisor, free_port
 from areal_core.rollout import RolloutController
+from areal_core.testing import scaled
 from areal_core.testing.latency_engine import GroupWorkflowDouble
 from areal_core.weight_check import PROBE_RID_PREFIX
 from areal_local.engine import LocalEngine, LocalEngineConfig
 from areal_local.models import tiny_model
 
 DOUBLE = Path(__file__).with_name("slow_rebuild_server_double.py")
-REBUILD_DELAY_S = 3.0
+REBUILD_DELAY_S = scaled(3.0)  # longer than a load and the probe after it take: the probe finds the rebuild going on
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def server(tmp_path_factory):
     argv = [sys.executable, str(DOUBLE), str(REBUILD_DELAY_S),
             *recipe.argv[recipe.argv.index("areal_local.server") + 1:]]
     process = supervisor.start(ProcessSpec("rollout-0", argv, threads=1))
-    supervisor.wait_ready(process, recipe.ready, 120, recipe.what)
+    supervisor.wait_ready(process, recipe.ready, scaled(120), recipe.what)
     yield config, port, tiny_model(root / "other", seed=1)
     supervisor.stop_all()
 

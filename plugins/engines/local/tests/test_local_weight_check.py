@@ -16,6 +16,7 @@ from areal_core.config.schema import RunConfig
 from areal_core.launch import ProcessSpec, Supervisor, free_port
 from areal_core.rollout import RolloutController
 from areal_core.rollout.elastic import DOWN
+from areal_core.testing import scaled
 from areal_core.testing.latency_engine import GroupWorkflowDouble
 from areal_core.weight_check import SentDigests, WeightCheckError, digest_folder, digest_named
 from areal_local.engine import LocalEngine, LocalEngineConfig
@@ -44,7 +45,7 @@ class Servers:
         argv = [sys.executable, str(DOUBLE), str(self.fault_file),
                 *recipe.argv[recipe.argv.index("areal_local.server") + 1:]]
         process = self.supervisor.start(ProcessSpec("rollout-0", argv, threads=1))
-        self.supervisor.wait_ready(process, recipe.ready, 120, recipe.what)
+        self.supervisor.wait_ready(process, recipe.ready, scaled(120), recipe.what)
         self.ports.append(port)
 
     def controller(self, holds: str = "generation") -> RolloutController:
@@ -73,7 +74,7 @@ def test_digests_match_after_tensors_and_after_a_folder(servers):
                                                                                    digest_folder(servers.model,
                                                                                                  "sample")))
         assert [e.version for e in controller.engines] == [2] and controller.fleet.weight_failures == []
-        assert controller.fleet.digest_s < 5
+        assert controller.fleet.digest_s < scaled(5)
 
 
 @pytest.mark.parametrize("holds", ["generation", "training"])

@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 # first imported during it, and torch cannot register its operators twice.
 from transformers import LlamaForCausalLM, Qwen2ForCausalLM  # noqa: E402, F401
 
+from areal_core.testing import scaled, wait_until  # noqa: E402
 from areal_local import models  # noqa: E402
 from areal_local.models import (  # noqa: E402
     MISSING_DEMO_PACKAGE,
@@ -87,7 +88,7 @@ def test_unknown_dtype_is_refused(tmp_path):
 
 @pytest.fixture
 def fake_source(monkeypatch, tmp_path):
-    """A stand-in GGUF file and a converter that records its calls (and is slow)."""
+    """A stand-in GGUF file and a converter that records its calls."""
     source = tmp_path / "fake.gguf"
     source.write_bytes(b"gguf")
     monkeypatch.setattr(models, "demo_gguf_file", lambda: source)
@@ -96,7 +97,6 @@ def fake_source(monkeypatch, tmp_path):
     def convert(src, out, dtype):
         calls.append(dtype)
         (out / "config.json").write_text(json.dumps({"dtype": dtype}))
-        time.sleep(0.3)  # long enough for a second caller to arrive mid-conversion
         (out / "model.safetensors").write_bytes(b"weights")
 
     monkeypatch.setattr(models, "_convert_gguf", convert)
@@ -152,9 +152,23 @@ def test_cache_root_comes_from_the_environment(fake_source, tmp_path, monkeypatc
     assert demo_model_path("float32", cache_dir=tmp_path / "arg").parent == tmp_path / "arg/models"
 
 
-def test_concurrent_callers_convert_once(fake_source, tmp_path):
+def test_concurrent_callers_convert_once(fake_source, tmp_path, monkeypatch):
     _, calls = fake_source
     results, errors = [], []
+    # The conversion goes on only once every caller has come to the lock: the others wait there mid-conversion.
+    arrived = []
+    real_locked, real_convert = models._locked, models._convert_gguf
+
+    def noting_locked(path):
+        arrived.append(threading.get_ident())
+        return real_locked(path)
+
+    def convert_once_all_arrived(*args):
+        wait_until(lambda: len(arrived) == 4, 30, "every caller to come to the lock")
+        real_convert(*args)
+
+    monkeypatch.setattr(models, "_locked", noting_locked)
+    monkeypatch.setattr(models, "_convert_gguf", convert_once_all_arrived)
 
     def call():
         try:
@@ -168,7 +182,7 @@ def test_concurrent_callers_convert_once(fake_source, tmp_path):
     for thread in threads:
         thread.join()
 
-    assert errors == []
+    assert errors == [] and len(arrived) == 4
     assert calls == ["float32"]
     assert len(set(results)) == 1
     assert (results[0] / "model.safetensors").read_bytes() == b"weights"
@@ -229,5 +243,5 @@ def test_demo_model_converts_once_and_reloads(tmp_path, capsys):
     capsys.readouterr()  # transformers' own loading progress bars
     start = time.perf_counter()
     assert demo_model_path(cache_dir=tmp_path) == folder
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < scaled(1.0)
     assert capsys.readouterr().err == ""  # reused: no conversion

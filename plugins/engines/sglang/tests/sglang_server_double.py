@@ -18,7 +18,9 @@ as SGLang does: "group ... already exists"),
 ``group_name``: every rank receives each tensor by broadcast from rank 0; a
 group name it does not hold is refused),
 ``/destroy_weights_update_group``, ``/get_server_info`` (``version``,
-``tp_size``; and, for tests only, ``groups``: name -> world size and ranks),
+``tp_size``; and, for tests only, ``groups``: name -> world size and ranks,
+``requests`` received, ``held`` (arrived while paused), ``running`` and
+``decoded``, the tokens decoded since start: what a test waits for),
 ``/health``. A ``world_size`` that does not match the ranks that join fails
 the way torch fails: the rendezvous waits, then times out.
 
@@ -258,7 +260,7 @@ def build_app(version: str = "0.5.23", token_latency_s: float = 0.002, eos: int 
               corrupt: str = "") -> FastAPI:
     app = FastAPI()
     state = {"weights": "initial", "paused": False, "aborted": set(), "running": 0, "requests": 0,
-             "tensors": {}, "groups": {}, "buckets": 0, "held": 0}
+             "tensors": {}, "groups": {}, "buckets": 0, "held": 0, "decoded": 0}
     config_file = Path(model_path) / "config.json" if model_path else None
     config = json.loads(config_file.read_text()) if config_file and config_file.is_file() else {}
     weights = HeldWeights(config, tp, dtype, corrupt)
@@ -276,7 +278,8 @@ def build_app(version: str = "0.5.23", token_latency_s: float = 0.002, eos: int 
         return {"version": version, "tp_size": tp, "model_path": model_path, "dtype": dtype,
                 "device": "cuda" if hash_kind == "gpu" else "cpu",
                 "weights": state["weights"], "requests": state["requests"],
-                "buckets": state["buckets"], "held": state["held"],
+                "buckets": state["buckets"], "held": state["held"], "running": state["running"],
+                "decoded": state["decoded"],
                 "groups": {name: {"world_size": world, "ranks": [r[0] for r in ranks]}
                            for name, (world, ranks) in state["groups"].items()}}
 
@@ -305,6 +308,7 @@ def build_app(version: str = "0.5.23", token_latency_s: float = 0.002, eos: int 
                     break
                 token = token_at(state["weights"], ids + out, len(ids) + len(out))
                 out.append(token)
+                state["decoded"] += 1
                 if token in (params.get("stop_token_ids") or []):
                     finish = {"type": "stop", "matched": token}
                     break

@@ -10,13 +10,14 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from areal_core.api import Context, GenerationRequest, SamplingParams, ServerProcess
 from areal_core.config.schema import RunConfig
 from areal_core.registry import resolve
 from areal_core.remote import ServerFleet, http_ready
-from areal_core.testing import InferenceEngineConformance
+from areal_core.testing import InferenceEngineConformance, scaled, wait_until
 from areal_sglang.engine import SUPPORTED_TEXT, SGLangEngine, SGLangEngineConfig, check_version, server_argv
 
 DOUBLE = Path(__file__).with_name("sglang_server_double.py")
@@ -27,7 +28,7 @@ def double_recipe(version: str = "0.5.23", *args: str):
     def recipe(index: int, port: int) -> ServerProcess:
         return ServerProcess([sys.executable, str(DOUBLE), "--port", str(port), "--version", version, *args],
                              http_ready(port), f"the SGLang protocol double {index} on 127.0.0.1:{port}",
-                             startup_timeout_s=60)
+                             startup_timeout_s=scaled(60))
 
     return recipe
 
@@ -71,25 +72,41 @@ def run(coro):
     return asyncio.run(coro)
 
 
+async def server_reports(address: str, check, what: str) -> dict:
+    """The double's ``/get_server_info`` once ``check(info)`` holds, polled on a thread of its own (the engine's
+    calls go on on the event loop meanwhile); fails after ``scaled(30)`` s naming ``what``."""
+    def reported() -> dict | None:
+        info = httpx.get(f"http://{address}/get_server_info", timeout=scaled(10)).json()
+        return info if check(info) else None
+
+    return await asyncio.to_thread(wait_until, reported, 30, what)
+
+
 def test_continuation_after_pause_gives_the_uninterrupted_tokens(fleet):
+    long = 500  # tokens: a second of decoding at the double's 2 ms a token, for the pause to land in
+
     async def body():
-        engine = SGLangEngine(None, fleet.servers[0].address)
+        address = fleet.servers[0].address
+        engine = SGLangEngine(None, address)
         await engine.start()
         try:
-            whole = await engine.agenerate(GenerationRequest(PROMPT, SamplingParams(max_new_tokens=200)))
-            task = asyncio.ensure_future(engine.agenerate(GenerationRequest(PROMPT, SamplingParams(max_new_tokens=200))))
-            await asyncio.sleep(0.1)
+            whole = await engine.agenerate(GenerationRequest(PROMPT, SamplingParams(max_new_tokens=long)))
+            decoded = (await engine.request("GET", "/get_server_info"))["decoded"]
+            task = asyncio.ensure_future(engine.agenerate(GenerationRequest(PROMPT, SamplingParams(
+                max_new_tokens=long))))
+            await server_reports(address, lambda info: info["decoded"] > decoded,
+                                 "the request to decode its first token on the server")
             await engine.pause()
             part = await task
             await engine.resume()
             rest = await engine.agenerate(GenerationRequest(PROMPT + part.output_ids, SamplingParams(
-                max_new_tokens=200 - len(part.output_ids))))
+                max_new_tokens=long - len(part.output_ids))))
             return whole, part, rest
         finally:
             await engine.aclose()
 
     whole, part, rest = run(body())
-    assert part.stop_reason == "abort" and 0 < len(part.output_ids) < 200
+    assert part.stop_reason == "abort" and 0 < len(part.output_ids) < long
     assert part.output_ids + rest.output_ids == whole.output_ids
     assert part.output_logprobs + rest.output_logprobs == whole.output_logprobs
 
@@ -100,19 +117,21 @@ def test_a_request_that_arrives_while_paused_never_carries_the_old_version(fleet
     come back with tokens stamped with the version it was sent at: it comes back aborted and empty, to be
     continued at the new version."""
     async def body():
-        engine = SGLangEngine(None, fleet.servers[0].address)
+        address = fleet.servers[0].address
+        engine = SGLangEngine(None, address)
         await engine.start()
         try:
             await engine.pause()
             held_before = (await engine.request("GET", "/get_server_info"))["held"]
             late = asyncio.ensure_future(engine.agenerate(GenerationRequest(PROMPT, SamplingParams(
                 max_new_tokens=16))))
-            await asyncio.sleep(0.3)  # it reaches the server and is held there
+            await server_reports(address, lambda info: info["held"] > held_before,
+                                 "the request sent while paused to be held by the server")
             assert not late.done(), f"a request sent while paused was answered: {late.result()}"
             held = (await engine.request("GET", "/get_server_info"))["held"] - held_before
             await engine.update_weights_from_disk("/weights/after-pause", engine.version + 1)
             await engine.resume()
-            late = await asyncio.wait_for(late, 30)
+            late = await asyncio.wait_for(late, scaled(30))
             after = await engine.agenerate(GenerationRequest(PROMPT, SamplingParams(max_new_tokens=4)))
             return held, late, after, engine.version
         finally:
@@ -225,7 +244,8 @@ def test_a_refused_weight_group_is_a_clear_error_not_a_hang(fleet):
 
     async def body():
         # the double joins gloo groups only: it refuses nccl, as a server refuses a group it cannot join
-        engine = SGLangEngine(None, fleet.servers[0].address, weight_group_backend="nccl", request_timeout_s=3)
+        engine = SGLangEngine(None, fleet.servers[0].address, weight_group_backend="nccl",
+                              request_timeout_s=scaled(3))
         await engine.start()
         try:
             await engine.update_weights_from_tensors([("model.norm.weight", torch.ones(4))], 1)
@@ -236,7 +256,7 @@ def test_a_refused_weight_group_is_a_clear_error_not_a_hang(fleet):
     began = time.monotonic()
     with pytest.raises(RuntimeError, match=r"SGLang server at .* could not join weight-update group .*gloo groups only"):
         run(body())
-    assert time.monotonic() - began < 30
+    assert time.monotonic() - began < scaled(30)
 
 
 def test_the_weight_group_backend_is_checked():

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from areal_core.testing import scaled
 from areal_core.weight_check import compare_digests, not_checkable
 
 PYTHON = os.environ.get("AREAL_SGLANG_PYTHON") or sys.executable
@@ -62,7 +63,7 @@ def test_a_real_servers_checksums_equal_what_the_trainer_computes(tmp_path, arch
 
     def recipe(index: int, port: int) -> ServerProcess:
         return ServerProcess(server_argv(PYTHON, str(base), port, options, "bfloat16", TP), http_ready(port),
-                             f"the SGLang server on 127.0.0.1:{port}", startup_timeout_s=600)
+                             f"the SGLang server on 127.0.0.1:{port}", startup_timeout_s=scaled(600))
 
     async def body(address: str) -> list:
         engine = SGLangEngine(None, address, weight_group_backend="gloo", request_timeout_s=300,

@@ -15,6 +15,7 @@ import pytest
 from areal_core.api import ServerProcess
 from areal_core.remote import ServerFleet, http_ready
 from areal_core.rollout import RolloutController
+from areal_core.testing import scaled
 from areal_core.weight_check import NOT_CHECKABLE, SentDigests, WeightCheckError, compare_digests, not_checkable
 from areal_sglang.engine import SGLangEngine
 from areal_sglang.weight_layout import cpu_hash, gpu_hash, server_dtype
@@ -28,7 +29,8 @@ def launch(fleet: ServerFleet, model: Path, tp: int = 1, hash_kind: str = "cpu",
         return ServerProcess([sys.executable, str(DOUBLE), "--port", str(port), "--tp", str(tp), "--model-path",
                               str(model), "--hash", hash_kind, "--corrupt", corrupt, "--group-timeout-s",
                               str(TIMEOUT_S)], http_ready(port),
-                             f"the SGLang protocol double {index} on 127.0.0.1:{port}", startup_timeout_s=60)
+                             f"the SGLang protocol double {index} on 127.0.0.1:{port}",
+                             startup_timeout_s=scaled(60))
 
     return fleet.launch(recipe, n, prefix=f"sglang-digest-tp{tp}-{hash_kind}")
 

@@ -16,19 +16,22 @@ from areal_core.remote import ServerFleet, http_ready
 from areal_core.rollout import RolloutController
 from areal_core.rollout.elastic import ElasticConfig
 from areal_core.rollout.weight_group import GroupLayout
+from areal_core.testing import scaled, wait_until
 from areal_sglang.engine import SGLangEngine
 
 DOUBLE = Path(__file__).with_name("sglang_server_double.py")
 
 TP = 2  # ranks each double joins with: one group of two servers is 1 + 2 * TP ranks
-TIMEOUT_S = 20  # every wait on the doubles (joining, broadcasts, requests) ends well before the suite's patience
+# every wait on the doubles (joining, broadcasts, requests) ends well before the suite's patience; a test that
+# a wait was not taken checks that an update took well under it
+TIMEOUT_S = scaled(20)
 LAYER_MB = 2 * 64 * 64 * 2 / 2**20  # buckets of about one decoder layer of weights()
 
 
 def double_recipe(index: int, port: int) -> ServerProcess:
     return ServerProcess([sys.executable, str(DOUBLE), "--port", str(port), "--tp", str(TP),
                           "--group-timeout-s", str(TIMEOUT_S)], http_ready(port),
-                         f"the SGLang protocol double {index} on 127.0.0.1:{port}", startup_timeout_s=60)
+                         f"the SGLang protocol double {index} on 127.0.0.1:{port}", startup_timeout_s=scaled(60))
 
 
 def save(tmp_path: Path, weights, seed: int) -> Path:
@@ -75,13 +78,6 @@ def check_agreement(ctrl: RolloutController, addresses: list[str], topology_vers
     return layout
 
 
-def wait_until(what: str, condition, timeout_s: float = TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"waited {timeout_s} s for {what}"
-        time.sleep(0.05)
-
-
 @pytest.fixture
 def fleet(tmp_path):
     with ServerFleet(tmp_path / "logs") as f:
@@ -103,7 +99,7 @@ def test_one_group_over_two_servers_gives_each_the_weights_from_disk(fleet, tmp_
         layout = check_agreement(ctrl, [a.address, b.address], 0)
         ctrl.update_weights_from_tensors(list(weights(1).items()), 3)  # the same group again: no rebuild
         assert ctrl.weight_group.layout == layout and ctrl.weight_group.builds == 1
-        results = ctrl.evaluate(EchoWorkflowDouble(), list(range(8))).result(60)
+        results = ctrl.evaluate(EchoWorkflowDouble(), list(range(8))).result(scaled(60))
         for s in (a, b):
             held = info(s.address)
             assert held["weights"] == from_disk[s.address] == digest(weights(1)), \
@@ -128,7 +124,7 @@ def test_leave_and_join_rebuild_the_group_at_the_next_topology_version(fleet, tm
         first = check_agreement(ctrl, [a.address, b.address], 0)
 
         fleet.kill(b)  # mid-run: its probes fail and it leaves routing
-        wait_until(f"{b.address} to leave routing", lambda: ctrl.topology.members == (a.address,))
+        wait_until(lambda: ctrl.topology.members == (a.address,), 20, f"{b.address} to leave routing")
         began = time.monotonic()
         ctrl.update_weights_from_tensors(list(weights(3).items()), 3)
         took = time.monotonic() - began
@@ -148,7 +144,7 @@ def test_leave_and_join_rebuild_the_group_at_the_next_topology_version(fleet, tm
         assert info(a.address)["weights"] == info(c.address)["weights"] == digest(weights(5))
 
         served_before = info(c.address)["requests"]
-        results = ctrl.evaluate(EchoWorkflowDouble(), list(range(12))).result(60)
+        results = ctrl.evaluate(EchoWorkflowDouble(), list(range(12))).result(scaled(60))
         assert all(set(r[0].output_versions) == {5} for r in results)
         assert info(c.address)["requests"] > served_before, "the joiner took no traffic"
 
@@ -208,5 +204,5 @@ def test_a_server_dying_inside_an_update_leaves_and_the_update_completes_over_a_
         check_agreement(ctrl, [a.address], 1)
         assert took < TIMEOUT_S, f"the update waited {took:.1f} s: it waited for the server that died"
         assert info(a.address)["weights"] == digest(weights(3)) and engines[0].version == 3
-        results = ctrl.evaluate(EchoWorkflowDouble(), list(range(4))).result(60)
+        results = ctrl.evaluate(EchoWorkflowDouble(), list(range(4))).result(scaled(60))
         assert all(set(r[0].output_versions) == {3} for r in results)

@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 
+from areal_core.testing import scaled
 from areal_sim.plan import Planner
 
 pytestmark = pytest.mark.usefixtures("algorithm_double")  # tests/conftest.py: the core's algorithm double
@@ -120,7 +121,7 @@ def test_the_plan_is_within_5_percent_of_the_best_of_the_exhaustive_grid(tmp_pat
 def test_areal_plan_prints_the_allocation_for_the_configs_own_backends(tmp_path):
     run = subprocess.run([sys.executable, "-m", "areal_cli.app", "plan", _config(tmp_path), "--gpus", "6",
                           "--profile", "qwen2.5-1.5b-h800", "--eta", "0,2", "--steps", "3"],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=scaled(600))
     assert run.returncode == 0, run.stderr
     first = run.stdout.splitlines()[0]
     assert first.startswith("allocation: sim:d") and "+sim_train:d" in first and "max_head_offpolicyness=" in first
@@ -129,7 +130,7 @@ def test_areal_plan_prints_the_allocation_for_the_configs_own_backends(tmp_path)
 
 def test_areal_plan_names_a_bad_eta_list(tmp_path):
     run = subprocess.run([sys.executable, "-m", "areal_cli.app", "plan", _config(tmp_path), "--eta", "0,two"],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=scaled(120))
     assert run.returncode == 1 and "--eta '0,two': write whole numbers" in run.stderr
 
 

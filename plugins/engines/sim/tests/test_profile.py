@@ -12,6 +12,7 @@ import sys
 import pytest
 import yaml
 
+from areal_core.testing import scaled
 from areal_sim.profile import PROFILES, DecodeTable, Lengths, ProfileError, TrainModel, load_profile, parse_profile
 
 SHIPPED = sorted(p.stem for p in PROFILES.glob("*-h800.yaml"))
@@ -71,7 +72,7 @@ def test_the_split_attention_used_for_measuring_equals_plain_attention():
 def test_the_measuring_script_runs_on_toy_shapes(tmp_path):
     out = tmp_path / "m.json"
     run = subprocess.run([sys.executable, "-m", "areal_sim.profiles.measure_gpu", "--tiny", "--out", str(out)],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=scaled(120))
     assert run.returncode == 0, run.stderr
     import json
 

@@ -15,6 +15,7 @@ import pytest
 from areal_core.api import Context
 from areal_core.clock import VirtualClock
 from areal_core.config.allocation import parse_allocation
+from areal_core.testing import scaled
 from areal_sim.profile import load_profile
 from areal_sim.simulate import SimSettings, SimulationError, run_simulation, simulated_config
 from areal_sim.train import SimTrainConfig, SimTrainEngine
@@ -227,7 +228,7 @@ def test_areal_simulate_runs_from_the_command_line_and_sweeps(tmp_path):
     config.write_text(SMALL.replace("total_steps: 6", "total_steps: 3"))
     run = subprocess.run([sys.executable, "-m", "areal_cli.app", "simulate", str(config), "sim.gpus=8",
                           "sim.token_scale=50", "--sweep", "rollout.max_head_offpolicyness=0,2",
-                          "--out", str(tmp_path / "sweep")], capture_output=True, text=True, timeout=300)
+                          "--out", str(tmp_path / "sweep")], capture_output=True, text=True, timeout=scaled(300))
     assert run.returncode == 0, run.stderr
     assert "samples/s" in run.stdout
     points = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
@@ -239,7 +240,7 @@ def test_a_bad_setting_on_the_command_line_is_one_line_and_exit_1(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(SMALL)
     run = subprocess.run([sys.executable, "-m", "areal_cli.app", "simulate", str(config), "sim.gpus=zero"],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=scaled(120))
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert "sim.gpus=zero: must be a whole number" in run.stderr
 

@@ -17,6 +17,7 @@ import pytest
 
 from areal_core.api import ServerProcess
 from areal_core.remote import ServerFleet, http_ready
+from areal_core.testing import scaled
 from areal_core.weight_check import compare_digests, digest_folder, digest_named, not_checkable
 from areal_vllm.engine import SERVER_PATH, VLLMEngine, VLLMEngineConfig, default_python, server_argv
 
@@ -41,7 +42,7 @@ def test_digests_of_a_qwen2_model_with_biases_and_an_untied_head_equal_the_train
     from safetensors.torch import load_file
 
     model, other = qwen2(tmp_path / "model", 0), qwen2(tmp_path / "other", 1)
-    options = VLLMEngineConfig(kv_cache_gib=1, max_model_len=1024, startup_timeout_s=400)
+    options = VLLMEngineConfig(kv_cache_gib=1, max_model_len=1024, startup_timeout_s=scaled(400))
 
     def recipe(index, port):
         # dtype float32 said outright: vLLM on CPU would run a float32 checkpoint in bf16 under "auto"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_core.testing import requires_plugin, rl_doubles
+from areal_core.testing import requires_plugin, rl_doubles, scaled
 from areal_vllm.engine import default_python
 
 # The train side of these runs is the fsdp engine, another plugin: found by its entry point.
@@ -68,7 +68,7 @@ def test_areal_run_attaches_to_a_running_vllm_server(tmp_path):
     def recipe(index, port):
         argv, env = server_argv(PYTHON, str(model), port, options, dtype="bfloat16")
         return ServerProcess(argv, http_ready(port), f"the vLLM server on 127.0.0.1:{port}", env=env,
-                             startup_timeout_s=600)
+                             startup_timeout_s=scaled(600))
 
     with ServerFleet(tmp_path / "elsewhere") as fleet:
         (server,) = fleet.launch(recipe, 1, prefix="vllm", threads=1)

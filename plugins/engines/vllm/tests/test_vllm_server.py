@@ -20,7 +20,7 @@ from areal_core.config.schema import RunConfig
 from areal_core.remote import ServerFleet
 from areal_core.rollout import RolloutController
 from areal_core.rollout.elastic import DOWN, ElasticConfig
-from areal_core.testing import InferenceEngineConformance
+from areal_core.testing import InferenceEngineConformance, scaled, wait_until
 from areal_core.remote import http_ready
 from areal_vllm.engine import SERVER_PATH, VLLMEngine, VLLMEngineConfig, default_python, server_argv
 
@@ -35,7 +35,10 @@ PROMPT = [5, 17, 33, 9, 41]
 LONG = 1500  # tokens of the request paused mid-way
 # A long context: the tiny model decodes thousands of tokens a second, and the pause tests need a request
 # that is still running when pause() comes.
-OPTIONS = VLLMEngineConfig(kv_cache_gib=1, max_model_len=8192, startup_timeout_s=400)
+# --enable-log-requests: the server logs "Added request ..." as a request enters its engine, which a test waits for.
+OPTIONS = VLLMEngineConfig(kv_cache_gib=1, max_model_len=8192, startup_timeout_s=scaled(400),
+                           extra_args=["--enable-log-requests"])
+ADDED = "Added request"  # vLLM's AsyncLLM logs it once the request is in the engine core (queued while paused)
 # The plugin's worker extension with test-only methods that corrupt loaded weights (vllm_worker_double.py, beside
 # this file): the digest under test is the plugin's own, inherited unchanged.
 WORKER_DOUBLE = "vllm_worker_double.TamperingWorkerExtensionDouble"
@@ -171,18 +174,27 @@ def test_a_request_that_arrives_while_paused_never_carries_the_old_version(serve
     """vLLM queues a request that reaches it while paused and runs it after /resume, under the new weights.
     Such a request (in transit when the controller paused) must not come back with tokens stamped with the
     version it was sent at: it comes back aborted and empty, to be continued at the new version."""
+    log = Path(servers.fleet.servers[0].log_path)
+
+    def added() -> int:
+        return log.read_text(errors="replace").count(ADDED) if log.is_file() else 0
+
     async def body():
         engine = servers.engine(servers.fleet.servers[0], ignore_eos=True)
         await engine.start()
         try:
             await engine.pause()
+            before = added()
             late = asyncio.ensure_future(engine.agenerate(GenerationRequest(PROMPT, SamplingParams(
                 max_new_tokens=16, temperature=0))))
-            await asyncio.sleep(0.5)  # it reaches the server and waits in its queue
+            # it reaches the server and waits in its queue (polled on a thread: the request goes out meanwhile)
+            await asyncio.to_thread(wait_until, lambda: added() > before, 60,
+                                    f"the request sent while paused to enter the server's queue ('{ADDED}' in {log})",
+                                    0.05)
             assert not late.done(), f"a request sent while paused was answered: {late.result()}"
             await engine.update_weights_from_disk(str(servers.model), engine.version + 1)
             await engine.resume()
-            return await asyncio.wait_for(late, 120), engine.version
+            return await asyncio.wait_for(late, scaled(120)), engine.version
         finally:
             await engine.aclose()
 
@@ -348,15 +360,12 @@ def test_elastic_kill_one_of_two_then_add_a_third(servers):
     with RolloutController(engines, TokenWorkflowDouble(2), batch_size=4, max_head_offpolicyness=1,
                            max_concurrent_rollouts=8, elastic=elastic, request_timeout_s=120) as ctrl:
         def step():
-            batches.append(ctrl.prepare_batch(data, timeout=300))
+            batches.append(ctrl.prepare_batch(data, timeout=scaled(300)))
             ctrl.update_weights_from_disk(str(servers.model), ctrl.version + 1)
 
         step()
         on_b = next(m for m in ctrl.members() if m.name == b.address)
-        deadline = time.monotonic() + 30
-        while on_b.in_flight == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert on_b.in_flight > 0, "nothing was in flight on the server about to be killed"
+        wait_until(lambda: on_b.in_flight > 0, 30, "a request in flight on the server about to be killed", 0.01)
         servers.fleet.kill(b)  # SIGKILL mid-run, requests in flight on it
         step()
         step()

@@ -29,6 +29,7 @@ import pytest
 
 from areal_core.api import ServerProcess
 from areal_core.remote import ServerFleet, http_ready
+from areal_core.testing import scaled
 from areal_core.weight_check import compare_digests, digest_folder, digest_named, not_checkable
 from areal_vllm.engine import SERVER_PATH, VLLMEngine, VLLMEngineConfig, default_python, server_argv
 
@@ -58,7 +59,7 @@ def test_tensor_parallel_digests_equal_the_trainers_and_name_a_layout_bug(tmp_pa
     from safetensors.torch import load_file
 
     first, other = model(tmp_path / "model", arch, dtype, 0), model(tmp_path / "other", arch, dtype, 1)
-    options = VLLMEngineConfig(kv_cache_gib=1, max_model_len=1024, startup_timeout_s=400,
+    options = VLLMEngineConfig(kv_cache_gib=1, max_model_len=1024, startup_timeout_s=scaled(400),
                                extra_args=["--tensor-parallel-size", str(TP)])
     cores = sorted(os.sched_getaffinity(0))[:TP]
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from areal_core.testing import scaled
 from areal_core.weight_check import NOT_CHECKABLE, compare_digests, digest_named, not_checkable, tensor_digest
 from areal_vllm.engine import merge_worker_digests
 from areal_vllm.server_path import areal_vllm_worker as ext
@@ -190,7 +191,8 @@ class ThreadGatherDouble:
     def __init__(self, size: int) -> None:
         self.size = size
         self.slots: list = [None] * size
-        self.barrier = threading.Barrier(size, timeout=30)
+        self.timeout_s = scaled(30)
+        self.barrier = threading.Barrier(size, timeout=self.timeout_s)
 
     def rank(self, rank: int) -> "ThreadGatherDouble.Rank":
         return ThreadGatherDouble.Rank(self, rank)
@@ -207,8 +209,9 @@ class ThreadGatherDouble:
                 out = list(g.slots) if self.rank == 0 else None
                 g.barrier.wait()  # rank 0 has them: the slots may be reused
             except threading.BrokenBarrierError:
-                raise TimeoutError(f"tensor-parallel rank {self.rank} waited 30 s for the other ranks' shards of a "
-                                   f"{tuple(tensor.shape)} tensor: the ranks gathered in different orders") from None
+                raise TimeoutError(f"tensor-parallel rank {self.rank} waited {g.timeout_s:.0f} s for the other ranks' "
+                                   f"shards of a {tuple(tensor.shape)} tensor: the ranks gathered in different "
+                                   f"orders") from None
             return out
 
 
@@ -228,8 +231,8 @@ def on_ranks(size: int, work) -> list:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a tensor-parallel rank thread still runs after 60 s"
+        t.join(scaled(60))
+    assert not any(t.is_alive() for t in threads), f"a tensor-parallel rank thread still runs after {scaled(60):.0f} s"
     if errors:
         raise errors[0]
     return results

@@ -7,8 +7,8 @@ tests (test_vllm_server.py) cover generation.
 
 For each ``reload_weights`` of a bucket folder ``.../bucket-<k>`` it records the tensor names it
 holds and whether the next bucket (``bucket-<k+1>/model.safetensors``) appeared while this reload
-was still being answered, waiting up to ``next_bucket_wait_s`` for it: how a test sees that the
-engine prepares the next bucket while the current one is loaded.
+was still being answered, waiting up to ``next_bucket_wait_s`` (default ``scaled(3)``) for it: how a test sees
+that the engine prepares the next bucket while the current one is loaded.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from areal_core.testing import scaled
+
 
 @dataclass
 class Reload:
@@ -30,10 +32,11 @@ class Reload:
 
 
 class VLLMProtocolDouble:
-    def __init__(self, version: str = "0.32.0", next_bucket_wait_s: float = 3.0, extension: bool = True) -> None:
+    def __init__(self, version: str = "0.32.0", next_bucket_wait_s: float | None = None,
+                 extension: bool = True) -> None:
         self.version = version
         self.extension = extension
-        self.next_bucket_wait_s = next_bucket_wait_s
+        self.next_bucket_wait_s = scaled(3.0) if next_bucket_wait_s is None else next_bucket_wait_s
         self.reloads: list[Reload] = []
         self.completions: list[dict] = []  # the body of each /v1/completions request
         self.transport = httpx.MockTransport(self.handle)

@@ -8,9 +8,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from areal_core.testing import scaled, wait_until as core_wait_until
 
 HERE = Path(__file__).parent
 STANDINS = HERE / "slurm_standins"
@@ -20,8 +21,10 @@ COMMANDS = ("sbatch", "srun", "scancel", "squeue")
 ALLOCATION = "served_infer_double:d2+gpu_train_double:d1"
 SLURM_RUN = [f"allocation={ALLOCATION}", "rollout.backend=served_infer_double", "actor.backend=gpu_train_double",
              "trainer.total_steps=3"]
+# The launcher's waits, shorter than its defaults so that a broken run fails soon (times AREAL_TEST_TIMEOUT_SCALE).
 LAUNCHER = ["launcher.name=slurm", "launcher.gpus_per_node=2", "launcher.host=127.0.0.1", "launcher.poll_s=0.2",
-            "launcher.cancel_timeout_s=30", "launcher.step_wait_timeout_s=60", "launcher.submit_timeout_s=30"]
+            f"launcher.cancel_timeout_s={scaled(30):g}", f"launcher.step_wait_timeout_s={scaled(60):g}",
+            f"launcher.submit_timeout_s={scaled(30):g}"]
 
 
 @dataclass
@@ -33,7 +36,7 @@ class StandIns:
 
     def env(self, base: dict[str, str]) -> dict[str, str]:
         return {**base, "PATH": f"{self.bin}{os.pathsep}{base.get('PATH', '')}", "SLURM_STANDIN_STATE": str(self.state),
-                "SLURM_STANDIN_KILL_WAIT_S": "10"}
+                "SLURM_STANDIN_KILL_WAIT_S": f"{scaled(10):g}"}
 
     def calls(self, command: str | None = None) -> list[dict]:
         path = self.state / "calls.jsonl"
@@ -46,8 +49,9 @@ class StandIns:
 
 
 def areal(args: list[str], env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``areal ARGS`` to its end, at most ``scaled(timeout)`` seconds."""
     return subprocess.run([AREAL, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout)
+                          timeout=scaled(timeout))
 
 
 def run_processes(run_dir: Path) -> list[str]:
@@ -71,8 +75,5 @@ def run_processes(run_dir: Path) -> list[str]:
 
 
 def wait_until(check, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout:.0f} s for {what}")
-        time.sleep(0.1)
+    """:func:`areal_core.testing.wait_until`, polling every 0.1 s (``timeout`` is scaled there)."""
+    core_wait_until(check, timeout, what, 0.1)

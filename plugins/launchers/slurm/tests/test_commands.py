@@ -11,6 +11,8 @@ from pathlib import Path
 import yaml
 from slurm_helpers import ALLOCATION, LAUNCHER, SLURM_RUN, areal
 
+from areal_core.testing import scaled
+
 
 def dry_run_files(output: str) -> dict[str, str]:
     """The files a dry run prints, by name: '==> PATH <==' then the text."""
@@ -111,7 +113,7 @@ def test_a_run_folder_whose_earlier_job_is_still_queued_is_not_submitted_again(d
     sleeper = tmp_path / "sleeper.sh"
     sleeper.write_text(f"#!/bin/bash\n#SBATCH --output={tmp_path / 'sleeper-%j.log'}\nexec sleep 60\n")
     job = subprocess.run([str(standins.bin / "sbatch"), "--parsable", str(sleeper)], env=env, capture_output=True,
-                         text=True, timeout=30).stdout.strip()
+                         text=True, timeout=scaled(30)).stdout.strip()
     try:
         run_dir = tmp_path / "runs" / "areal" / "queued"
         (run_dir / "slurm").mkdir(parents=True)
@@ -123,4 +125,4 @@ def test_a_run_folder_whose_earlier_job_is_still_queued_is_not_submitted_again(d
         assert f"cancel it (scancel {job})" in proc.stdout
         assert len(standins.calls("sbatch")) == 1  # only the sleeper
     finally:
-        subprocess.run([str(standins.bin / "scancel"), job], env=env, timeout=30)
+        subprocess.run([str(standins.bin / "scancel"), job], env=env, timeout=scaled(30))

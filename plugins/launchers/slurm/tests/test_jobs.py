@@ -11,6 +11,7 @@ from importlib import metadata
 
 import pytest
 
+from areal_core.testing import scaled
 from areal_core.testing.distributions import install_fake_distribution
 from areal_core.testing.processes import read_jsonl
 from slurm_helpers import AREAL, LAUNCHER, SLURM_RUN, areal, run_processes, wait_until
@@ -79,7 +80,7 @@ def test_sigterm_to_areal_run_cancels_the_job_and_leaves_nothing_running(doubles
     try:
         wait_until(lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 1, 90, "the run's first step")
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=90)
+        out, _ = proc.communicate(timeout=scaled(90))
     finally:
         proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, out

@@ -7,11 +7,14 @@ import json
 import subprocess
 import time
 
+from areal_core.testing import scaled, wait_until
+
 
 def srun(standins, tmp_path, *args: str, job_nodes: int = 2, env: dict | None = None):
     base = standins.env({"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": str(job_nodes),
                          **(env or {})})
-    return subprocess.run([str(standins.bin / "srun"), *args], env=base, capture_output=True, text=True, timeout=60)
+    return subprocess.run([str(standins.bin / "srun"), *args], env=base, capture_output=True, text=True,
+                          timeout=scaled(60))
 
 
 def test_srun_spreads_tasks_in_blocks_over_pretend_nodes(standins, tmp_path):
@@ -29,9 +32,9 @@ def test_srun_spreads_tasks_in_blocks_over_pretend_nodes(standins, tmp_path):
 def test_srun_returns_the_first_failure_and_stops_the_other_tasks(standins, tmp_path):
     started = time.monotonic()
     proc = srun(standins, tmp_path, "--ntasks=3", "--kill-on-bad-exit=1", "bash", "-c",
-                '[ "$SLURM_PROCID" = 1 ] && exit 5; exec sleep 30')
+                '[ "$SLURM_PROCID" = 1 ] && exit 5; exec sleep 300')
     assert proc.returncode == 5
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < scaled(10)  # the other tasks' 300 s sleeps were stopped
     assert "terminating the step (--kill-on-bad-exit)" in proc.stderr
 
 
@@ -41,18 +44,16 @@ def test_sbatch_squeue_and_scancel_follow_every_process_of_a_job(standins, tmp_p
                       "\nsetsid sleep 60 &\necho started $SLURM_JOB_ID $SLURM_JOB_NUM_NODES\nwait\n")
     env = standins.env({"PATH": "/usr/bin:/bin"})
     job = subprocess.run([str(standins.bin / "sbatch"), "--parsable", str(script)], env=env, capture_output=True,
-                         text=True, timeout=30).stdout.strip()
+                         text=True, timeout=scaled(30)).stdout.strip()
     assert job == "1000"
 
     def squeue() -> str:
         return subprocess.run([str(standins.bin / "squeue"), "--noheader", f"--jobs={job}", "--format=%T %N"],
-                              env=env, capture_output=True, text=True, timeout=30).stdout.strip()
+                              env=env, capture_output=True, text=True, timeout=scaled(30)).stdout.strip()
 
-    deadline = time.monotonic() + 10
-    while "started" not in (tmp_path / "job-1000.log").read_text() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: "started" in (tmp_path / "job-1000.log").read_text(), 10, "the batch script to start", 0.05)
     assert squeue() == "RUNNING node[0-1]"
-    subprocess.run([str(standins.bin / "scancel"), job], env=env, timeout=30, check=True)
+    subprocess.run([str(standins.bin / "scancel"), job], env=env, timeout=scaled(30), check=True)
     assert squeue() == ""  # the batch script and the sleep it started in another session are gone
     unknown = subprocess.run([str(standins.bin / "squeue"), "--jobs=99"], env=env, capture_output=True, text=True)
     assert unknown.returncode == 1 and "Invalid job id" in unknown.stderr

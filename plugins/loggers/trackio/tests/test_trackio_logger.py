@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from areal_core.testing import scaled
+
 SCRIPT = str(Path(__file__).with_name("trackio_script.py"))
 
 
@@ -27,7 +29,7 @@ def trackio_env(tmp_path, monkeypatch):
 
 def script(env, *args):
     done = subprocess.run([sys.executable, SCRIPT, *map(str, args)], env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=scaled(300))
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from areal_core.api import Context
-from areal_core.testing import RewardConformance
+from areal_core.testing import RewardConformance, scaled, wait_until
 
 from areal_code.reward import CodeConfig, CodeReward, extract_code
 from areal_code.sandbox import RUNNER, isolation, pids_cgroup_root
@@ -70,10 +70,7 @@ def leftovers() -> list[str]:
 def host_check():
     before = set(leftovers())
     yield
-    deadline = time.monotonic() + 5
-    while sandbox_processes() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert sandbox_processes() == [], "sandbox processes outlived the run"
+    wait_until(lambda: sandbox_processes() == [], 5, "the sandbox processes to end with their run", 0.05)
     assert set(leftovers()) - before == set(), "a sandbox folder or cgroup was left behind"
     assert subprocess.run(["true"]).returncode == 0  # the host can still start processes
 
@@ -125,7 +122,7 @@ def test_fork_bomb_is_contained(host_check):
     assert result["reason"] in ("process_limit", "timeout", "cpu_time"), result
     if pids_cgroup_root() is not None:
         assert result["reason"] == "process_limit", result
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 2.0 + scaled(8)
 
 
 def test_memory_bomb_is_contained(host_check):
@@ -137,14 +134,14 @@ def test_infinite_loop_is_stopped_by_the_cpu_limit(host_check):
     start = time.monotonic()
     result = attack("while True:\n    pass", cpu_s=1, wall_s=10.0)
     assert (result["reward"], result["reason"]) == (0.0, "cpu_time"), result
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < scaled(5)
 
 
 def test_sleeping_forever_is_stopped_by_the_wall_clock(host_check):
     start = time.monotonic()
     result = attack("import time\nwhile True:\n    time.sleep(1)", wall_s=1.0)
     assert (result["reward"], result["reason"]) == (0.0, "timeout"), result
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 1.0 + scaled(4)
 
 
 def test_socket_cannot_reach_the_host(host_check):
@@ -225,7 +222,7 @@ def test_concurrent_calls_are_bounded_by_max_concurrent(host_check, monkeypatch)
         for t in threads:
             t.start()
         for t in threads:
-            t.join(60)
+            t.join(scaled(60))
         assert peak == bound, f"max_concurrent={bound} but {peak} sandboxes ran at once"
 
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from areal_core.api import Context, call_reward
-from areal_core.testing import RewardConformance
+from areal_core.testing import RewardConformance, scaled, wait_until
 
 from areal_math.extract import extract_answer
 from areal_math.reward import MathConfig, MathReward
@@ -30,6 +30,28 @@ class TestMathReward(RewardConformance):
 def score(completion: str, answer: str, **options) -> dict:
     reward = MathReward.create(Context(options=MathConfig(**options)))
     return reward("", completion, {"answer": answer})
+
+
+@pytest.fixture
+def scheduled(monkeypatch) -> list:
+    """The futures of the comparisons put on the math-verify pools (the real pools), in the order they were put
+    there: a test waits on them for a comparison to be queued or running in a worker."""
+    from areal_math import verify
+
+    futures: list = []
+    real_pool = verify.pool
+
+    class NotingPool:
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        def schedule(self, *args, **kwargs):
+            future = self.inner.schedule(*args, **kwargs)
+            futures.append(future)
+            return future
+
+    monkeypatch.setattr(verify, "pool", lambda workers: NotingPool(real_pool(workers)))
+    return futures
 
 
 # (reference, model's answer): equal by math-verify
@@ -126,15 +148,18 @@ def test_unparsable_answer_scores_zero_with_reason():
 
 
 def test_pathological_expression_times_out_and_the_pool_recovers():
+    score("\\boxed{0.5}", "\\frac{1}{2}", timeout_s=1.0)  # the pool is up: its start is not timed below
     start = time.monotonic()
     result = score("\\boxed{9^{9^{9^{9}}}}", "10", timeout_s=1.0)
     elapsed = time.monotonic() - start
     assert result["reward"] == 0.0 and result["reason"] == "timeout", result
+    # not scaled: pebble kills the worker at the bound, well within 3 s; waiting 5 s more (the caller's backstop)
+    # would mean it did not
     assert elapsed < 1.0 + 3.0, f"took {elapsed:.1f} s for a 1 s bound"
     assert score("\\boxed{0.25}", "\\frac{1}{4}", timeout_s=1.0)["reward"] == 1.0  # a fresh worker answers
 
 
-def test_a_reward_worker_killed_mid_comparison_scores_that_answer_as_an_error_and_the_pool_recovers():
+def test_a_reward_worker_killed_mid_comparison_scores_that_answer_as_an_error_and_the_pool_recovers(scheduled):
     """Fault injection (issue 21): the math-verify worker process dies (SIGKILL, the OOM killer) while it
     compares: that answer scores 0 with the reason, never an exception into the rollout, and the next
     comparison gets a fresh worker."""
@@ -162,19 +187,22 @@ def test_a_reward_worker_killed_mid_comparison_scores_that_answer_as_an_error_an
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(score("\\boxed{9^{9^{9^{9}}}}", "10", timeout_s=30.0,
                                                                  workers=1)))
+    queued = len(scheduled)
     thread.start()
-    time.sleep(1.0)  # the comparison is running in the worker
+    wait_until(lambda: len(scheduled) > queued and scheduled[queued].running(), 30,
+               "the comparison to run in the worker")
     victims = workers_of_this_process()
     assert victims, "no worker process found"
     for pid in victims:
         os.kill(pid, signal.SIGKILL)
-    thread.join(30)
+    thread.join(scaled(30))
+    assert not thread.is_alive(), "the comparison whose worker was killed did not come back"
     assert result["reward"] == 0.0 and result["reason"] == "error", result
     assert "the worker died" in result["detail"], result
     assert score("\\boxed{0.25}", "\\frac{1}{4}", timeout_s=30.0, workers=1)["reward"] == 1.0
 
 
-def test_time_queued_behind_other_comparisons_is_not_a_timeout():
+def test_time_queued_behind_other_comparisons_is_not_a_timeout(scheduled):
     # One worker, a 1 s bound: four pathological answers (each killed at 1 s, its worker replaced) are ahead
     # of an easy one, which waits longer than timeout_s + the grace in the queue but needs milliseconds once
     # it runs.
@@ -186,15 +214,17 @@ def test_time_queued_behind_other_comparisons_is_not_a_timeout():
 
     score("\\boxed{0.5}", "\\frac{1}{2}", timeout_s=1.0, workers=1)  # start the one-worker pool first
     threads = [threading.Thread(target=run, args=(f"slow{k}", slow, "10")) for k in range(4)]
-    for t in threads:
+    queued = len(scheduled)
+    for k, t in enumerate(threads):
         t.start()
-        time.sleep(0.2)  # in this order into the queue
+        wait_until(lambda: len(scheduled) > queued + k, 30, f"pathological answer {k} to be queued")
     easy = threading.Thread(target=run, args=("easy", "\\boxed{\\frac{3}{4}}", "0.75"))
     began = time.monotonic()
     easy.start()
     for t in [*threads, easy]:
-        t.join(60)
+        t.join(scaled(60))
     waited = time.monotonic() - began
+    assert len(scheduled) == queued + 5  # the easy one was queued behind the four
     assert [results[f"slow{k}"]["reason"] for k in range(4)] == ["timeout"] * 4, results
     assert results["easy"]["reward"] == 1.0 and results["easy"]["reason"] == "correct", (results["easy"], waited)
 
@@ -203,7 +233,7 @@ def test_works_from_a_non_main_thread_and_from_the_event_loop():
     got: list[dict] = []
     thread = threading.Thread(target=lambda: got.append(score("\\boxed{\\frac{6}{8}}", "0.75")))
     thread.start()
-    thread.join(60)
+    thread.join(scaled(60))
     assert got and got[0]["reward"] == 1.0, got
     reward = MathReward.create(Context(options=MathConfig()))
     result = asyncio.run(call_reward(reward, "", "so \\boxed{2^{10}}", {"answer": "1024"}))

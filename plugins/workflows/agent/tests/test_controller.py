@@ -11,6 +11,7 @@ import openai
 
 from areal_core.api import GenerationResponse
 from areal_core.rollout import RolloutController
+from areal_core.testing import scaled, wait_until
 from areal_core.testing.latency_engine import LatencyEngineDouble
 
 sys.modules["agent_controller_doubles"] = sys.modules[__name__]
@@ -37,7 +38,7 @@ def test_agent_episodes_train_through_the_controller_under_the_staleness_bound(m
     seen = set()
     try:
         for _ in range(4):
-            batch = ctrl.prepare_batch(data, timeout=120)
+            batch = ctrl.prepare_batch(data, timeout=scaled(120))
             for group in batch:
                 assert ctrl.version - group.start_version <= 1  # the staleness bound, for agent traffic too
                 seen.add(group.item["id"])
@@ -56,17 +57,29 @@ def test_agent_episodes_train_through_the_controller_under_the_staleness_bound(m
 
 
 class SteadyEngineDouble(LatencyEngineDouble):
-    """Test double: one token every 50 ms (id 100 + position), so a test knows what has been sampled when."""
+    """Test double: one token every 50 ms (id 100 + position), so a test knows what has been sampled when. With
+    ``hold_after`` = n, the first call that has sampled n tokens (and has more to sample) waits there until the
+    engine is paused (at most ``scaled(30)`` s): a pause that comes then lands in the middle of that call."""
 
-    def __init__(self):
+    def __init__(self, hold_after: int | None = None):
         super().__init__()
         self.emitted = 0
+        self.hold_after = hold_after
+
+    async def _held(self, sampled: int, wanted: int) -> None:
+        if self.hold_after is None or sampled != self.hold_after or sampled >= wanted:
+            return
+        self.hold_after = None  # the first such call only
+        deadline = time.monotonic() + scaled(30)
+        while not self._paused and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
 
     async def agenerate(self, request):
         out = []
         self._active += 1
         try:
             while len(out) < request.sampling.max_new_tokens:
+                await self._held(len(out), request.sampling.max_new_tokens)
                 await asyncio.sleep(0.05)
                 if self._paused:
                     self.aborts += 1
@@ -83,17 +96,14 @@ class SteadyEngineDouble(LatencyEngineDouble):
 def test_a_weight_update_mid_call_continues_the_agent_call_under_the_new_version(make_flow):
     """The update lands while the agent's first call is generating: the call returns one reply whose tokens
     carry both versions, and the trajectory keeps each token's version and behaviour logprob."""
-    flow = make_flow(agent="agent_controller_doubles:three_turn_agent", agent_timeout_s=30.0)
-    engine = SteadyEngineDouble()
+    flow = make_flow(agent="agent_controller_doubles:three_turn_agent", agent_timeout_s=scaled(30.0))
+    engine = SteadyEngineDouble(hold_after=2)  # the first call waits after two of its four tokens for the pause
     ctrl = RolloutController([engine], flow, batch_size=1, max_head_offpolicyness=1).start()
     try:
         ctrl.submit({"id": 7, "hang": False})
-        deadline = time.monotonic() + 30
-        while engine.emitted < 2:  # the first call has sampled two of its four tokens
-            assert time.monotonic() < deadline, "waited 30 s for the agent's first call to sample two tokens"
-            time.sleep(0.002)
+        wait_until(lambda: engine.emitted >= 2, 30, "the agent's first call to sample two tokens", 0.002)
         ctrl.update_weights_from_disk("/ckpt/v1", 1)
-        (group,) = ctrl.wait(1, timeout=60)
+        (group,) = ctrl.wait(1, timeout=scaled(60))
     finally:
         ctrl.close()
     (t,) = group.trajectories

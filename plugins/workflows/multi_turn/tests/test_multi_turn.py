@@ -7,14 +7,14 @@ import asyncio
 import functools
 import sys
 import tempfile
-import time
+import threading
 from pathlib import Path
 
 import pytest
 
 from areal_core.api import Context
 from areal_core.config.schema import RunConfig
-from areal_core.testing import ScriptedInferenceEngine, WorkflowConformance
+from areal_core.testing import ScriptedInferenceEngine, WorkflowConformance, scaled
 from areal_multi_turn.workflow import MultiTurnConfig, MultiTurnWorkflow
 
 CHAT = {"id": "c/1", "messages": [{"role": "user", "content": "What is 6 plus 19?"}], "answer": "25"}
@@ -190,13 +190,19 @@ async def async_environment(item, completion, turn):
 
 
 class SlowTool:
-    """A custom environment whose sync step blocks for a while (a slow tool or verifier)."""
+    """A custom environment whose sync step blocks (a slow tool or verifier) until the event loop has run
+    meanwhile: :attr:`loop_ran` is set by a task on the loop; :attr:`saw_the_loop` notes, per step, whether it
+    was set within the step's wait (never, when the step blocks the loop itself)."""
+
+    loop_ran = threading.Event()
+    saw_the_loop: list[bool] = []
 
     def __init__(self, item, reward):
         pass
 
     def step(self, completion, turn):
-        time.sleep(0.3)
+        SlowTool.loop_ran.clear()
+        SlowTool.saw_the_loop.append(SlowTool.loop_ran.wait(scaled(10)))
         return {"reward": 1.0, "done": turn == 2, "message": "still working"}
 
 
@@ -214,24 +220,22 @@ def test_a_sync_environment_step_does_not_stall_the_event_loop(tiny_model_dir, m
     flow = make(tiny_model_dir, None, environment="my_envs:SlowTool", max_turns=2)
 
     async def episode_beside_a_ticker():
-        ticks = 0
-
-        async def ticker():
-            nonlocal ticks
+        async def ticker():  # marks every turn of the loop while the episode runs
             while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
+                await asyncio.sleep(0.005)
+                SlowTool.loop_ran.set()
 
         task = asyncio.create_task(ticker())
-        began = time.monotonic()
         (t,) = await flow.arun_episode(ScriptedInferenceEngine(SCRIPT), CHAT)
         task.cancel()
-        return t, ticks, time.monotonic() - began
+        return t
 
-    t, ticks, seconds = asyncio.run(episode_beside_a_ticker())
-    assert t.reward == 1.0 and seconds >= 0.6
-    # 0.6 s of sleeping in the environment: a loop left free ticks ~60 times; a blocked one ~twice
-    assert ticks >= 20, f"the loop ticked {ticks} times in {seconds:.2f} s: the environment's step blocked it"
+    SlowTool.saw_the_loop.clear()
+    t = asyncio.run(episode_beside_a_ticker())
+    assert t.reward == 1.0
+    # each of the two steps waited for the loop to run: a step that blocked the loop waited in vain
+    assert SlowTool.saw_the_loop == [True, True], (
+        f"the loop did not run while the environment's step blocked ({SlowTool.saw_the_loop})")
 
 
 def test_bad_environment_references_are_named(tiny_model_dir):

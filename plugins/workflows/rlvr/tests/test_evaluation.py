@@ -16,11 +16,11 @@ from dataclasses import replace
 from areal_core.api import Context
 from areal_core.config.schema import RunConfig
 from areal_core.rollout import RolloutController
-from areal_core.testing import ScriptedInferenceEngine
+from areal_core.testing import ScriptedInferenceEngine, scaled, wait_until
 from areal_core.trainer import eval_metrics
 from areal_rlvr.workflow import RLVRConfig, RLVRWorkflow
 
-HOLD_S = 30.0  # the longest a held validation request waits for the test to release it
+HOLD_S = scaled(30.0)  # the longest a held validation request waits for the test to release it
 
 
 class HeldValidationEngineDouble(ScriptedInferenceEngine):
@@ -37,7 +37,7 @@ class HeldValidationEngineDouble(ScriptedInferenceEngine):
             waited = 0.0
             while not self.release.is_set():
                 if waited > HOLD_S:
-                    raise TimeoutError(f"held validation request {request.metadata} for {HOLD_S} s; "
+                    raise TimeoutError(f"held validation request {request.metadata} for {HOLD_S:.0f} s; "
                                        f"the test never released it")
                 await asyncio.sleep(0.01)
                 waited += 0.01
@@ -74,12 +74,14 @@ def test_pass_at_k_evaluation_runs_while_training_takes_batches(tiny_model_dir):
         data = iter(train_items)
         batches = []
         for step in range(3):  # three trainer steps, each a batch then a new policy version
-            batches.append(ctrl.prepare_batch(data, timeout=30))
+            batches.append(ctrl.prepare_batch(data, timeout=scaled(30)))
             engine.set_version(step + 1)
             ctrl.set_version(step + 1)
-        assert not pending.done() and engine.held == 4 * 3  # every validation sample waits, training went on
+        # every validation sample waits, training went on
+        wait_until(lambda: engine.held == 4 * 3, 30, "every validation sample to reach the engine")
+        assert not pending.done()
         engine.release.set()
-        results = pending.result(timeout=30)
+        results = pending.result(timeout=scaled(30))
 
     assert [len(b) for b in batches] == [2, 2, 2] and all(len(g.trajectories) == 2 for b in batches for g in b)
     assert all(len(group) == 3 for group in results)  # eval.samples per validation item
