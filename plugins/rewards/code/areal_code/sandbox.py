@@ -156,22 +156,22 @@ TICK_S = 1 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 def _usage(session: int, cgroup: Path | None) -> tuple[float, float]:
     """(the longest run-queue delay, the CPU seconds used) among the sandbox's processes as the host sees them:
     those of its session (its first process's pid) and of its cgroup (which the code's process joins once set
-    up, and which a process leaving the session stays in)."""
+    up, and which a process leaving the session stays in). Once the cgroup holds the code's processes, only
+    they and the session's first are read; before, every process's stat is scanned for the session."""
     pids = {session}
     if cgroup is not None:
         try:
             pids.update(int(p) for p in (cgroup / "cgroup.procs").read_text().split())
         except (OSError, ValueError):
             pass
+    candidates = pids.copy() if len(pids) > 1 else [int(e.name) for e in os.scandir("/proc") if e.name.isdigit()]
     cpu = 0.0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
+    for pid in candidates:
         try:
             # after the command's closing parenthesis: state, ppid, pgrp, session, ..., utime (11), stime (12)
-            fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) == session or int(entry.name) in pids:
-                pids.add(int(entry.name))
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == session or pid in pids:
+                pids.add(pid)
                 cpu += (int(fields[11]) + int(fields[12])) * TICK_S
         except (OSError, IndexError, ValueError):
             continue
