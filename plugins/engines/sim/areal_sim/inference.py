@@ -1,16 +1,24 @@
 """The simulated inference engine: the real contract, modelled time instead of a model.
 
-It batches continuously, as vLLM and SGLang do: requests join the running
-batch at the next decode step while the KV cache has room for them
-(``inference.kv_capacity_tokens``: a request reserves its prompt plus the
-tokens it may still generate), every step gives each running request one
-token, and a step lasts what the profile says for that batch and mean
-context, plus the prefill of the requests that joined. Response lengths come
+It batches continuously, as vLLM and SGLang do: every step gives each running
+request one token, and a step lasts what the profile says for that batch and
+mean context, plus the prefill of the requests that joined. The KV cache
+(``inference.kv_capacity_tokens``) is managed as vLLM's scheduler does,
+without knowing how long a request will be: a request holds its context (its
+prompt and the tokens it has so far) and grows by a token a step; a waiting
+request joins when its context and every running request's next token fit;
+when the running requests' next tokens no longer fit, the request that joined
+last is preempted: it gives its cache back, waits at the head of the queue,
+and when it joins again its whole context is prefilled again (recompute).
+:attr:`SimInferenceEngine.preempted` and ``recomputed_tokens`` count them. Response lengths come
 from the profile's distribution (seeded requests draw theirs from the seed),
 so a batch has stragglers as real reasoning traces do. ``pause()`` returns
 every request in flight with the tokens it has and ``stop_reason="abort"``;
 weight updates take the profile's transfer time and set the version every
-later token carries.
+later token carries. A request continued after a pause (the same ``rid``, its
+prompt grown by the tokens it had) keeps the length it drew first, on
+whichever simulated server it continues: interruption changes when tokens
+come, never how many, so interruptible and drained runs compare like with like.
 
 Time passes through ``asyncio.sleep`` on the engine's event loop, divided by
 ``time_scale``: under a loop whose clock is virtual, modelled seconds cost
@@ -66,8 +74,11 @@ class _Request:
     target: int  # tokens it returns unless max_new_tokens or a pause cuts it
     future: asyncio.Future
     scale: int
-    joined: int = 0  # the engine's step count when it joined the batch
+    origin: tuple[int, int] = (0, 0)  # (the length it drew at its first call, that call's prompt length)
+    joined: int = 0  # the engine's step count when it (last) joined the batch
     end: int = 0  # the engine's step count at which it has every token
+    base: int = 0  # modelled tokens it produced before it was preempted (0: never preempted)
+    entry: int = 0  # its live entry in the engine's heap of ends (older entries are stale)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[int] = field(default_factory=list)
@@ -76,7 +87,11 @@ class _Request:
     def __post_init__(self) -> None:
         self.records = min(self.target, self.request.sampling.max_new_tokens)  # tokens it returns at most
         self.prompt = len(self.request.input_ids) * self.scale  # modelled prompt tokens
-        self.reserved = self.prompt + self.records * self.scale  # KV-cache tokens it holds at most
+
+    @property
+    def context(self) -> int:
+        """Modelled tokens in its KV cache when it (re)joins: prompt and what it produced before."""
+        return self.prompt + self.base
 
     def finish(self, stop_reason: str) -> None:
         self.done = True
@@ -87,6 +102,12 @@ class _Request:
 
 
 POOL = 1 << 12  # random tokens drawn per engine, handed out as slices to unseeded requests
+
+# rid -> (the length a request drew at its first call, that call's prompt length), for requests answered with
+# "abort" and not yet continued. Shared by every simulated server of the process, because a continuation may go
+# to another server (elastic pools move requests); bounded, since a run may end with requests never continued.
+_interrupted: dict[str, tuple[int, int]] = {}
+MAX_INTERRUPTED = 1 << 20
 
 
 _pools: dict[tuple[int, int], tuple[list[int], list[float]]] = {}
@@ -102,6 +123,13 @@ def _pool(seed: int, vocab_size: int) -> tuple[list[int], list[float]]:
         pool = _pools[(seed, vocab_size)] = ([rng.randrange(vocab_size) for _ in range(POOL)],
                                              [-rng.expovariate(1.0) for _ in range(POOL)])
     return pool
+
+
+def _remember(r: _Request) -> None:
+    """``r`` is answered with ``abort``: its continuation, wherever it goes, keeps the length ``r`` drew."""
+    if len(_interrupted) >= MAX_INTERRUPTED:
+        del _interrupted[next(iter(_interrupted))]
+    _interrupted[r.request.rid] = r.origin
 
 
 def _cycle(pool: list, start: int, n: int) -> list:
@@ -147,12 +175,11 @@ class SimInferenceEngine(InferenceEngine):
         # (``_steps``) and each request only remembers when it joined and when it ends: a heap of ends gives the
         # next finish and running sums give the batch's KV use and mean context, O(log n) per event.
         self._running: dict[_Request, None] = {}  # insertion-ordered (a set's order would vary run to run)
-        self._ends: list[tuple[int, int, _Request]] = []  # (end, arrival order, request); finished ones linger
+        self._ends: list[tuple[int, int, _Request]] = []  # (end, entry, request); finished / preempted linger
         self._steps = 0
         self._order = 0
-        self._sum_prompt = 0  # modelled prompt tokens of the running requests
-        self._sum_joined = 0  # their join steps: context total = sum_prompt + n * steps - sum_joined
-        self._used = 0  # KV-cache tokens they reserve
+        self._sum_context = 0  # modelled tokens the running requests had when they joined
+        self._sum_joined = 0  # their join steps: KV-cache tokens in use = sum_context + n * steps - sum_joined
         self._paused = False
         self._kicked = False  # a request arrived, or pause / resume, since the engine last looked
         self._waiter: asyncio.Future | None = None  # what the engine awaits: a kick, or its stretch's end
@@ -174,6 +201,8 @@ class SimInferenceEngine(InferenceEngine):
         self.events = 0  # stretches planned: the simulator's own cost
         self.requests = 0  # generation calls answered (an interrupted request continues as a new call)
         self.aborted = 0  # of them, answered with abort by a pause
+        self.preempted = 0  # times a running request gave its cache back because the next tokens did not fit
+        self.recomputed_tokens = 0  # modelled tokens prefilled again when preempted requests rejoined
 
     @property
     def version(self) -> int:
@@ -190,10 +219,15 @@ class SimInferenceEngine(InferenceEngine):
         if self._task is None:
             await self.start()
         self.requests += 1
-        seed = request.sampling.seed
-        rng = random.Random(_mix(seed, len(request.input_ids))) if seed is not None else self._rng
-        target = max(1, -(-self.profile.lengths.sample(rng) // self.scale))  # modelled length in whole tokens
-        item = _Request(request, target, asyncio.get_running_loop().create_future(), self.scale)
+        origin = _interrupted.pop(request.rid, None)
+        if origin is not None and len(request.input_ids) >= origin[1]:  # a continuation: what is left of it
+            target = max(1, origin[0] - (len(request.input_ids) - origin[1]))
+        else:
+            seed = request.sampling.seed
+            rng = random.Random(_mix(seed, len(request.input_ids))) if seed is not None else self._rng
+            target = max(1, -(-self.profile.lengths.sample(rng) // self.scale))  # modelled length in whole tokens
+            origin = (target, len(request.input_ids))
+        item = _Request(request, target, asyncio.get_running_loop().create_future(), self.scale, origin)
         self._waiting.append(item)
         self._kick()
         return await item.future
@@ -226,32 +260,34 @@ class SimInferenceEngine(InferenceEngine):
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
 
+    def _used(self) -> int:
+        """Modelled tokens in the running requests' KV caches."""
+        return self._sum_context + len(self._running) * self._steps - self._sum_joined
+
     def _context(self) -> float:
         """The running requests' mean context (modelled tokens in their KV caches)."""
-        n = len(self._running)
-        return (self._sum_prompt + n * self._steps - self._sum_joined) / n
+        return self._used() / len(self._running)
 
     def _steps_to_next_end(self) -> int:
-        while self._ends[0][2].done:
+        while self._ends[0][2].done or self._ends[0][1] != self._ends[0][2].entry:
             heapq.heappop(self._ends)
         return self._ends[0][0] - self._steps
 
     def _join(self, r: _Request) -> None:
-        r.joined, r.end = self._steps, self._steps + r.records * self.scale
+        r.joined, r.end = self._steps, self._steps + r.records * self.scale - r.base
         self._running[r] = None
         self._order += 1
-        heapq.heappush(self._ends, (r.end, self._order, r))
-        self._sum_prompt += r.prompt
+        r.entry = self._order
+        heapq.heappush(self._ends, (r.end, r.entry, r))
+        self._sum_context += r.context
         self._sum_joined += r.joined
-        self._used += r.reserved
 
-    def _leave(self, r: _Request, stop_reason: str) -> None:
-        """``r`` leaves the batch with the tokens its steps completed."""
+    def _remove(self, r: _Request) -> None:
+        """``r`` out of the running batch, its tokens so far written out."""
         self._running.pop(r, None)
-        self._sum_prompt -= r.prompt
+        self._sum_context -= r.context
         self._sum_joined -= r.joined
-        self._used -= r.reserved
-        have, due = len(r.output_ids), min((self._steps - r.joined) // self.scale, r.records)
+        have, due = len(r.output_ids), min((r.base + self._steps - r.joined) // self.scale, r.records)
         if due > have:
             seed = r.request.sampling.seed
             if seed is None:  # a slice of a pool drawn once: per-token draws were most of the simulator's time
@@ -265,6 +301,22 @@ class SimInferenceEngine(InferenceEngine):
                     r.output_ids.append(rng.randrange(self.vocab_size))
                     r.output_logprobs.append(-rng.expovariate(1.0))
             r.output_versions.extend([self._version] * (due - have))
+
+    def _preempt(self) -> None:
+        """The request that joined last gives its KV cache back and waits at the head of the queue with the
+        tokens it has (vLLM's recompute preemption): when it joins again its whole context is prefilled."""
+        r = next(reversed(self._running))
+        produced = self._steps - r.joined
+        self._remove(r)
+        r.base += produced
+        self._waiting.appendleft(r)
+        self.preempted += 1
+
+    def _leave(self, r: _Request, stop_reason: str) -> None:
+        """``r`` leaves the batch with the tokens its steps completed."""
+        self._remove(r)
+        if stop_reason == "abort":
+            _remember(r)
         r.finish(stop_reason)
 
     def _credit(self, now: float) -> None:
@@ -273,18 +325,17 @@ class SimInferenceEngine(InferenceEngine):
         by a pause is work thrown away)."""
         if self._stretch is None:
             return
-        began, batch, context, prefill, full = self._stretch
+        began, batch, context, prefill, full, most = self._stretch
         self._stretch = None
         table = self.profile.inference.decode_step_s
-        most = self._steps_to_next_end() if self._running else 0
         elapsed = max(0.0, (now - began) * self.time_scale)
         done = most if elapsed >= full else table.steps_within(batch, context, max(0.0, elapsed - prefill), most)
         self.busy_s += min(elapsed, full)
         self._steps += done
         self.tokens += done * len(self._running)
         while self._ends and self._ends[0][0] <= self._steps:
-            _, _, r = heapq.heappop(self._ends)
-            if not r.done:
+            _, entry, r = heapq.heappop(self._ends)
+            if not r.done and entry == r.entry and r in self._running:
                 limit = r.request.sampling.max_new_tokens
                 self._leave(r, "length" if r.records >= limit and r.target >= limit else "stop")
 
@@ -297,11 +348,20 @@ class SimInferenceEngine(InferenceEngine):
             if self._paused or not (self._waiting or self._running):
                 await self._wait(None)
                 continue
+            # the running requests' next tokens first: while they do not fit, the last to join is preempted
+            while len(self._running) > 1 and self._used() + len(self._running) > capacity:
+                self._preempt()
             joined_prompt, joined = 0, 0
             shared = set() if self.profile.inference.shared_prompts else None
-            while self._waiting and (not self._running or self._used + self._waiting[0].reserved <= capacity):
+            # then waiting requests, while their context (and the step's tokens of all) fit; a request alone in
+            # the batch runs whatever its size
+            while self._waiting and (not self._running or self._used() + len(self._running) + self._waiting[0].context
+                                     + 1 <= capacity):
                 item = self._waiting.popleft()
-                if shared is None:
+                if item.base:  # a preempted request: its prompt and the tokens it had are prefilled again
+                    joined_prompt += item.context
+                    self.recomputed_tokens += item.context
+                elif shared is None:
                     joined_prompt += item.prompt
                 else:  # identical prompts joining together are prefilled once
                     key = tuple(item.request.input_ids)
@@ -315,15 +375,17 @@ class SimInferenceEngine(InferenceEngine):
             # with each request, the controller's CPU that comes out of this server's core (a shared CPU only)
             prefill = self.profile.inference.prefill_s(joined_prompt) + joined * self.profile.inference.side_s_per_request
             k = self._steps_to_next_end()
+            if batch > 1:  # the stretch ends where the cache is full, if that comes before a request finishes
+                k = min(k, max(1, (capacity - self._used()) // batch))
             full = prefill + table.sum_steps(batch, context, k)
-            self._stretch = (self._now(), batch, context, prefill, full)
+            self._stretch = (self._now(), batch, context, prefill, full, k)
             self.events += 1
             kicked = await self._wait(full)  # not kicked: the stretch ran to its end (the first request finishes)
             if self._paused or self._stretch is None:  # pause() credited the steps done and answered everyone
                 continue
             if kicked and self._waiting:
                 # a request arrived: it joins at the end of the step in progress, which we wait out
-                began, b, c, p, _ = self._stretch
+                began, b, c, p, _, _ = self._stretch
                 elapsed = (self._now() - began) * self.time_scale - p
                 done = table.steps_within(b, c, max(0.0, elapsed), k)
                 boundary = p + table.sum_steps(b, c, min(done + 1, k))
@@ -334,12 +396,18 @@ class SimInferenceEngine(InferenceEngine):
             self._credit(self._now() + 1e-9 / self.time_scale)
 
     async def pause(self) -> None:
-        """Every request in flight comes back now with the tokens it has and ``abort``; new ones wait."""
+        """Every request in flight comes back now with the tokens it has and ``abort`` (a preempted one too);
+        those that have not started wait."""
         self._credit(self._now())
         self._paused = True
         for r in list(self._running):
             self.aborted += 1
             self._leave(r, "abort")
+        for r in [r for r in self._waiting if r.base]:
+            self._waiting.remove(r)
+            self.aborted += 1
+            _remember(r)
+            r.finish("abort")  # with the tokens written out when it was preempted
         self._ends.clear()
         self._kick()
 

@@ -278,6 +278,8 @@ def _report(trainer: Any, clock: Any, facts: dict, wall: float, run_dir: Path) -
         "wall_ms_per_episode": 1e3 * wall / episodes if episodes else None,
         "clock_jumps": clock.jumps, "engine_events": sum(e.events for e in engines),
         "engine_calls": sum(e.requests for e in engines), "engine_aborts": sum(e.aborted for e in engines),
+        "engine_preemptions": sum(e.preempted for e in engines),
+        "recomputed_tokens": sum(e.recomputed_tokens for e in engines),
     }
     return report
 
@@ -304,6 +306,7 @@ def summary_lines(r: dict) -> list[str]:
         f"GPU utilisation: inference {r['utilisation']['inference']:.0%}, train {r['utilisation']['train']:.0%}; "
         f"trainer waited {r['waiting_s']['trainer_for_batches']:.0f} s for batches",
         f"trained tokens by staleness: {lags}",
+        f"KV cache: {r['engine_preemptions']} preemptions, {r['recomputed_tokens']:.0f} tokens prefilled again",
     ]
 
 

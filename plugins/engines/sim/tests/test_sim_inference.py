@@ -80,37 +80,47 @@ def test_requests_wait_for_room_in_the_kv_cache():
     assert _run(body, time_scale=50.0) == 2  # 2 x (400 + 100) fit in 1000 tokens, a third does not
 
 
-def _reference_finish_times(prompts: list[int], targets: list[int], capacity: int, profile) -> list[float]:
-    """Continuous batching step by step, written plainly (one loop iteration per decode step): every waiting
-    request that fits joins at a step's start (its prefill adds to that step), every running request gets a
-    token per step, and a request finishes at the end of the step that gives it its last token."""
+def _reference_finish_times(prompts: list[int], targets: list[int], capacity: int, profile) -> tuple[list[float], int]:
+    """Continuous batching step by step, written plainly (one loop iteration per decode step), with the KV cache
+    managed as vLLM's scheduler does: before each step, while the running requests' next tokens do not fit, the
+    one that joined last is preempted (to the head of the queue, keeping its tokens); then waiting requests join
+    while their context and every running request's next token fit (one alone runs whatever its size), and the
+    step's prefill covers each joiner's whole context. Every running request gets a token per step and finishes
+    at the end of the step that gives it its last. (finish times, preemptions)"""
     table, prefill = profile.inference.decode_step_s, profile.inference.prefill_s
     waiting = list(range(len(prompts)))
-    running: dict[int, int] = {}  # index -> tokens so far
+    running: list[int] = []  # in the order they joined
+    produced = [0] * len(prompts)
     finish = [0.0] * len(prompts)
+    preempted = 0
     t = 0.0
+
+    def used() -> int:
+        return sum(prompts[i] + produced[i] for i in running)
+
     while waiting or running:
-        used = sum(prompts[i] + targets[i] for i in running)
+        while len(running) > 1 and used() + len(running) > capacity:
+            waiting.insert(0, running.pop())
+            preempted += 1
         joined = []
-        while waiting and (not running and not joined or used + prompts[waiting[0]] + targets[waiting[0]] <= capacity):
-            i = waiting.pop(0)
-            used += prompts[i] + targets[i]
-            joined.append(i)
-            running[i] = 0
-        context = sum(prompts[i] + n for i, n in running.items()) / len(running)
-        t += table(len(running), context) + prefill(sum(prompts[i] for i in joined))
+        while waiting and (not running or used() + len(running) + prompts[waiting[0]] + produced[waiting[0]] + 1
+                           <= capacity):
+            joined.append(waiting.pop(0))
+            running.append(joined[-1])
+        t += table(len(running), used() / len(running)) + prefill(sum(prompts[i] + produced[i] for i in joined))
         for i in list(running):
-            running[i] += 1
-            if running[i] == targets[i]:
+            produced[i] += 1
+            if produced[i] == targets[i]:
                 finish[i] = t
-                del running[i]
-    return finish
+                running.remove(i)
+    return finish, preempted
 
 
 @pytest.mark.parametrize("scale", [1, 25])
 def test_the_event_driven_engine_finishes_each_request_when_a_step_by_step_reference_does(scale):
-    """300 requests at once into a KV cache that holds about a third of them, on a virtual clock: each one's
-    finish time equals the plain step-by-step model's (which knows nothing of stretches or closed forms)."""
+    """300 requests at once into a KV cache that holds about a third of their final contexts, on a virtual clock:
+    each one's finish time, and the number of preemptions, equal the plain step-by-step model's (which knows
+    nothing of stretches or closed forms)."""
     from areal_core.clock import VirtualClock
 
     clock = VirtualClock(threads=0)
@@ -120,7 +130,7 @@ def test_the_event_driven_engine_finishes_each_request_when_a_step_by_step_refer
     async def main():
         engine = SimInferenceEngine(Context(options=SimEngineConfig(token_scale=scale)))
         object.__setattr__(engine.profile, "lengths", Lengths(median=400, sigma=1.0, cap=6000, prompt=50))
-        object.__setattr__(engine.profile.inference, "kv_capacity_tokens", 100_000)
+        object.__setattr__(engine.profile.inference, "kv_capacity_tokens", 30_000)
         await engine.start()
 
         async def one(i):
@@ -139,11 +149,13 @@ def test_the_event_driven_engine_finishes_each_request_when_a_step_by_step_refer
     loop.close()
     prompts = [len(r.input_ids) * scale for r in out]
     targets = [len(r.output_ids) * scale for r in out]
-    reference = _reference_finish_times(prompts, targets, 100_000, engine.profile)
+    reference, preempted = _reference_finish_times(prompts, targets, 30_000, engine.profile)
     assert [finished[i] for i in range(300)] == pytest.approx(reference, rel=1e-9)
+    assert engine.preempted == preempted > 10  # the cache filled: requests were preempted and recomputed
+    assert engine.recomputed_tokens > 0
     assert engine.tokens == sum(targets)
     assert max(targets) > 5 * sorted(targets)[150]  # long-tailed: stragglers at the end
-    assert engine.events < 2 * 300 + 10  # one stretch per join / finish, not one per step
+    assert engine.events < 2 * 300 + 3 * preempted + 10  # one stretch per join / finish / full cache, not per step
     assert wall < scaled(10)  # a simulated minute or more of generation in seconds of wall time
     assert finished[max(finished, key=finished.get)] > 30
 
@@ -258,3 +270,44 @@ def test_on_a_shared_cpu_the_controllers_share_is_charged_per_request_while_the_
     # the same requests: the decoding slowed by the contention, plus the controller's share of each of the 4
     scale = at_once.profile.cpu.inference_contention
     assert at_once.busy_s == pytest.approx(apart.busy_s * scale + 4 * side, rel=1e-6)
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+def test_an_interrupted_request_continues_to_its_original_length(seeded):
+    """Interruption changes when a request's tokens come, never how many: the same 64 requests through the
+    controller's interruptible facade, once uninterrupted and once paused twice mid-generation, give each
+    request the same number of tokens (the continuation does not draw a new length)."""
+    from areal_core.clock import VirtualClock
+    from areal_core.rollout.interruptible import InterruptibleEngine
+
+    def lengths(pauses: list[float]) -> tuple[list[int], int]:
+        clock = VirtualClock(threads=0)
+        loop = clock.new_event_loop()
+
+        async def main():
+            engine = SimInferenceEngine(Context(options=SimEngineConfig()))
+            object.__setattr__(engine.profile, "lengths", Lengths(median=300, sigma=1.0, cap=3000, prompt=50))
+            await engine.start()
+            facade = InterruptibleEngine([engine])
+            requests = [GenerationRequest([3] * 50, SamplingParams(max_new_tokens=2000, seed=i if seeded else None),
+                                          rid=f"r{i}") for i in range(64)]
+            tasks = [asyncio.ensure_future(facade.agenerate(r)) for r in requests]
+            for at in pauses:
+                await asyncio.sleep(at)
+                facade.close_gate()
+                await engine.pause()
+                await engine.resume()
+                facade.open_gate()
+            out = await asyncio.gather(*tasks)
+            await engine.aclose()
+            return [len(r.output_ids) for r in out], engine.aborted
+
+        try:
+            return loop.run_until_complete(main())
+        finally:
+            loop.close()
+
+    whole, _ = lengths([])
+    interrupted, aborted = lengths([2.0, 3.0])
+    assert aborted > 20  # the pauses did cut requests short (else this compares nothing)
+    assert interrupted == whole
