@@ -212,11 +212,14 @@ class WeightHandOver:
         mode = self.cfg.rollout.weight_check
         if mode == "off":
             return None
-        began = time.monotonic()
+        # the run's clock: on the simulator's virtual clock this work takes no modelled time, and a wall-clock
+        # figure among simulated metrics would make the same config simulate to different numbers
+        now = getattr(getattr(self.controller, "clock", None), "now", time.monotonic)
+        began = now()
         engines = self.controller.engines if self.controller is not None else []
         digest = getattr(engines[0], "sent_digests", None) if engines else None
         digests = digest(weights, mode) if digest is not None else digest_weights(weights, mode)
-        self.digest_s = time.monotonic() - began
+        self.digest_s = now() - began
         return SentDigests(version, mode, digests, self.digest_s)
 
     def _probe(self, version: int) -> None:

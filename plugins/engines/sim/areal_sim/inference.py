@@ -63,6 +63,9 @@ class SimEngineConfig:
     contended: bool = field(default=False, metadata={
         "help": "the other role runs at once on the same CPU: times scale by the profile's cpu.contention "
                 "(areal simulate sets it at eta > 0)"})
+    step_cpu_s: float = field(default=-1.0, metadata={
+        "help": "the serving engine's CPU-side seconds per decode step (scheduling, sampling), in place of the "
+                "profile's inference.step_cpu_s; negative: the profile's (areal simulate: sim.step_cpu_ms)"})
     interruptible: bool = field(default=True, metadata={
         "help": "false: the engine cannot pause, so a weight update waits for the requests in flight to finish "
                 "(drain-on-update, the baseline interruptible generation is measured against)"})
@@ -164,7 +167,10 @@ class SimInferenceEngine(InferenceEngine):
     def __init__(self, context: Any = None) -> None:
         super().__init__(context)
         options = self.context.options or SimEngineConfig()
-        self.profile = load_profile(options.profile).on_threads(max(options.threads, 1), 1, options.contended)
+        profile = load_profile(options.profile)
+        if options.step_cpu_s >= 0:
+            profile = profile.with_step_cpu(options.step_cpu_s)
+        self.profile = profile.on_threads(max(options.threads, 1), 1, options.contended)
         self.time_scale, self.vocab_size = options.time_scale, options.vocab_size
         self.scale = options.token_scale
         if not options.interruptible:

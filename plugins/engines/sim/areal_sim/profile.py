@@ -108,6 +108,9 @@ class InferenceModel:
     kv_capacity_tokens: int  # KV-cache tokens one server holds (prompt + output of every running request)
     prefill_s_fixed: float = 0.0  # per prefill, whatever its tokens (reading the weights once)
     shared_prompts: bool = False  # identical prompts joining together are prefilled once (the embedded engine)
+    # the serving engine's CPU-side work per decode step (scheduling, sampling, detokenising), part of every cell
+    # of decode_step_s: the profile's table plus this (Profile.with_step_cpu replaces it)
+    step_cpu_s: float = 0.0
     # not a profile field: the controller's CPU per request that comes out of this server's core while the roles
     # run at once on a shared CPU (Profile.on_threads sets it from cpu.controller_s_per_sample)
     side_s_per_request: float = 0.0
@@ -249,6 +252,15 @@ class Profile:
     lengths: Lengths
     cpu: SharedCores | None = None  # None: every role on its own GPUs
 
+    def with_step_cpu(self, seconds: float) -> Profile:
+        """This profile with ``seconds`` of CPU-side work per decode step in place of its own
+        ``inference.step_cpu_s`` (the GPU's part of each step unchanged)."""
+        table, delta = self.inference.decode_step_s, seconds - self.inference.step_cpu_s
+        return dataclasses.replace(self, inference=dataclasses.replace(
+            self.inference, step_cpu_s=seconds,
+            decode_step_s=DecodeTable(table.batch, table.context,
+                                      tuple(tuple(x + delta for x in row) for row in table.seconds))))
+
     def on_threads(self, inference: int, train: int, contended: bool = False) -> Profile:
         """This profile with every time as it is on ``inference`` threads per server and ``train`` per train rank,
         and with ``contended`` as it is while the other role runs at once (a profile without ``cpu`` is returned as
@@ -313,7 +325,8 @@ def parse_profile(data: Any, where: str = "the profile") -> Profile:
             and all(isinstance(row, list) and len(row) == len(context) for row in seconds)):
         raise ProfileError(f"{where}: inference.decode_step_s.seconds must be a list of {len(batch)} rows (one per "
                            f"batch) of {len(context)} numbers (one per context)")
-    rows = tuple(tuple(table.positive(f"seconds[{i}][{j}]", v) for j, v in enumerate(row))
+    step_cpu = inference.optional("step_cpu_s", 0.0, minimum=0.0)
+    rows = tuple(tuple(table.positive(f"seconds[{i}][{j}]", v) + step_cpu for j, v in enumerate(row))
                  for i, row in enumerate(seconds))
     lengths_profile = Lengths(median=lengths.positive_number("median"), sigma=lengths.positive_number("sigma"),
                               cap=int(lengths.positive_number("cap")), prompt=int(lengths.positive_number("prompt")))
@@ -325,7 +338,7 @@ def parse_profile(data: Any, where: str = "the profile") -> Profile:
                                  prefill_s_per_token=inference.positive_number("prefill_s_per_token"),
                                  kv_capacity_tokens=int(inference.positive_number("kv_capacity_tokens")),
                                  prefill_s_fixed=inference.optional("prefill_s_fixed", 0.0, minimum=0.0),
-                                 shared_prompts=inference.flag("shared_prompts")),
+                                 shared_prompts=inference.flag("shared_prompts"), step_cpu_s=step_cpu),
         train=TrainModel(s_per_token_per_gpu=train.positive_number("s_per_token_per_gpu"),
                          grad_bytes=train.positive_number("grad_bytes"),
                          allreduce_gbps=train.positive_number("allreduce_gbps"),

@@ -55,6 +55,7 @@ class SimSettings:
     success_concentration: float = 1.4
     train_t: int = 1  # the simulated actor's tensor- and pipeline-parallel sizes (the rest of its GPUs: d)
     train_p: int = 1
+    step_cpu_ms: float | None = None  # the serving engine's CPU per decode step; None: the profile's step_cpu_s
 
     @classmethod
     def from_overrides(cls, items: list[str]) -> tuple[SimSettings, list[str]]:
@@ -74,11 +75,16 @@ class SimSettings:
             if name == "profile":
                 values[name] = value
                 continue
-            if fields[name].type == "float":
+            if fields[name].type.startswith("float"):
                 try:
                     number = float(value)
                 except ValueError:
                     raise SimulationError(f"{key}={value}: must be a number") from None
+                if name == "step_cpu_ms":
+                    if not (math.isfinite(number) and number >= 0):
+                        raise SimulationError(f"{key}={value}: must be 0 or more (milliseconds)")
+                    values[name] = number
+                    continue
                 if not (math.isfinite(number) and number > 0) or (name == "success_mean" and number >= 1):
                     raise SimulationError(f"{key}={value}: must be above 0" + (" and below 1" if name ==
                                                                               "success_mean" else ""))
@@ -152,6 +158,8 @@ def simulated_config(raw: dict, settings: SimSettings) -> tuple[dict, dict]:
     sampling["max_new_tokens"] = max(1, math.ceil(min(modelled_max, profile.lengths.cap) / scale))
     sampling.pop("stop", None)
     rollout.update(backend="sim", sampling=sampling, request_timeout_s=1e9, profile=settings.profile, token_scale=scale)
+    if settings.step_cpu_ms is not None:
+        rollout["step_cpu_s"] = settings.step_cpu_ms / 1e3
     actor = _kept(raw.get("actor") or {}, ActorConfig)
     actor.update(backend="sim_train", profile=settings.profile, token_scale=scale)
     trainer = _kept(raw.get("trainer") or {}, TrainerConfig)
@@ -170,7 +178,9 @@ def simulated_config(raw: dict, settings: SimSettings) -> tuple[dict, dict]:
     facts = {"gpus": gpus, "inference_gpus": inference_gpus, "train_gpus": train_gpus, "train_layout": [t, p],
              "servers": servers,
              "tp": tp, "profile": profile.name, "profile_source": profile.source, "token_scale": scale,
-             "max_new_tokens": min(modelled_max, profile.lengths.cap)}
+             "max_new_tokens": min(modelled_max, profile.lengths.cap),
+             "step_cpu_ms": settings.step_cpu_ms if settings.step_cpu_ms is not None
+             else profile.inference.step_cpu_s * 1e3}
     if profile.cpu is not None:
         # the roles share one machine's cores, as the local launcher shares them (eta 0: in turns, all cores each)
         eta = int(rollout.get("max_head_offpolicyness", RolloutConfig().max_head_offpolicyness))

@@ -166,6 +166,7 @@ def test_the_items_success_rates_have_the_mean_asked_for():
     ("sim.profile=nope", "'nope' is neither a shipped profile nor a file"),
     ("sim.success_mean=1.5", r"sim.success_mean=1.5: must be above 0 and below 1"),
     ("sim.success_concentration=lots", "sim.success_concentration=lots: must be a number"),
+    ("sim.step_cpu_ms=-1", r"sim.step_cpu_ms=-1: must be 0 or more \(milliseconds\)"),
 ])
 def test_bad_simulation_settings_are_named(tmp_path, override, words):
     with pytest.raises(SimulationError, match=words):
@@ -200,6 +201,14 @@ def test_the_same_config_simulates_to_the_same_figures(tmp_path):
     assert first["staleness_tokens_by_lag"] == second["staleness_tokens_by_lag"]
     assert (tmp_path / "a" / "run" / "samples.jsonl").read_text() == \
         (tmp_path / "b" / "run" / "samples.jsonl").read_text()
+    # every metric of every step, timings included: simulated time only, no wall-clock figure among them (but
+    # the line's own stamp, "time": when it was written)
+    rows = [[{k: v for k, v in json.loads(line).items() if k != "time"}
+             for line in (tmp_path / run / "run" / "metrics.jsonl").read_text().splitlines()] for run in ("a", "b")]
+    assert len(rows[0]) == 6 and all(len(row) > 10 for row in rows[0])
+    for one, other in zip(*rows):
+        assert one == other, {k: (one.get(k), other.get(k)) for k in one.keys() | other.keys()
+                              if one.get(k) != other.get(k)}
 
 
 def test_synchronous_training_has_no_stale_tokens_and_each_step_lasts_its_parts(tmp_path):
@@ -253,3 +262,17 @@ def test_drain_on_update_never_interrupts_and_is_slower_than_interruptible(tmp_p
     interrupted = _simulate(tmp_path / "inter", "sim.gpus=8", "sim.token_scale=50", "rollout.max_head_offpolicyness=4")
     assert drain["steady_samples_per_s"] < interrupted["steady_samples_per_s"]
     assert drain["engine_aborts"] == 0 and interrupted["engine_aborts"] > 0
+
+
+def test_the_cpu_time_per_decode_step_is_a_setting_that_moves_the_step_time(tmp_path):
+    """sim.step_cpu_ms replaces the profile's assumed CPU-side work per decode step (2 ms in the H800 profiles):
+    every decode step costs the difference, so generation slows as it grows, and the report says what was used."""
+    profile = load_profile("qwen2.5-7b-h800")
+    assert profile.inference.step_cpu_s == 0.002
+    gpu_only = profile.with_step_cpu(0.0).inference.decode_step_s
+    assert gpu_only(64, 4096) == pytest.approx(profile.inference.decode_step_s(64, 4096) - 0.002)
+    reports = {ms: _simulate(tmp_path / str(ms), "sim.gpus=8", "sim.token_scale=50", f"sim.step_cpu_ms={ms}")
+               for ms in ("0", "10")}
+    assert reports["0"]["step_cpu_ms"] == 0 and reports["10"]["step_cpu_ms"] == 10
+    assert reports["10"]["simulated_s"] > 1.2 * reports["0"]["simulated_s"]
+    assert _simulate(tmp_path / "default", "sim.gpus=8", "sim.token_scale=50")["step_cpu_ms"] == 2

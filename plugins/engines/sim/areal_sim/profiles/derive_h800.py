@@ -94,7 +94,8 @@ def derive(name: str, data: dict | None = None) -> str:
     kv_bytes_per_token = 2 * layers * kv_heads * head_dim * 2
 
     def decode_step(i: int, batch: int, j: int) -> float:
-        return m["decode"][i][j] + 2 * layers * tp_allreduce_s(tp, batch * hidden * 2) + ASSUMED["step_cpu_s"]
+        # the GPU's part; the CPU's (ASSUMED["step_cpu_s"]) is the profile's inference.step_cpu_s, added on load
+        return m["decode"][i][j] + 2 * layers * tp_allreduce_s(tp, batch * hidden * 2)
 
     rows = "\n".join(f"      - [{', '.join(f'{decode_step(i, b, j):.6g}' for j in range(len(m['context'])))}]"
                      f"  # batch {b}" for i, b in enumerate(m["batch"]))
@@ -120,6 +121,7 @@ inference:
   tp: {tp}
   prefill_s_per_token: {prefill:.6g}
   kv_capacity_tokens: {kv_capacity}
+  step_cpu_s: {ASSUMED["step_cpu_s"]:g}  # assumed; areal simulate sim.step_cpu_ms=... replaces it
   decode_step_s:
     batch: {m["batch"]}
     context: {m["context"]}
