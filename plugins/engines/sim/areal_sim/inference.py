@@ -66,6 +66,10 @@ class SimEngineConfig:
     step_cpu_s: float = field(default=-1.0, metadata={
         "help": "the serving engine's CPU-side seconds per decode step (scheduling, sampling), in place of the "
                 "profile's inference.step_cpu_s; negative: the profile's (areal simulate: sim.step_cpu_ms)"})
+    colocated: bool = field(default=False, metadata={
+        "help": "the servers share their GPUs with the trainer (generation and training in turns): a weight update "
+                "is a reload in place, the trainer's shards gathered over the node's NVLink (the profile's "
+                "train.tp_link_gbps; weights.link_gbps without it), not a transfer between machines"})
     interruptible: bool = field(default=True, metadata={
         "help": "false: the engine cannot pause, so a weight update waits for the requests in flight to finish "
                 "(drain-on-update, the baseline interruptible generation is measured against)"})
@@ -173,6 +177,7 @@ class SimInferenceEngine(InferenceEngine):
         self.profile = profile.on_threads(max(options.threads, 1), 1, options.contended)
         self.time_scale, self.vocab_size = options.time_scale, options.vocab_size
         self.scale = options.token_scale
+        self.colocated = options.colocated
         if not options.interruptible:
             self.capabilities = type(self).capabilities - {"pause"}
         self._version = 0
@@ -421,14 +426,23 @@ class SimInferenceEngine(InferenceEngine):
         self._paused = False
         self._kick()
 
+    def _update_s(self) -> float:
+        """A weight update's modelled seconds: a transfer from the trainer's GPUs, or colocated, a reload in place
+        (the full weights gathered from the trainer's shards over NVLink). Colocated, the memory switch between the
+        roles (the KV cache and optimizer state moved out and back) is not charged: the baseline is a lower bound."""
+        weights = self.profile.weights
+        if self.colocated and self.profile.train.tp_link_gbps > 0:
+            return weights.bytes / (self.profile.train.tp_link_gbps * 1e9 / 8) + self.profile.train.tp_latency_s
+        return weights.transfer_s()
+
     async def update_weights_from_disk(self, path: str, version: int) -> None:
-        await self._sleep(self.profile.weights.transfer_s())
+        await self._sleep(self._update_s())
         self._version = version
 
     async def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
         # sim.stall_s: the server's share of an export that ran beside it on a shared CPU (areal_sim.train)
         stall_s = sum(float(t) for name, t in named_tensors if name == "sim.stall_s")
-        await self._sleep(self.profile.weights.transfer_s() + stall_s)
+        await self._sleep(self._update_s() + stall_s)
         self._version = version
 
     async def aclose(self) -> None:

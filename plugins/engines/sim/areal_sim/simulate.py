@@ -56,6 +56,7 @@ class SimSettings:
     train_t: int = 1  # the simulated actor's tensor- and pipeline-parallel sizes (the rest of its GPUs: d)
     train_p: int = 1
     step_cpu_ms: float | None = None  # the serving engine's CPU per decode step; None: the profile's step_cpu_s
+    colocate: bool = False  # generation and training in turns on all the GPUs (the synchronous baseline of verl)
 
     @classmethod
     def from_overrides(cls, items: list[str]) -> tuple[SimSettings, list[str]]:
@@ -74,6 +75,11 @@ class SimSettings:
                                       f"{', '.join('sim.' + n + '=...' for n in fields)}")
             if name == "profile":
                 values[name] = value
+                continue
+            if fields[name].type == "bool":
+                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise SimulationError(f"{key}={value}: must be true or false")
+                values[name] = value.lower() in ("true", "1", "yes")
                 continue
             if fields[name].type.startswith("float"):
                 try:
@@ -136,13 +142,29 @@ def simulated_config(raw: dict, settings: SimSettings) -> tuple[dict, dict]:
         default_gpus = 2
     gpus = settings.gpus or default_gpus
     tp = profile.inference.tp
-    inference_gpus = settings.inference_gpus or max(tp, int(round(gpus * share / tp)) * tp)
-    if inference_gpus % tp or inference_gpus >= gpus:
+    eta = int(rollout_raw.get("max_head_offpolicyness", RolloutConfig().max_head_offpolicyness))
+    if settings.colocate:
+        # both roles on every GPU, in turns: the servers generate a batch, then the actor trains on it
+        if eta != 0:
+            raise SimulationError(
+                f"sim.colocate=true: generation and training take turns on the same GPUs, so nothing can be "
+                f"generated while training (rollout.max_head_offpolicyness is {eta}). Fix: add "
+                f"rollout.max_head_offpolicyness=0, or drop sim.colocate for the split layout")
+        if settings.inference_gpus is not None:
+            raise SimulationError(f"sim.inference_gpus={settings.inference_gpus} with sim.colocate=true: colocated, "
+                                  f"every GPU serves and trains. Fix: drop one of the two")
+        if gpus % tp:
+            raise SimulationError(f"sim.gpus={gpus} with sim.colocate=true: every GPU serves, in servers of the "
+                                  f"profile's tensor-parallel size ({tp}, {profile.name}). Fix: a multiple of {tp}")
+        inference_gpus = gpus
+    else:
+        inference_gpus = settings.inference_gpus or max(tp, int(round(gpus * share / tp)) * tp)
+    if not settings.colocate and (inference_gpus % tp or inference_gpus >= gpus):
         raise SimulationError(
             f"sim.inference_gpus={inference_gpus}: must be a multiple of the profile's tensor-parallel size "
             f"({tp}, {profile.name}) and leave GPUs for training out of sim.gpus={gpus}. Fix: e.g. "
             f"sim.inference_gpus={max(tp, (gpus // 2) // tp * tp)}")
-    train_gpus = gpus - inference_gpus
+    train_gpus = gpus if settings.colocate else gpus - inference_gpus
     t, p = settings.train_t, settings.train_p
     if train_gpus % (t * p):
         raise SimulationError(f"sim.train_t={t} x sim.train_p={p} must divide the {train_gpus} training GPUs "
@@ -160,6 +182,8 @@ def simulated_config(raw: dict, settings: SimSettings) -> tuple[dict, dict]:
     rollout.update(backend="sim", sampling=sampling, request_timeout_s=1e9, profile=settings.profile, token_scale=scale)
     if settings.step_cpu_ms is not None:
         rollout["step_cpu_s"] = settings.step_cpu_ms / 1e3
+    if settings.colocate:
+        rollout["colocated"] = True
     actor = _kept(raw.get("actor") or {}, ActorConfig)
     actor.update(backend="sim_train", profile=settings.profile, token_scale=scale)
     trainer = _kept(raw.get("trainer") or {}, TrainerConfig)
@@ -167,7 +191,8 @@ def simulated_config(raw: dict, settings: SimSettings) -> tuple[dict, dict]:
     config = {
         "experiment": raw.get("experiment", "areal"), "trial": f"{raw.get('trial', 'run0')}-sim",
         "output_dir": raw.get("output_dir", "runs"),
-        "allocation": f"sim:d{servers}" + (f"t{tp}" if tp > 1 else "") + "+sim_train:" + _layout(train_gpus, t, p),
+        "allocation": f"sim:d{servers}" + (f"t{tp}" if tp > 1 else "") + ("|" if settings.colocate else "+")
+                      + "sim_train:" + _layout(train_gpus, t, p),
         "model": {"path": ""}, "rollout": rollout, "actor": actor,
         "algorithm": raw.get("algorithm") or {"name": "grpo"},
         "workflow": {"name": "sim"}, "reward": {"name": "sim"},
@@ -176,6 +201,7 @@ def simulated_config(raw: dict, settings: SimSettings) -> tuple[dict, dict]:
         "trainer": trainer, "eval": {"size": 0, "before": False},
     }
     facts = {"gpus": gpus, "inference_gpus": inference_gpus, "train_gpus": train_gpus, "train_layout": [t, p],
+             "colocated": settings.colocate,
              "servers": servers,
              "tp": tp, "profile": profile.name, "profile_source": profile.source, "token_scale": scale,
              "max_new_tokens": min(modelled_max, profile.lengths.cap),
@@ -183,7 +209,6 @@ def simulated_config(raw: dict, settings: SimSettings) -> tuple[dict, dict]:
              else profile.inference.step_cpu_s * 1e3}
     if profile.cpu is not None:
         # the roles share one machine's cores, as the local launcher shares them (eta 0: in turns, all cores each)
-        eta = int(rollout.get("max_head_offpolicyness", RolloutConfig().max_head_offpolicyness))
         server_threads, rank_threads = profile.cpu.threads(servers, train_gpus, eta)
         rollout["threads"], actor["threads"] = server_threads, rank_threads
         rollout["contended"] = actor["contended"] = eta > 0  # at once, each beside the other

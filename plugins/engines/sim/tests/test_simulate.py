@@ -276,3 +276,38 @@ def test_the_cpu_time_per_decode_step_is_a_setting_that_moves_the_step_time(tmp_
     assert reports["0"]["step_cpu_ms"] == 0 and reports["10"]["step_cpu_ms"] == 10
     assert reports["10"]["simulated_s"] > 1.2 * reports["0"]["simulated_s"]
     assert _simulate(tmp_path / "default", "sim.gpus=8", "sim.token_scale=50")["step_cpu_ms"] == 2
+
+
+def test_the_colocated_synchronous_baseline_takes_turns_on_every_gpu(tmp_path):
+    """sim.colocate=true: the servers and the actor share all 8 GPUs and take turns (verl's and the AReaL paper's
+    synchronous baseline); against eta 0 on a split of the same 8 GPUs, each phase has twice the GPUs: training
+    takes about half the time, generation (latency-bound at this batch) no more, and nothing trained is stale."""
+    split = _simulate(tmp_path / "split", "sim.gpus=8", "sim.token_scale=50", "rollout.max_head_offpolicyness=0")
+    colocated = _simulate(tmp_path / "colo", "sim.gpus=8", "sim.token_scale=50", "rollout.max_head_offpolicyness=0",
+                          "sim.colocate=true")
+    assert colocated["allocation"] == "sim:d8|sim_train:d8" and colocated["colocated"] is True
+    assert (colocated["inference_gpus"], colocated["train_gpus"]) == (8, 8)
+    assert colocated["staleness_tokens_by_lag"] == {"0": 1.0}
+
+    def mean_train_s(run):
+        rows = [json.loads(line) for line in (tmp_path / run / "run" / "metrics.jsonl").read_text().splitlines()]
+        return sum(r["time/train_s"] for r in rows if r.get("step", 0) >= 1) / 6
+
+    # twice the GPUs: half the compute, a little more all-reduce (over 8 ranks instead of 4)
+    assert 0.5 < mean_train_s("colo") / mean_train_s("split") < 0.6
+    assert colocated["samples_per_s"] > split["samples_per_s"]
+    # the two roles never run at once: their busy times add up to at most the run's
+    busy = colocated["utilisation"]["inference"] + colocated["utilisation"]["train"]
+    assert busy <= 1.0 + 1e-9, colocated["utilisation"]
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["sim.colocate=true"], r"sim.colocate=true: generation and training take turns .*"
+                            r"rollout.max_head_offpolicyness is 2\). Fix: add rollout.max_head_offpolicyness=0"),
+    (["sim.colocate=true", "rollout.max_head_offpolicyness=0", "sim.inference_gpus=4"],
+     "sim.inference_gpus=4 with sim.colocate=true"),
+    (["sim.colocate=maybe"], "sim.colocate=maybe: must be true or false"),
+])
+def test_a_colocated_setting_that_cannot_be_is_named(tmp_path, overrides, words):
+    with pytest.raises(SimulationError, match=words):
+        _simulate(tmp_path, "sim.gpus=8", *overrides)
