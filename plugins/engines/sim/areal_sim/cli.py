@@ -50,7 +50,10 @@ def plan(
     profile: Annotated[str, typer.Option("--profile", help="the latency profile (areal_sim/profiles or a YAML)")]
     = "qwen2.5-7b-h800",
     eta: Annotated[str, typer.Option("--eta", help="staleness bounds to consider, comma-separated")] = "0,1,2,4,8",
-    steps: Annotated[int, typer.Option("--steps", min=3, help="simulated steps per candidate")] = 6,
+    steps: Annotated[int, typer.Option("--steps", min=3, help="the most simulated steps per candidate (each stops "
+                                                             "once its figure is steady)")] = 40,
+    tolerance: Annotated[float, typer.Option("--tolerance", min=0.0, max=0.5, help="steady: the second-half rate moves "
+                                             "by less than this share; 0: always --steps")] = 0.02,
     exhaustive: Annotated[bool, typer.Option("--exhaustive", help="simulate every split, not a search")] = False,
 ) -> None:
     """Choose the inference/training split and the staleness bound by simulation; print the allocation."""
@@ -65,7 +68,8 @@ def plan(
         typer.echo(f"--eta {eta!r}: write whole numbers separated by commas, e.g. --eta 0,2,4", err=True)
         raise typer.Exit(1) from None
     try:
-        result = Planner(config, list(overrides or []), gpus=gpus, profile=profile, steps=steps).plan(etas, exhaustive)
+        result = Planner(config, list(overrides or []), gpus=gpus, profile=profile, steps=steps,
+                         tolerance=tolerance).plan(etas, exhaustive)
     except (SimulationError, ProblemsError) as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(1) from None

@@ -57,6 +57,9 @@ class SimSettings:
     train_p: int = 1
     step_cpu_ms: float | None = None  # the serving engine's CPU per decode step; None: the profile's step_cpu_s
     colocate: bool = False  # generation and training in turns on all the GPUs (the synchronous baseline of verl)
+    # stop once the second-half rate has stopped moving by more than this share (0: run trainer.total_steps);
+    # trainer.total_steps is then the most steps simulated (see Steady)
+    steady_tolerance: float = 0.0
 
     @classmethod
     def from_overrides(cls, items: list[str]) -> tuple[SimSettings, list[str]]:
@@ -86,9 +89,10 @@ class SimSettings:
                     number = float(value)
                 except ValueError:
                     raise SimulationError(f"{key}={value}: must be a number") from None
-                if name == "step_cpu_ms":
-                    if not (math.isfinite(number) and number >= 0):
-                        raise SimulationError(f"{key}={value}: must be 0 or more (milliseconds)")
+                if name in ("step_cpu_ms", "steady_tolerance"):
+                    if not (math.isfinite(number) and number >= 0) or (name == "steady_tolerance" and number >= 1):
+                        raise SimulationError(f"{key}={value}: must be 0 or more" + (
+                            " (milliseconds)" if name == "step_cpu_ms" else " and below 1 (e.g. 0.02; 0: off)"))
                     values[name] = number
                     continue
                 if not (math.isfinite(number) and number > 0) or (name == "success_mean" and number >= 1):
@@ -217,6 +221,65 @@ def simulated_config(raw: dict, settings: SimSettings) -> tuple[dict, dict]:
     return config, facts
 
 
+@dataclass(frozen=True)
+class Steady:
+    """When a simulation has run long enough: the rate it reports (trajectories a second over the second half of
+    its steps, :func:`steady_samples_per_s`) has stopped moving.
+
+    After step n (at least ``min_steps``), the second-half rate is compared with what it was after each of the
+    last max(4, n / 4) steps; when none differs from it by more than ``tolerance`` of it, the run has left the
+    pipeline's filling behind and its figure is steady. The window grows with n, so a slow ramp (a large eta
+    filling for many steps) does not pass for steady, and the noise of single steps (long-tailed lengths move a
+    step's time by tens of percent) averages out as the half grows. A fixed horizon of 5-6 steps ended inside the
+    filling at large eta and large inference shares, which made ``areal plan`` pick them too rarely."""
+
+    tolerance: float = 0.02
+    min_steps: int = 8
+
+    def reached(self, step_s: list[float], per_step: int) -> bool:
+        n = len(step_s)
+        if n < self.min_steps:
+            return False
+        rates = [_half_rate(step_s[:m], per_step) for m in range(n - max(4, n // 4), n + 1)]
+        now = rates[-1]
+        return now > 0 and all(abs(r - now) <= self.tolerance * now for r in rates[:-1])
+
+
+def _half_rate(step_s: list[float], per_step: int) -> float:
+    """Trajectories a second over the second half of the steps: the least-squares slope of trajectories done
+    against the simulated time at each step's end. Runs settle into cycles (at eta 2 one long step, then two
+    short ones); a ratio of sums over the half moved by +-7 % as steps entered and left it, the slope by +-2 %."""
+    ends = list(itertools.accumulate(step_s))[len(step_s) // 2:]
+    if len(ends) < 3:
+        later = step_s[len(step_s) // 2:]
+        return len(later) * per_step / sum(later) if sum(later) else 0.0
+    count = [i + 1 for i in range(len(step_s) // 2, len(step_s))]
+    mean_t, mean_n = sum(ends) / len(ends), sum(count) / len(count)
+    spread = sum((t - mean_t) ** 2 for t in ends)
+    return per_step * sum((t - mean_t) * (n - mean_n) for t, n in zip(ends, count)) / spread if spread else 0.0
+
+
+class _SteadyNow(Exception):
+    """Raised in the trainer's loop to end a simulation whose figure is steady."""
+
+
+def _stop_when_steady(trainer: Any, steady: Steady) -> None:
+    """Make ``trainer`` end its run (by :class:`_SteadyNow`, before another step begins) once ``steady`` holds.
+    The check runs where a step would start, after the previous step's metrics were logged."""
+    per_step = trainer.cfg.rollout.batch_size * trainer.cfg.rollout.group_size
+    step_s: list[float] = []
+    train_step = trainer.train_step
+
+    def checked() -> dict:
+        if steady.reached(step_s, per_step):
+            raise _SteadyNow
+        metrics = train_step()
+        step_s.append(metrics["time/step_s"])
+        return metrics
+
+    trainer.train_step = checked
+
+
 def _layout(gpus: int, t: int, p: int) -> str:
     """``gpus`` GPUs as an allocation's layout with tensor size ``t`` and pipeline size ``p``: ``d4t2p2``."""
     return f"d{gpus // (t * p)}" + (f"t{t}" if t > 1 else "") + (f"p{p}" if p > 1 else "")
@@ -266,10 +329,19 @@ def run_simulation(config_path: str | None, overrides: list[str], out_dir: str |
     clock = VirtualClock(threads=1)
     began = time.perf_counter()
     trainer = Trainer(run, run_dir, clock=clock)
+    if settings.steady_tolerance > 0:
+        _stop_when_steady(trainer, Steady(settings.steady_tolerance))
+    steady = False
     with open(run_dir / "trainer.log", "w") as log, contextlib.redirect_stdout(log), _few_collections():
-        trainer.fit()  # its lines (one per simulated server) go to the log
+        try:
+            trainer.fit()  # its lines (one per simulated server) go to the log
+        except _SteadyNow:
+            steady = True
     wall = time.perf_counter() - began
     report = _report(trainer, clock, facts, wall, run_dir)
+    # with sim.steady_tolerance: whether the figure settled before trainer.total_steps (the most it may run)
+    report["steady"] = {"tolerance": settings.steady_tolerance, "reached": steady,
+                        "max_steps": trainer.cfg.trainer.total_steps} if settings.steady_tolerance > 0 else None
     (run_dir / "simulation.json").write_text(json.dumps(report, indent=1))
     return report
 
@@ -320,12 +392,10 @@ def _report(trainer: Any, clock: Any, facts: dict, wall: float, run_dir: Path) -
 
 
 def steady_samples_per_s(rows: list[dict], per_step: int) -> float:
-    """Trajectories a second over the second half of the steps, from each step's ``time/step_s``: the rate a long
-    run settles at. (The first steps fill the pipeline: at eta 4 and 512 GPUs the rate over steps 3-8 was 149
+    """Trajectories a second over the second half of the steps (:func:`_half_rate`), from each step's
+    ``time/step_s``: the rate a long run settles at. (The first steps fill the pipeline: at eta 4 and 512 GPUs the rate over steps 3-8 was 149
     samples/s and over steps 51-100 196.)"""
-    later = rows[len(rows) // 2:]
-    seconds = sum(r["time/step_s"] for r in later)
-    return len(later) * per_step / seconds if seconds else 0.0
+    return _half_rate([r["time/step_s"] for r in rows], per_step)
 
 
 def summary_lines(r: dict) -> list[str]:

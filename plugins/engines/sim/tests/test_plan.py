@@ -112,8 +112,10 @@ def test_layouts_the_validation_refuses_are_never_proposed(tmp_path):
 def test_the_plan_is_within_5_percent_of_the_best_of_the_exhaustive_grid(tmp_path, gpus, profile, overrides):
     """Three scenarios, real simulations: the searched plan against scoring every split at every eta."""
     config = _config(tmp_path)
-    searched = Planner(config, overrides, gpus=gpus, profile=profile, steps=5).plan((0, 2, 4))
-    grid = Planner(config, overrides, gpus=gpus, profile=profile, steps=5).plan((0, 2, 4), exhaustive=True)
+    # a short fixed horizon on both sides: what is compared is the search, not how long each candidate runs
+    searched = Planner(config, overrides, gpus=gpus, profile=profile, steps=5, tolerance=0).plan((0, 2, 4))
+    grid = Planner(config, overrides, gpus=gpus, profile=profile, steps=5, tolerance=0).plan((0, 2, 4),
+                                                                                           exhaustive=True)
     assert searched.best.samples_per_s >= 0.95 * grid.best.samples_per_s
     assert searched.simulations < grid.simulations
 
@@ -176,3 +178,19 @@ def test_the_train_layout_is_the_cost_models_fastest_that_the_validation_accepts
 def test_a_profile_without_the_models_shape_keeps_the_train_layout_data_parallel(tmp_path):
     planner = Planner(_config(tmp_path), [], gpus=4, profile="smollm2-135m-cpu", simulate=ThroughputCurveDouble(1))
     assert planner.layouts(2) == [(1, 1)]
+
+
+def test_each_candidate_runs_until_its_figure_is_steady(tmp_path):
+    """By default a candidate's simulation stops once steady (sim.steady_tolerance, 2 %) within 40 steps; with
+    tolerance 0 it runs the steps it is given."""
+    seen = []
+
+    def recording(overrides):
+        seen.append(dict(o.split("=", 1) for o in overrides))
+        return {"steady_samples_per_s": 1.0}
+
+    Planner(_config(tmp_path), [], gpus=8, profile="qwen2.5-7b-h800", simulate=recording).score(4, 2)
+    assert (seen[-1]["sim.steady_tolerance"], seen[-1]["trainer.total_steps"]) == ("0.02", "40")
+    Planner(_config(tmp_path), [], gpus=8, profile="qwen2.5-7b-h800", steps=6, tolerance=0,
+            simulate=recording).score(4, 2)
+    assert (seen[-1]["sim.steady_tolerance"], seen[-1]["trainer.total_steps"]) == ("0", "6")
