@@ -7,7 +7,8 @@ nested user namespace, which holds no capability over those mounts and so
 cannot make them writable again.
 
 Stage ``run``: set the resource limits, install an audit hook that refuses
-sockets and writes outside the sandbox folder, and execute the program.
+sockets and writes outside the sandbox folder, tell the host on ``ready_fd``
+that the program starts (its wall clock starts then), and execute the program.
 The audit hook is a guard for honest mistakes and the fallback mode, not a
 security boundary (Python code can reach around it); the namespaces, the
 read-only mounts, the rlimits and the cgroup are the boundary.
@@ -112,6 +113,10 @@ def run(cfg):
     sys.argv = ["main.py"]
     sys.path.insert(0, cfg["box"])
     guard(cfg["box"])
+    ready = cfg.get("ready_fd")
+    if ready is not None:  # the host starts the program's wall clock now
+        os.write(ready, b"1")
+        os.close(ready)
     exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
 
 

@@ -17,8 +17,12 @@ Layers, each used where this machine allows it (:func:`isolation` says which):
   fresh folder removed afterwards, a scrubbed environment, an audit hook
   refusing sockets and writes outside the folder.
 
-The wall clock bounds programs that sleep or block; it does not count the time
-the sandbox waited for a CPU that the machine gave to other work (the longest
+The wall clock bounds programs that sleep or block. It starts when the program
+does: the sandbox's own setup (namespaces, mounts, the interpreter's start),
+which on a busy machine was seen to block for seconds in the kernel before a
+line of the program ran, is bounded apart (:data:`SETUP_TIMEOUT_S`; the run
+stage says on a pipe when it hands over to the program). It does not count the
+time the sandbox waited for a CPU that the machine gave to other work (the longest
 run-queue delay among its processes, ``/proc/PID/schedstat``, but no more than
 the wall time they did not spend on a CPU), up to :data:`MAX_CPU_WAIT` times
 ``wall_s`` more. Without that, on a machine busy with a run's trainer and
@@ -41,6 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 RUNNER = str(Path(__file__).with_name("_runner.py"))
+# what runs the first stage: ``python -I <these> setup|run CONFIG`` (the runner itself; tests put a double first)
+RUNNER_ARGV = [RUNNER]
 MARK = "areal-sandbox: blocked"
 # The wall clock is extended by the time the sandbox waited for a CPU, by at most this many times wall_s: its
 # processes can make one another wait only as long as their CPU seconds (cpu_s each) allow, and a machine so
@@ -48,6 +54,8 @@ MARK = "areal-sandbox: blocked"
 MAX_CPU_WAIT = 4.0
 # How often the host looks at the sandbox's run-queue delay while it runs.
 POLL_S = 0.1
+# The most the sandbox's setup may take, before the program starts (then: sandbox_error, not the program's fault).
+SETUP_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,7 @@ class Outcome:
     stderr: str
     seconds: float
     cpu_wait_s: float = 0.0  # time the sandbox waited for a CPU, not counted against wall_s
+    setup_s: float = 0.0  # from the start to the program's first line (namespaces, mounts, interpreter)
 
 
 @functools.lru_cache(maxsize=1)
@@ -178,28 +187,56 @@ def _usage(session: int, cgroup: Path | None) -> tuple[float, float]:
     return max(_run_delay_s(pid) for pid in pids), cpu
 
 
-def _wait(proc: subprocess.Popen, stdin: bytes | None, limits: Limits, cgroup: Path | None) -> tuple[bool, float]:
-    """Wait for ``proc`` with ``stdin`` written to it: (whether the wall clock ran out, the seconds not counted
-    on it because the sandbox waited for a CPU). Hand-written because subprocess's timeout is plain wall time.
+@dataclass
+class _Clock:
+    """The sandbox's clocks while it runs: when the program started (None: still in setup), and the run-queue
+    delay and CPU seconds its processes had then (what the program's own count starts from)."""
 
-    What is not counted is the longest run-queue delay among the sandbox's processes, but never more than the
-    wall time it did not spend on a CPU: processes of its own that keep one another waiting (a fork bomb) use
+    spawned: float
+    started: float | None = None
+    delay0: float = 0.0
+    cpu0: float = 0.0
+    cpu_wait: float = 0.0
+
+
+def _wait(proc: subprocess.Popen, stdin: bytes | None, limits: Limits, cgroup: Path | None,
+          ready: int) -> tuple[str | None, _Clock]:
+    """Wait for ``proc`` with ``stdin`` written to it: (None, or why it was stopped: "timeout" for the program's
+    wall clock, "setup" for a setup that did not finish in :data:`SETUP_TIMEOUT_S`; the clocks). Hand-written
+    because subprocess's timeout is plain wall time.
+
+    The wall clock starts when the run stage writes to ``ready`` (the program's first line is next). What is not
+    counted on it is the longest run-queue delay among the sandbox's processes since then, but never more than the
+    wall time they did not spend on a CPU: processes of its own that keep one another waiting (a fork bomb) use
     the CPUs meanwhile, so their waits are the program's own, not the machine's."""
-    start = time.monotonic()
-    cpu_wait = 0.0
+    clock = _Clock(time.monotonic())
     cap = MAX_CPU_WAIT * limits.wall_s
     while True:
         delay, cpu = _usage(proc.pid, cgroup)
-        cpu_wait = min(cap, max(cpu_wait, min(delay, time.monotonic() - start - cpu)))
-        left = start + limits.wall_s + cpu_wait - time.monotonic()
+        now = time.monotonic()
+        if clock.started is None and _readable(ready):
+            clock.started, clock.delay0, clock.cpu0 = now, delay, cpu
+        if clock.started is None:
+            left, why = clock.spawned + SETUP_TIMEOUT_S - now, "setup"
+        else:
+            ran = now - clock.started
+            clock.cpu_wait = min(cap, max(clock.cpu_wait, min(delay - clock.delay0, ran - (cpu - clock.cpu0))))
+            left, why = clock.started + limits.wall_s + clock.cpu_wait - now, "timeout"
         if left <= 0:
-            return True, cpu_wait
+            return why, clock
         try:
             # the input goes with the first call only; a retry after a timeout goes on writing it
             proc.communicate(stdin, timeout=min(left, POLL_S))
-            return False, cpu_wait
+            return None, clock
         except subprocess.TimeoutExpired:
             stdin = None
+
+
+def _readable(fd: int) -> bool:
+    """Whether ``fd`` has something to read, or its writer has closed it (the run stage's word, or its end)."""
+    import select
+
+    return bool(select.select([fd], [], [], 0)[0])
 
 
 def _pids_max_hit(path: Path | None) -> bool:
@@ -216,6 +253,8 @@ def _pids_max_hit(path: Path | None) -> bool:
 
 
 def _status(returncode: int | None, stderr: str, timed_out: bool, forks_refused: bool) -> str:
+    if "areal-sandbox: setup did not finish" in stderr:
+        return "sandbox_error"
     if f"{MARK} network" in stderr:
         return "network"
     if f"{MARK} write" in stderr:
@@ -256,11 +295,13 @@ def run_python(source: str, stdin: str = "", limits: Limits = Limits(), max_outp
     cfg = {"box": str(box), "cpu_s": limits.cpu_s, "memory_bytes": limits.memory_mb << 20,
            "file_bytes": limits.file_size_mb << 20, "cgroup": str(cgroup) if cgroup else "",
            "unshare": shutil.which("unshare") or ""}
+    # the run stage writes one byte here just before the program's first line, and closes it: the wall clock's start
+    ready, cfg["ready_fd"] = os.pipe()
     if cgroup is None:
         cfg["nproc"] = _user_process_count() + limits.max_processes
     if mode == "namespaces":
         cmd = [cfg["unshare"], "--user", "--map-root-user", "--mount", "--net", "--pid", "--fork",
-               "--kill-child", "--", sys.executable, "-I", RUNNER, "setup", json.dumps(cfg)]
+               "--kill-child", "--", sys.executable, "-I", *RUNNER_ARGV, "setup", json.dumps(cfg)]
     else:
         if cgroup is not None:  # no setup stage to join it: the child joins before running the code
             cmd = [sys.executable, "-I", "-c",
@@ -268,23 +309,27 @@ def run_python(source: str, stdin: str = "", limits: Limits = Limits(), max_outp
                    "sys.argv=[sys.argv[1],'run',sys.argv[3]];runpy.run_path(sys.argv[0],run_name='__main__')",
                    RUNNER, str(cgroup), json.dumps(cfg)]
         else:
-            cmd = [sys.executable, "-I", RUNNER, "run", json.dumps(cfg)]
+            cmd = [sys.executable, "-I", *RUNNER_ARGV, "run", json.dumps(cfg)]
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(box), "TMPDIR": str(box)}
     start = time.monotonic()
-    timed_out, cpu_wait = False, 0.0
+    stopped, clock = None, _Clock(start)
     # Output goes to files, not pipes: RLIMIT_FSIZE then bounds it, and a flood cannot fill our memory.
     with open(work / "stdout", "w+b") as out, open(work / "stderr", "w+b") as err:
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=box, env=env,
-                                    start_new_session=True)
+                                    start_new_session=True, pass_fds=(cfg["ready_fd"],))
         except OSError as exc:
+            os.close(ready)
+            os.close(cfg["ready_fd"])
             shutil.rmtree(work, ignore_errors=True)
             return Outcome("sandbox_error", None, "", f"could not start the sandbox: {exc}", 0.0)
+        os.close(cfg["ready_fd"])  # the sandbox holds the only write end: its end reads as the pipe's end
         try:
-            timed_out, cpu_wait = _wait(proc, stdin.encode(), limits, cgroup)
+            stopped, clock = _wait(proc, stdin.encode(), limits, cgroup, ready)
         except (BrokenPipeError, OSError):
             pass
         finally:
+            os.close(ready)
             try:
                 os.killpg(proc.pid, signal.SIGKILL)  # the session: everything that stayed in its group
             except OSError:
@@ -299,5 +344,9 @@ def run_python(source: str, stdin: str = "", limits: Limits = Limits(), max_outp
         stdout = out.read(max_output).decode("utf-8", "replace")
         stderr = err.read(max_output).decode("utf-8", "replace")
     shutil.rmtree(work, ignore_errors=True)
-    status = _status(proc.returncode, stderr, timed_out, forks_refused)
-    return Outcome(status, proc.returncode, stdout, stderr, seconds, cpu_wait)
+    if stopped == "setup":
+        stderr += (f"\nareal-sandbox: setup did not finish in {SETUP_TIMEOUT_S:.0f} s (namespaces, mounts, the "
+                   f"interpreter's start): the machine, not the program\n")
+    status = _status(proc.returncode, stderr, stopped == "timeout", forks_refused)
+    setup = (clock.started if clock.started is not None else time.monotonic()) - start
+    return Outcome(status, proc.returncode, stdout, stderr, seconds, clock.cpu_wait, min(setup, seconds))

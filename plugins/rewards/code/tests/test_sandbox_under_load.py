@@ -14,7 +14,10 @@ from contextlib import contextmanager
 
 import pytest
 
-from areal_code.sandbox import MAX_CPU_WAIT, Limits, run_python
+from pathlib import Path
+
+from areal_code.sandbox import MAX_CPU_WAIT, Limits, isolation, run_python
+from areal_core.testing import scaled
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/schedstat") or not hasattr(os, "sched_setaffinity"),
                                 reason="needs Linux's schedstat and CPU affinity")
@@ -42,7 +45,8 @@ def one_busy_core(burners: int = 16):
 
 
 def test_a_correct_program_starved_of_cpu_is_not_timed_out():
-    source = "import json, sys\nprint(sum(json.loads(sys.stdin.read())))"
+    # a tenth of a second of CPU of its own (the wall clock starts at its first line: the setup is apart)
+    source = "import json, sys\nn = sum(range(3_000_000))\nprint(sum(json.loads(sys.stdin.read())))"
     limits = Limits(wall_s=0.25)
     with one_busy_core():
         outcome = run_python(source, "[1, 2, 3]", limits)
@@ -61,3 +65,20 @@ def test_a_sleeping_program_is_still_stopped_when_the_machine_is_busy():
     # at most wall_s plus what it waited for the core (itself at most MAX_CPU_WAIT times wall_s), and the kill
     assert outcome.seconds <= limits.wall_s * (1 + MAX_CPU_WAIT) + 2, outcome
     assert time.monotonic() - began < 30
+
+
+@pytest.mark.skipif(isolation() != "namespaces", reason="the runner double stands first in the namespaces mode's "
+                                                          "command")
+def test_the_sandboxs_own_setup_does_not_count_on_the_programs_wall_clock(monkeypatch):
+    """A setup that stalls for 2 s (the runner double) before a program with a 0.5 s wall clock: the program
+    runs, and its wall clock starts at its first line; one that sleeps is still stopped by it."""
+    import areal_code.sandbox as sandbox
+
+    double = Path(__file__).with_name("slow_setup_runner_double.py")
+    monkeypatch.setattr(sandbox, "RUNNER_ARGV", [str(double), sandbox.RUNNER])
+    limits = Limits(wall_s=0.5)
+    outcome = run_python("print('done')", "", limits)
+    assert (outcome.status, outcome.stdout.strip()) == ("ok", "done"), outcome
+    assert outcome.setup_s >= 2.0 and outcome.seconds >= outcome.setup_s, outcome
+    sleeper = run_python("import time\ntime.sleep(30)", "", limits)
+    assert sleeper.status == "timeout" and sleeper.seconds - sleeper.setup_s < 0.5 + scaled(5), sleeper
