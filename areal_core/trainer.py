@@ -267,14 +267,20 @@ class Trainer:
                     metrics["time/generation_paused_s"] = metrics.get("time/generation_paused_s", 0.0) + \
                         self.weights.finish()
                 if evaluation is not None:
-                    metrics.update(evaluation.collect(wait=False))  # an evaluation that ran beside training
+                    beside = evaluation.collect(wait=False)  # an evaluation that ran beside training
                     if self.step == total:  # the final policy: nothing else needs the engines now
                         self.controller.stop_rollouts()
-                        metrics.update(evaluation.collect(wait=True))
+                        beside.update(evaluation.collect(wait=True))
+                        if beside and logger is not None:
+                            # an earlier step's evaluation, finished only now: a row of its own, or the final
+                            # evaluation's keys would overwrite it in this step's row
+                            logger.log(self.step, beside)
                         evaluation.start(self.controller, self.step)
                         metrics.update(evaluation.collect(wait=True))
-                    elif eval_due:
-                        evaluation.start(self.controller, self.step)
+                    else:
+                        metrics.update(beside)
+                        if eval_due:
+                            evaluation.start(self.controller, self.step)
                 if logger is not None:  # before the save: a step in a checkpoint always has its metrics
                     logger.log(self.step, metrics)
                 checkpoint_s = 0.0
