@@ -240,3 +240,40 @@ def test_the_html_page_renders_both_runs_in_headless_chromium_offline(runs, tmp_
     assert legend == ["eta0", "eta2"]
     assert traces == 12  # 3 panels x 2 runs x (raw + smoothed)
     assert {"eta0", "eta2"} <= set(names)
+
+
+def _seed_copy(run_dir: Path, folder: Path, seed: int, shift: float) -> Path:
+    """``run_dir`` as if run with another trainer.seed: its config says so, and its rewards are ``shift`` higher."""
+    import yaml
+
+    shutil.copytree(run_dir, folder)
+    config = yaml.safe_load((folder / "config.yaml").read_text())
+    config["trainer"]["seed"], config["trial"] = seed, f"{config['trial']}-s{seed}"
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    rows = rows_of(run_dir)
+    for row in rows:
+        if "reward/mean" in row:
+            row["reward/mean"] += shift
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_seeds_of_one_configuration_are_drawn_as_their_mean_in_a_band(runs, tmp_path):
+    from areal_cli.plot import group_seeds, panels_of
+
+    seeds = [runs["eta2"], _seed_copy(runs["eta2"], tmp_path / "s7", 7, 0.1), _seed_copy(runs["eta2"], tmp_path / "s8",
+                                                                                           8, 0.2)]
+    loaded = group_seeds([load_run(p) for p in [*seeds, runs["eta0"]]])
+    label_runs(loaded)
+    assert [r.label for r in loaded] == ["eta2 (3 seeds)", "eta0"]  # eta 0 differs in more than the seed
+    curve = next(c for c in panels_of(loaded, smooth=0, metrics=["reward/mean"])[0].curves if c.run.members)
+    base = [r["reward/mean"] for r in rows_of(runs["eta2"]) if "reward/mean" in r]
+    # each step: the mean of r, r + 0.1, r + 0.2 is r + 0.1, their sample standard deviation 0.1
+    assert curve.raw == pytest.approx([r + 0.1 for r in base])
+    assert curve.band[0] == pytest.approx([r for r in base]) and curve.band[1] == pytest.approx([r + 0.2 for r in base])
+    done = areal_plot("--seeds", *map(str, seeds), str(runs["eta0"]), "--out", str(tmp_path / "seeds.png"))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "seeds.png").stat().st_size > 10_000
+    refused = areal_plot("--seeds", str(runs["eta0"]), str(runs["eta2"]), "--out", str(tmp_path / "none.png"))
+    assert refused.returncode == 1 and "--seeds: no two of these runs differ only in trainer.seed" in refused.stderr
+    assert "Traceback" not in refused.stderr and not (tmp_path / "none.png").exists()

@@ -295,16 +295,18 @@ MetricsOpt = Annotated[Optional[str], typer.Option(
     "--metrics", help="comma-separated metric keys, one panel each, e.g. reward/mean,eval/accuracy [default: reward, "
                       "accuracy, validation accuracy, tokens/s, staleness: those some run logs]")]
 HtmlOpt = Annotated[bool, typer.Option("--html", help="write an interactive page (plotly, inline: opens from disk)")]
+SeedsOpt = Annotated[bool, typer.Option("--seeds", help="runs whose configs differ only in trainer.seed: one curve, "
+                                                        "their mean, in a band of one standard deviation")]
 
 
 def plot(runs: RunsArg, out: OutOpt = None, x: XOpt = "step", smooth: SmoothOpt = 0.6,
-         metrics: MetricsOpt = None, html: HtmlOpt = False) -> None:
+         metrics: MetricsOpt = None, html: HtmlOpt = False, seeds: SeedsOpt = False) -> None:
     """Draw runs' reward, accuracy, throughput and staleness curves, overlaid, into a PNG or an HTML page."""
     from areal_cli.plot import PlotError, plot_runs
 
     keys = [k.strip() for k in metrics.split(",") if k.strip()] if metrics is not None else None
     try:
-        written = plot_runs(runs, out, x=x, smooth=smooth, metrics=keys, html=html)
+        written = plot_runs(runs, out, x=x, smooth=smooth, metrics=keys, html=html, seeds=seeds)
     except PlotError as exc:
         err.print(str(exc))
         raise typer.Exit(1) from None

@@ -6,6 +6,11 @@ metrics file, or a TRL output folder / its ``trainer_state.json`` (``log_history
 experiment when two trials share a name). Lines are smoothed by TensorBoard's debiased exponential moving average,
 the raw values faint behind them; ``eval/*`` points (few, each a measurement) are drawn as they are.
 
+With ``seeds=True`` (``--seeds``), runs whose configs differ only in ``trainer.seed`` (and their names and
+folders) are drawn as one curve: the mean over them at the steps they all logged, in a band of one standard
+deviation, named by the first run's trial and the number of seeds; at ``x="time"`` each point sits at the runs'
+mean time of that step.
+
 The x axis is the step, or (``x="time"``) the training time: seconds since the run's first step began, read from
 each record's ``time`` (unix). A resumed run (or any stop) leaves a gap between two records that the later record's
 own timings (``time/step_s`` + ``time/checkpoint_s`` + ``eval/seconds``; the run's median interval for a file
@@ -71,6 +76,8 @@ class Run:
     kind: str = "areal"  # or "trl"
     label: str = ""
     resumes: list[float] = field(default_factory=list)  # x (seconds) where the run came back after a stop
+    config: dict | None = None  # its resolved config.yaml, when it has one
+    members: list["Run"] = field(default_factory=list)  # a group of seeds (--seeds): the runs it stands for
 
     def keys(self) -> set[str]:
         return {k for row in self.rows for k, v in row.items() if _finite(v)} - {"step", "time"}
@@ -96,16 +103,21 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
-def _names_from_config(folder: Path) -> tuple[str, str]:
-    """(trial, experiment) from the run's resolved config; the folder's own names when it has none."""
+def _read_config(folder: Path) -> dict | None:
     import yaml
 
-    trial, experiment = folder.name, folder.parent.name
     try:
         config = yaml.safe_load((folder / CONFIG_FILE).read_text())
     except (OSError, yaml.YAMLError):
-        return trial, experiment
-    if isinstance(config, dict):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _names_from_config(folder: Path) -> tuple[str, str]:
+    """(trial, experiment) from the run's resolved config; the folder's own names when it has none."""
+    trial, experiment = folder.name, folder.parent.name
+    config = _read_config(folder)
+    if config is not None:
         trial = str(config.get("trial") or trial)
         experiment = str(config.get("experiment") or experiment)
     return trial, experiment
@@ -155,7 +167,7 @@ def load_run(path: Path) -> Run:
     if path.is_dir():
         if (path / METRICS_FILE).is_file():
             trial, experiment = _names_from_config(path)
-            return Run(path, trial, experiment, read_metrics(path / METRICS_FILE))
+            return Run(path, trial, experiment, read_metrics(path / METRICS_FILE), config=_read_config(path))
         state = _trl_state(path)
         if state is None:
             raise PlotError(f"{path} has no metrics.jsonl. Fix: pass {RUN_FORMS}")
@@ -166,11 +178,58 @@ def load_run(path: Path) -> Run:
     if path.suffix == ".jsonl":
         if path.name == METRICS_FILE:
             trial, experiment = _names_from_config(path.parent)
-        else:
-            trial, experiment = path.stem, path.parent.name
-        return Run(path, trial, experiment, read_metrics(path))
+            return Run(path, trial, experiment, read_metrics(path), config=_read_config(path.parent))
+        return Run(path, path.stem, path.parent.name, read_metrics(path))
     raise PlotError(f"{path} is neither a folder, a .jsonl metrics file nor a TRL trainer_state.json. "
                     f"Fix: pass {RUN_FORMS}")
+
+
+# what may differ between the seeds of one configuration
+SEED_KEYS = ("trainer.seed", "trial", "experiment", "output_dir")
+
+
+def _without_seed(config: dict) -> str:
+    import json
+
+    flat = json.loads(json.dumps(config, default=str))
+    for key in SEED_KEYS:
+        parent, _, leaf = key.rpartition(".")
+        section = flat.get(parent) if parent else flat
+        if isinstance(section, dict):
+            section.pop(leaf, None)
+    return json.dumps(flat, sort_keys=True)
+
+
+def group_seeds(runs: list[Run]) -> list[Run]:
+    """``runs`` with those whose configs differ only in :data:`SEED_KEYS` joined into one run each (its
+    ``members``), in the order of their first; a run without a config stays alone. PlotError when nothing joins."""
+    groups: dict[str, list[Run]] = {}
+    order: list[str | int] = []
+    for i, run in enumerate(runs):
+        key = _without_seed(run.config) if run.config is not None else None
+        if key is None:
+            order.append(i)
+        elif key not in groups:
+            groups[key] = [run]
+            order.append(key)
+        else:
+            groups[key].append(run)
+    if all(len(g) == 1 for g in groups.values()):
+        raise PlotError("--seeds: no two of these runs differ only in trainer.seed (their configs differ elsewhere, "
+                        "or have no config.yaml). Fix: name the runs of one configuration's seeds, or leave --seeds out")
+    out = []
+    for item in order:
+        if isinstance(item, int):
+            out.append(runs[item])
+            continue
+        members = groups[item]
+        if len(members) == 1:
+            out.append(members[0])
+            continue
+        first = members[0]
+        out.append(Run(first.source, f"{first.trial} ({len(members)} seeds)", first.experiment, [],
+                       config=first.config, members=members))
+    return out
 
 
 def label_runs(runs: list[Run]) -> None:
@@ -250,6 +309,27 @@ class Curve:
     x: list[float]
     raw: list[float]
     smooth: list[float] | None  # None: drawn as is (eval points, smoothing off, one point)
+    band: tuple[list[float], list[float]] | None = None  # a group of seeds: mean -+ one standard deviation
+
+
+def group_series(run: Run, key: str, by: str) -> tuple[list[float], list[float], list[float]]:
+    """(x, mean, standard deviation) of ``key`` over a group's members, at the steps every member logged it."""
+    per_member = []
+    for member in run.members:
+        times = elapsed(member) if by == "time" else None
+        points = {}
+        for i, row in enumerate(member.rows):
+            if _finite(row.get(key)) and (times is None or i in times):
+                points[row["step"]] = (row["step"] if times is None else times[i], row[key])
+        per_member.append(points)
+    steps = sorted(set.intersection(*(set(p) for p in per_member)))
+    xs, means, sds = [], [], []
+    for step in steps:
+        values = [p[step][1] for p in per_member]
+        xs.append(statistics.fmean(p[step][0] for p in per_member))
+        means.append(statistics.fmean(values))
+        sds.append(statistics.stdev(values))
+    return xs, means, sds
 
 
 @dataclass
@@ -290,10 +370,15 @@ def panels_of(runs: list[Run], *, x: str = "step", smooth: float = DEFAULT_SMOOT
     for key, title in choose_panels(runs, metrics):
         curves = []
         for i, run in enumerate(runs):
-            xs, ys = series(run, key, x)
+            band = None
+            if run.members:
+                xs, ys, sds = group_series(run, key, x)
+                band = ([m - d for m, d in zip(ys, sds)], [m + d for m, d in zip(ys, sds)])
+            else:
+                xs, ys = series(run, key, x)
             if xs:
                 smoothed = ema(ys, smooth) if smooth and len(ys) > 1 and not key.startswith("eval/") else None
-                curves.append(Curve(run, f"C{i % 10}", xs, ys, smoothed))
+                curves.append(Curve(run, f"C{i % 10}", xs, ys, smoothed, band))
         panels.append(Panel(key, title, curves))
     return panels
 
@@ -330,6 +415,8 @@ def build_figure(runs: list[Run], *, x: str = "step", smooth: float = DEFAULT_SM
         for curve in panel.curves:
             xs = [v / per for v in curve.x]
             marker = "o" if len(xs) < 12 or curve.smooth is None else None
+            if curve.band is not None:
+                ax.fill_between(xs, *curve.band, color=curve.color, alpha=0.18, linewidth=0)
             if curve.smooth is None:
                 ax.plot(xs, curve.raw, color=curve.color, marker=marker, markersize=3, linewidth=1.6)
             else:
@@ -376,6 +463,11 @@ def build_html_figure(runs: list[Run], *, x: str = "step", smooth: float = DEFAU
             color, xs = to_hex(curve.color), [v / per for v in curve.x]
             common = dict(legendgroup=curve.run.label, hovertemplate=f"{curve.run.label}<br>%{{x}}: %{{y:.4g}}"
                           "<extra></extra>")
+            if curve.band is not None:
+                fig.add_trace(go.Scatter(x=xs + xs[::-1], y=curve.band[1] + curve.band[0][::-1], fill="toself",
+                                         fillcolor=color, opacity=0.18, line=dict(width=0), hoverinfo="skip",
+                                         showlegend=False, name=f"{curve.run.label} (one sd)",
+                                         legendgroup=curve.run.label), row=row, col=1)
             if curve.smooth is not None:
                 fig.add_trace(go.Scatter(x=xs, y=curve.raw, mode="lines", line=dict(color=color, width=1),
                                          opacity=0.25, showlegend=False, name=f"{curve.run.label} (raw)", **common),
@@ -419,7 +511,7 @@ def _write_atomically(out: Path, write) -> None:
 
 
 def plot_runs(paths: list[Path], out: Path | None = None, *, x: str = "step", smooth: float = DEFAULT_SMOOTH,
-              metrics: list[str] | None = None, html: bool = False) -> Path:
+              metrics: list[str] | None = None, html: bool = False, seeds: bool = False) -> Path:
     """Draw ``paths`` (see the module docstring) into ``out`` (a PNG/SVG/PDF, or an HTML page with ``html`` or an
     ``.html`` out) and return its path. Default: ``curves.png`` in a single run's folder, ``compare.png`` here
     for several."""
@@ -437,6 +529,8 @@ def plot_runs(paths: list[Path], out: Path | None = None, *, x: str = "step", sm
         if not out.parent.is_dir():
             raise PlotError(f"--out {out}: the folder {out.parent} does not exist. Fix: create it, or write elsewhere")
     runs = [load_run(p) for p in paths]
+    if seeds:
+        runs = group_seeds(runs)
     label_runs(runs)
     title = str(runs[0].source) if len(runs) == 1 else None
     out = out or _default_out(runs, html)
