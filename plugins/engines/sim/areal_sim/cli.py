@@ -51,7 +51,7 @@ def plan(
     = "qwen2.5-7b-h800",
     eta: Annotated[str, typer.Option("--eta", help="staleness bounds to consider, comma-separated")] = "0,1,2,4,8",
     steps: Annotated[int, typer.Option("--steps", min=3, help="the most simulated steps per candidate (each stops "
-                                                             "once its figure is steady)")] = 40,
+                                                             "once its figure is steady)")] = 60,
     tolerance: Annotated[float, typer.Option("--tolerance", min=0.0, max=0.5, help="steady: the second-half rate moves "
                                              "by less than this share; 0: always --steps")] = 0.02,
     exhaustive: Annotated[bool, typer.Option("--exhaustive", help="simulate every split, not a search")] = False,

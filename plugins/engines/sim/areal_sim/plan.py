@@ -17,8 +17,7 @@ Each candidate is scored by a simulation (:func:`areal_sim.simulate.run_simulati
 trainer) run until its figure is steady (:class:`areal_sim.simulate.Steady`: the second-half rate has stopped
 moving by more than ``tolerance``, at most ``steps`` steps), samples/s over the second half of its steps
 (``steady_samples_per_s``). A fixed 5-6 steps ended inside the pipeline's filling, which is longest at a large eta
-and a large inference share: on 32 GPUs (7B, 64 x 8 a step, 16k tokens) it planned eta 2 at 6.10 samples/s where
-longer runs find eta 4 at 8.56. For each eta the split is found by a ternary
+and a large inference share (``benchmarks/simulator.md``, the horizon table). For each eta the split is found by a ternary
 search over the number of servers (throughput rises while generation is the bottleneck and falls once training is:
 one peak), refined by scoring the neighbours of the best point, so a plan costs tens of simulations, not one per
 split; ``exhaustive=True`` scores every split (what the tests compare the search with).
@@ -101,7 +100,7 @@ class Planner:
     """Scores candidates by simulation (memoised) after the validation hooks accept their layout."""
 
     def __init__(self, config_path: str | None, overrides: list[str], *, gpus: int, profile: str,
-                 steps: int = 40, tolerance: float = 0.02, token_scale: int = 100,
+                 steps: int = 60, tolerance: float = 0.02, token_scale: int = 100,
                  simulate: Callable[[list[str]], dict] | None = None) -> None:
         from areal_core.config.load import read_raw
         from areal_core.problems import ProblemsError

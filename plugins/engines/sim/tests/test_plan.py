@@ -112,10 +112,10 @@ def test_layouts_the_validation_refuses_are_never_proposed(tmp_path):
 def test_the_plan_is_within_5_percent_of_the_best_of_the_exhaustive_grid(tmp_path, gpus, profile, overrides):
     """Three scenarios, real simulations: the searched plan against scoring every split at every eta."""
     config = _config(tmp_path)
-    # a short fixed horizon on both sides: what is compared is the search, not how long each candidate runs
-    searched = Planner(config, overrides, gpus=gpus, profile=profile, steps=5, tolerance=0).plan((0, 2, 4))
-    grid = Planner(config, overrides, gpus=gpus, profile=profile, steps=5, tolerance=0).plan((0, 2, 4),
-                                                                                           exhaustive=True)
+    # each candidate until steady (the planner's default), as benchmarks/simulator.py --only plan: over 5 fixed steps
+    # the landscape is the pipeline's filling (16 GPUs, 7B: 2 servers scored best), with peaks a search cannot see
+    searched = Planner(config, overrides, gpus=gpus, profile=profile).plan((0, 2, 4))
+    grid = Planner(config, overrides, gpus=gpus, profile=profile).plan((0, 2, 4), exhaustive=True)
     assert searched.best.samples_per_s >= 0.95 * grid.best.samples_per_s
     assert searched.simulations < grid.simulations
 
@@ -181,7 +181,7 @@ def test_a_profile_without_the_models_shape_keeps_the_train_layout_data_parallel
 
 
 def test_each_candidate_runs_until_its_figure_is_steady(tmp_path):
-    """By default a candidate's simulation stops once steady (sim.steady_tolerance, 2 %) within 40 steps; with
+    """By default a candidate's simulation stops once steady (sim.steady_tolerance, 2 %) within 60 steps; with
     tolerance 0 it runs the steps it is given."""
     seen = []
 
@@ -190,7 +190,7 @@ def test_each_candidate_runs_until_its_figure_is_steady(tmp_path):
         return {"steady_samples_per_s": 1.0}
 
     Planner(_config(tmp_path), [], gpus=8, profile="qwen2.5-7b-h800", simulate=recording).score(4, 2)
-    assert (seen[-1]["sim.steady_tolerance"], seen[-1]["trainer.total_steps"]) == ("0.02", "40")
+    assert (seen[-1]["sim.steady_tolerance"], seen[-1]["trainer.total_steps"]) == ("0.02", "60")
     Planner(_config(tmp_path), [], gpus=8, profile="qwen2.5-7b-h800", steps=6, tolerance=0,
             simulate=recording).score(4, 2)
     assert (seen[-1]["sim.steady_tolerance"], seen[-1]["trainer.total_steps"]) == ("0", "6")

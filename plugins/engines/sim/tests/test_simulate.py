@@ -314,19 +314,23 @@ def test_a_colocated_setting_that_cannot_be_is_named(tmp_path, overrides, words)
 
 
 def test_a_simulation_until_steady_stops_once_its_rate_stops_moving(tmp_path):
-    """sim.steady_tolerance: the run ends when its second-half rate has stayed within the tolerance over the last
-    steps; the figure it reports is what the same run gives when it is left to run all of total_steps, within the
-    tolerance, and it took fewer steps."""
+    """sim.steady_tolerance: the run ends when its second-half rate has stayed within the tolerance since half as
+    many steps; its figure is then what the same run gives when left to run all of total_steps, within the
+    tolerance, in fewer steps. A run whose rate keeps moving (eta 2 here settles into cycles of a long step and
+    two short ones) runs all its steps and says so."""
     from areal_sim.simulate import Steady
 
     # the rule itself, on made-up step times: a ramp is not steady, a flat run is after min_steps
     assert not Steady(0.02).reached([10.0] * 7, 1)
     assert Steady(0.02).reached([10.0] * 8, 1)
     assert not Steady(0.02).reached([100.0 - 5 * i for i in range(16)], 1)  # still speeding up
-    long = _simulate(tmp_path / "long", "sim.gpus=8", "sim.token_scale=50", "trainer.total_steps=40")
-    steady = _simulate(tmp_path / "steady", "sim.gpus=8", "sim.token_scale=50", "trainer.total_steps=40",
-                       "sim.steady_tolerance=0.02")
+    sync = ["sim.gpus=8", "sim.token_scale=50", "trainer.total_steps=40", "rollout.max_head_offpolicyness=0"]
+    long = _simulate(tmp_path / "long", *sync)
+    steady = _simulate(tmp_path / "steady", *sync, "sim.steady_tolerance=0.02")
     assert steady["steady"] == {"tolerance": 0.02, "reached": True, "max_steps": 40}
     assert 8 <= steady["steps"] < 40 and long["steps"] == 40 and long["steady"] is None
     assert steady["steady_samples_per_s"] == pytest.approx(long["steady_samples_per_s"], rel=0.05)
     assert steady["samples_per_s"] == pytest.approx(steady["steps"] * 8 * 4 / steady["simulated_s"])
+    cycling = _simulate(tmp_path / "cycling", "sim.gpus=8", "sim.token_scale=50", "trainer.total_steps=20",
+                        "sim.steady_tolerance=0.02")
+    assert cycling["steady"] == {"tolerance": 0.02, "reached": False, "max_steps": 20} and cycling["steps"] == 20
