@@ -94,8 +94,9 @@ class CodeReward(Reward):
                 result["detail"] = f"test {i}: " + (outcome.stderr.strip()[-500:] or
                                                     f"stdout {outcome.stdout[:200]!r} != expected {expected!r}")
                 if outcome.status == "timeout":
-                    result["detail"] += (f" (stopped after {outcome.seconds:.1f} s, {outcome.cpu_wait_s:.1f} s of them "
-                                         f"waiting for a CPU and not counted; wall_s is {self.limits.wall_s})")
+                    result["detail"] += (f" (stopped after {outcome.seconds:.1f} s, of which {outcome.setup_s:.1f} s of "
+                                         f"the sandbox's setup and {outcome.cpu_wait_s:.1f} s waiting for a CPU were "
+                                         f"not counted; wall_s is {self.limits.wall_s})")
             if not self.options.partial:
                 break
         if result["passed"] == len(runs):

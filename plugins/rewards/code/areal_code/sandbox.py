@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -234,8 +235,6 @@ def _wait(proc: subprocess.Popen, stdin: bytes | None, limits: Limits, cgroup: P
 
 def _readable(fd: int) -> bool:
     """Whether ``fd`` has something to read, or its writer has closed it (the run stage's word, or its end)."""
-    import select
-
     return bool(select.select([fd], [], [], 0)[0])
 
 
@@ -253,8 +252,6 @@ def _pids_max_hit(path: Path | None) -> bool:
 
 
 def _status(returncode: int | None, stderr: str, timed_out: bool, forks_refused: bool) -> str:
-    if "areal-sandbox: setup did not finish" in stderr:
-        return "sandbox_error"
     if f"{MARK} network" in stderr:
         return "network"
     if f"{MARK} write" in stderr:
@@ -345,8 +342,9 @@ def run_python(source: str, stdin: str = "", limits: Limits = Limits(), max_outp
         stderr = err.read(max_output).decode("utf-8", "replace")
     shutil.rmtree(work, ignore_errors=True)
     if stopped == "setup":
-        stderr += (f"\nareal-sandbox: setup did not finish in {SETUP_TIMEOUT_S:.0f} s (namespaces, mounts, the "
+        stderr += (f"\nareal-sandbox: setup did not finish in {SETUP_TIMEOUT_S:g} s (namespaces, mounts, the "
                    f"interpreter's start): the machine, not the program\n")
-    status = _status(proc.returncode, stderr, stopped == "timeout", forks_refused)
+    status = "sandbox_error" if stopped == "setup" else _status(proc.returncode, stderr, stopped == "timeout",
+                                                                forks_refused)
     setup = (clock.started if clock.started is not None else time.monotonic()) - start
     return Outcome(status, proc.returncode, stdout, stderr, seconds, clock.cpu_wait, min(setup, seconds))

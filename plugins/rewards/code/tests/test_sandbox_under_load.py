@@ -82,3 +82,19 @@ def test_the_sandboxs_own_setup_does_not_count_on_the_programs_wall_clock(monkey
     assert outcome.setup_s >= 2.0 and outcome.seconds >= outcome.setup_s, outcome
     sleeper = run_python("import time\ntime.sleep(30)", "", limits)
     assert sleeper.status == "timeout" and sleeper.seconds - sleeper.setup_s < 0.5 + scaled(5), sleeper
+
+
+@pytest.mark.skipif(isolation() != "namespaces", reason="the runner double stands first in the namespaces mode's "
+                                                          "command")
+def test_a_setup_that_does_not_finish_is_the_sandboxs_error_not_the_programs(monkeypatch):
+    """The setup's own bound (SETUP_TIMEOUT_S, here 0.5 s against the double's 2 s stall): the run is stopped as a
+    sandbox_error that says so, not scored as the program's timeout."""
+    import areal_code.sandbox as sandbox
+
+    monkeypatch.setattr(sandbox, "RUNNER_ARGV", [str(Path(__file__).with_name("slow_setup_runner_double.py")),
+                                                 sandbox.RUNNER])
+    monkeypatch.setattr(sandbox, "SETUP_TIMEOUT_S", 0.5)
+    outcome = run_python("print('done')", "", Limits(wall_s=10.0))
+    assert outcome.status == "sandbox_error", outcome
+    assert "areal-sandbox: setup did not finish in 0.5 s" in outcome.stderr and outcome.stdout == "", outcome
+    assert outcome.seconds < scaled(5), outcome
