@@ -1,11 +1,23 @@
 """Checkpoint folders that are either complete or absent, for exact resume.
 
 A checkpoint is ``root/step-<step:08d>/``: whatever the train engine writes
-(model, optimizer, data position) plus ``meta.json``, written last. The folder
-is assembled under a temporary sibling name (``*.tmp-<pid>``), fsynced, then
-renamed into place; ``root/latest`` names the newest one and is replaced with
-``os.replace``. A process killed at any instant leaves either the previous
-checkpoint or the new one, never a half-written folder under a final name.
+(model, optimizer, data position) plus ``meta.json`` and, written last,
+``manifest.json``: the size and SHA-256 of every other file in the folder.
+The folder is assembled under a temporary sibling name (``*.tmp-<pid>``),
+fsynced, then renamed into place; ``root/latest`` names the newest one and is
+replaced with ``os.replace``. A process killed at any instant leaves either the
+previous checkpoint or the new one, never a half-written folder under a final
+name.
+
+A checkpoint proves what it holds: :func:`verify` re-reads every file against
+the manifest (a truncated file, flipped bytes, another step's weights copied
+in, a file added or removed) and :meth:`CheckpointStore.resumable` picks the
+newest checkpoint that verifies, saying why each newer one was passed over.
+Resume loads nothing before that. The manifest guards against damage (a disk,
+a copy, a hand), not against someone who may write the folder: they can
+rewrite the manifest too. What a run reads back is data, never code: the
+trainer's own state is JSON (:func:`save_json_atomic`), and nothing here
+unpickles.
 
 One process writes a store. With several ranks, one rank owns
 :func:`atomic_dir` / :meth:`CheckpointStore.save` and the others write into
@@ -23,11 +35,12 @@ Importing this module imports neither torch nor numpy.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import errno
+import hashlib
 import json
 import os
-import pickle
 import random
 import re
 import shutil
@@ -37,6 +50,19 @@ from pathlib import Path
 from typing import Any
 
 META_NAME = "meta.json"
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = 1
+CONTROLLER_FILE = "controller.json"  # the rollout controller's counters and done items (rank 0)
+# Files areal adds to a checkpoint after its save and never loads at resume (``areal eval``'s scores): not in the
+# manifest, and not counted as added by someone else.
+NOTES = frozenset({"eval.json"})
+
+
+def rng_file(rank: int) -> str:
+    """The file of a train rank's random states in a checkpoint folder."""
+    return f"rng-rank{rank}.json"
+
+
 POINTER_NAME = "latest"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _TMP_MARK = ".tmp-"
@@ -308,6 +334,88 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+# ------------------------------------------------------------------ integrity
+class CheckpointDamagedError(RuntimeError):
+    """No checkpoint of the run verifies against its manifest: the message names each one and what is wrong."""
+
+
+def _files_under(folder: Path) -> list[str]:
+    """The regular files under ``folder`` as sorted POSIX paths relative to it, the manifest left out."""
+    found = []
+    for dirpath, _dirnames, filenames in os.walk(folder):
+        for name in filenames:
+            rel = (Path(dirpath) / name).relative_to(folder).as_posix()
+            if rel != MANIFEST_NAME:
+                found.append(rel)
+    return sorted(found)
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_manifest(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """Record the size and SHA-256 of every file under ``folder`` in ``folder/manifest.json`` (atomically).
+
+    Symbolic links are refused: a checkpoint holds its own bytes, and a link could name any file."""
+    folder = Path(folder)
+    files = {}
+    for rel in _files_under(folder):
+        path = folder / rel
+        if path.is_symlink():
+            raise ValueError(f"checkpoint folder {folder} holds a symbolic link, {rel}: a checkpoint must hold its "
+                             f"own files")
+        files[rel] = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+    manifest = {"format": MANIFEST_FORMAT, "algorithm": "sha256", "files": files}
+    _write_text_atomic(folder / MANIFEST_NAME, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return manifest
+
+
+def verify(folder: str | os.PathLike[str]) -> list[str]:
+    """What is wrong with checkpoint ``folder`` against its manifest, one sentence per file; [] when it verifies.
+
+    Sizes are compared before any digest is computed, so a truncated file is named without reading the rest."""
+    folder = Path(folder)
+    try:
+        manifest = json.loads((folder / MANIFEST_NAME).read_text(encoding="utf-8"))
+        files = manifest["files"]
+        if manifest.get("algorithm") != "sha256" or not isinstance(files, dict):
+            raise ValueError("unknown manifest layout")
+    except FileNotFoundError:
+        return [f"it has no {MANIFEST_NAME} (the save writes it last; a copy may have left it out, and areal "
+                f"before it had none), so what it holds cannot be checked"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [f"its {MANIFEST_NAME} cannot be read ({type(exc).__name__}: {exc})"]
+    problems = []
+    present = set(_files_under(folder))
+    for rel in sorted(set(files) - present):
+        problems.append(f"{rel} is missing")
+    for rel in sorted(present - set(files) - NOTES):
+        problems.append(f"{rel} is not in the manifest (a file added after the save)")
+    present -= NOTES - set(files)
+    listed = sorted(set(files) & present)
+    for rel in listed:
+        path = folder / rel
+        if path.is_symlink():
+            problems.append(f"{rel} is a symbolic link, not the file that was saved")
+            continue
+        size, want = path.stat().st_size, files[rel].get("bytes")
+        if size != want:
+            problems.append(f"{rel} has {size} bytes, the manifest {want} (truncated or replaced)")
+    if problems:
+        return problems
+    for rel in listed:
+        try:
+            digest = file_sha256(folder / rel)
+        except OSError as exc:
+            problems.append(f"{rel} cannot be read ({exc.strerror or exc})")
+            continue
+        if digest != files[rel].get("sha256"):
+            problems.append(f"{rel} does not hold what was saved (its SHA-256 differs from the manifest's)")
+    return problems
+
+
 class CheckpointStore:
     """Numbered checkpoint folders under ``root`` (usually ``run_dir / "checkpoints"``)."""
 
@@ -322,7 +430,8 @@ class CheckpointStore:
 
         ``write(tmp_dir)`` writes the model / optimizer / data files into a
         temporary folder; then ``meta`` (plus ``"step"`` unless given) goes to
-        ``meta.json`` inside it, the folder is renamed to ``root/step-<step:08d>``
+        ``meta.json`` inside it and the digest of every file to
+        ``manifest.json``, the folder is renamed to ``root/step-<step:08d>``
         (replacing one already there) and ``root/latest`` is replaced to name
         it. If ``write`` raises, nothing under a final name changes.
 
@@ -345,6 +454,7 @@ class CheckpointStore:
                                          outcome=f"The partial checkpoint was removed; {kept}"):
                     write(tmp)
                     (tmp / META_NAME).write_text(text, encoding="utf-8")
+                    write_manifest(tmp)
                     size = _fsync_tree(tmp)  # in here, where a full disk is still measured
         except OSError as exc:  # the rename (a folder that must grow on a full disk)
             if isinstance(exc, CheckpointSpaceError) or exc.errno not in _FULL_ERRNOS:
@@ -425,6 +535,32 @@ class CheckpointStore:
         complete = self._complete()
         return complete[-1][1] if complete else None
 
+    def resumable(self) -> tuple[Path | None, list[str]]:
+        """The newest checkpoint that verifies against its manifest, and a sentence for each newer one passed over.
+
+        (None, []) when there is no complete checkpoint. Raises
+        :class:`CheckpointDamagedError`, naming every checkpoint and what is
+        wrong with it, when none verifies: nothing of a damaged checkpoint is
+        ever loaded, and starting over would silently discard the run."""
+        latest = self.latest()
+        candidates = [path for _, path in reversed(self._complete())]
+        if latest is not None and latest in candidates:  # the pointer's choice first, then by step
+            candidates.remove(latest)
+            candidates.insert(0, latest)
+        passed = []
+        for path in candidates:
+            problems = verify(path)
+            if not problems:
+                return path, passed
+            passed.append(f"{path} does not verify: {'; '.join(problems[:3])}"
+                          f"{f' (and {len(problems) - 3} more)' if len(problems) > 3 else ''}")
+        if not passed:
+            return None, []
+        raise CheckpointDamagedError(
+            f"no checkpoint under {self.root} verifies, so none is loaded: {' | '.join(passed)}. Fix: restore the "
+            f"folder from a copy, or start the run afresh in another folder (trial=<name>); what a checkpoint holds "
+            f"is checked against its {MANIFEST_NAME}, written last by the save")
+
     def load_meta(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """The ``meta.json`` of checkpoint folder ``path``."""
         return json.loads((Path(path) / META_NAME).read_text(encoding="utf-8"))
@@ -465,43 +601,51 @@ class CheckpointStore:
                     child.unlink(missing_ok=True)
 
 
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode("ascii")
+
+
 def rng_state() -> dict[str, Any]:
-    """Global RNG states as a picklable dict of plain Python objects.
+    """Global RNG states as a dict that JSON holds as it is (lists, numbers, base64 text).
 
     Python's ``random`` always; numpy's global generator when numpy is
     importable; torch's CPU generator when torch is already imported (an
     unimported torch has consumed no randomness), and every CUDA device's when
-    CUDA is initialised. Torch states are stored as bytes, so loading the dict
-    needs no torch.
+    CUDA is initialised. Torch states are stored as base64 text of their bytes,
+    so loading the dict needs no torch.
     """
-    state: dict[str, Any] = {"python": random.getstate()}
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"python": [version, list(internal), gauss]}
     try:
         import numpy as np
     except ImportError:
         pass
     else:
-        state["numpy"] = np.random.get_state()
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
     torch = sys.modules.get("torch")
     if torch is not None:
-        state["torch"] = torch.get_rng_state().numpy().tobytes()
+        state["torch"] = _b64(torch.get_rng_state().numpy().tobytes())
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["torch_cuda"] = [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
+            state["torch_cuda"] = [_b64(s.numpy().tobytes()) for s in torch.cuda.get_rng_state_all()]
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`rng_state` captured; parts not captured are left alone."""
+    """Restore what :func:`rng_state` captured (as read back from JSON); parts not captured are left alone."""
     if "python" in state:
-        random.setstate(state["python"])
+        version, internal, gauss = state["python"]
+        random.setstate((int(version), tuple(int(x) for x in internal), gauss))
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached)))
     if "torch" in state or "torch_cuda" in state:
         import torch
 
-        def tensor(raw: bytes) -> Any:
-            return torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone()
+        def tensor(text: str) -> Any:
+            return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8).clone()
 
         if "torch" in state:
             torch.set_rng_state(tensor(state["torch"]))
@@ -511,14 +655,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
                 torch.cuda.set_rng_state(tensor(saved[device]), device)
 
 
-def save_pickle_atomic(obj: Any, path: str | os.PathLike[str]) -> None:
-    """Pickle ``obj`` to ``path``: written to a temporary file, fsynced, then ``os.replace``d."""
+def save_json_atomic(obj: Any, path: str | os.PathLike[str]) -> None:
+    """Write ``obj`` as JSON to ``path``: to a temporary file, fsynced, then ``os.replace``d.
+
+    The trainer's own checkpoint state goes this way, never pickle: a checkpoint is data that may come from
+    someone else, and unpickling runs whatever code the file names."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _replace_atomically(path, lambda f: pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL))
+    text = json.dumps(obj, allow_nan=True)
+    _write_text_atomic(path, text + "\n")
 
 
-def load_pickle(path: str | os.PathLike[str]) -> Any:
-    """Load what :func:`save_pickle_atomic` wrote (only load files this run wrote: it is pickle)."""
-    with open(path, "rb") as f:
-        return pickle.load(f)
+def load_json(path: str | os.PathLike[str]) -> Any:
+    """Read what :func:`save_json_atomic` wrote."""
+    return json.loads(Path(path).read_text(encoding="utf-8"))

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from areal_core.checkpoint import META_NAME, CheckpointStore
+from areal_core.checkpoint import META_NAME, CheckpointDamagedError, CheckpointStore, verify
 
 EVAL_FILE = "eval.json"
 DEMO_MODEL = "demo"  # CHECKPOINT_OR_MODEL naming the built-in demo model (model.path: "")
@@ -73,6 +73,11 @@ def _checkpoint(folder: Path, given: str) -> Target:
                         f"(config.json + *.safetensors): it was written by a train engine that saves another "
                         f"format. Fix: evaluate a checkpoint of a train engine that writes Hugging Face folders "
                         f"(fsdp, megatron), or convert actor/ into one and pass that folder")
+    problems = verify(folder)
+    if problems:
+        raise EvalError(f"{ARG} {given!r}: the checkpoint {folder} does not verify against its manifest, so it is "
+                        f"not loaded: {'; '.join(problems[:3])}. Fix: restore it from a copy, or evaluate another "
+                        f"checkpoint of the run (its run folder gives the newest one that verifies)")
     meta = json.loads((folder / META_NAME).read_text(encoding="utf-8"))
     run_dir = folder.parent.parent if folder.parent.name == "checkpoints" else None
     return Target(given, "checkpoint", str(actor), checkpoint=folder, run_dir=run_dir, step=int(meta["step"]),
@@ -93,7 +98,10 @@ def resolve_target(given: str) -> Target:
         if (path / META_NAME).is_file() and (path / "actor").exists():
             return _checkpoint(path, given)
         for store_root in (path / "checkpoints", path):  # a run folder, or its checkpoints/ folder
-            latest = CheckpointStore(store_root).latest()
+            try:  # the newest checkpoint that verifies
+                latest, _passed = CheckpointStore(store_root).resumable()
+            except CheckpointDamagedError as exc:
+                raise EvalError(f"{ARG} {given!r}: {exc}") from None
             if latest is not None:
                 return _checkpoint(latest, given)
         if (path / "config.yaml").is_file():
@@ -167,6 +175,7 @@ def evaluate(run: Any, log_dir: Path, step: int = 0, say: Callable[[str], None] 
     from areal_core.launch.local import InferenceServers
     from areal_core.launch.supervisor import Supervisor, split_threads
     from areal_core.rollout import RolloutController
+    from areal_core.server_guard import ensure_run_token
     from areal_core.trainer import build, seed_everything
     from areal_core.trainer_eval import Evaluation
 
@@ -178,6 +187,7 @@ def evaluate(run: Any, log_dir: Path, step: int = 0, say: Callable[[str], None] 
     reward = build(run, "reward")
     evaluation = Evaluation(run, reward, lambda: build(run, "dataset", split="validation"))  # items first: a
     # dataset without validation items is refused before any server starts
+    ensure_run_token()  # the servers started here obey this process only
     servers = InferenceServers(run)
     with Supervisor(log_dir) as sup:
         if threading.current_thread() is threading.main_thread():

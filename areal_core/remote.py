@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Iterator, TypeVar
 
-from areal_core.api.inference import InferenceEngine, ServerProcess
+from areal_core.api.inference import InferenceEngine, ServerProcess, ServerTimeout
 from areal_core.launch.supervisor import Managed, ProcessSpec, Supervisor, free_port
 from areal_core.problems import Problem
 
@@ -231,6 +231,9 @@ class RemoteError(RuntimeError):
     """A server answered with an error status; the message names the server, the path and its log."""
 
 
+STALL_CHECK_TIMEOUT_S = 5.0  # how long a stall check waits for the health endpoint
+
+
 class RemoteEngine(InferenceEngine):
     """Client of one HTTP inference server; subclasses add the backend's endpoints.
 
@@ -258,6 +261,9 @@ class RemoteEngine(InferenceEngine):
         self._version = version
         self._transport = transport  # an httpx transport; tests pass a double of the server's protocol
         self._client: Any = None
+        rollout = getattr(getattr(context, "config", None), "rollout", None)
+        self.stall_warning_s = float(getattr(rollout, "stall_warning_s", 60.0))
+        self._stalled_since: float | None = None  # set when a stall was reported, until the server answers again
 
     @classmethod
     def from_context(cls, context: Any, options: Any, **kwargs: Any) -> Any:
@@ -292,7 +298,12 @@ class RemoteEngine(InferenceEngine):
         import httpx
 
         if self._client is None:
+            from areal_core.server_guard import auth_headers
+
+            # The run's secret (areal_core.server_guard) on every call: servers the run started refuse calls
+            # without it; one started without a secret ignores the header.
             self._client = httpx.AsyncClient(base_url=f"http://{self.address}", timeout=self.request_timeout_s,
+                                             headers=auth_headers(),
                                              limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
                                                                  keepalive_expiry=KEEPALIVE_EXPIRY_S),
                                              transport=self._transport)
@@ -313,13 +324,16 @@ class RemoteEngine(InferenceEngine):
         timeout = self.request_timeout_s if timeout is None else timeout
         attempts = 1 + (self.retries if retries is None else retries)
         for attempt in range(attempts):
+            watch = self._watch_for_a_stall(method, path, timeout)
             try:
                 response = await self._http().request(method, path, json=json, params=params, timeout=timeout)
                 break
             except httpx.TimeoutException:
                 key = " (rollout.request_timeout_s)" if timeout == self.request_timeout_s else ""
-                raise TimeoutError(f"waited {timeout:.0f} s{key} for the {self.describe()} to answer {method} "
-                                   f"{path}") from None
+                raise ServerTimeout(f"waited {timeout:.0f} s{key} for the {self.describe()} to answer {method} "
+                                    f"{path}; it did not (stopped, swapping, stuck in a kernel, or overloaded). "
+                                    f"Fix: see its log; if a call can legitimately take longer, raise "
+                                    f"rollout.request_timeout_s{log_tail(self.log_path)}") from None
             except httpx.TransportError as exc:
                 if attempt + 1 < attempts:
                     await asyncio.sleep(self.retry_delay_s)
@@ -327,6 +341,10 @@ class RemoteEngine(InferenceEngine):
                 raise ConnectionError(f"the {self.describe()} is unreachable during {method} {path} after "
                                       f"{attempts} attempt(s) ({type(exc).__name__}: {exc}); it has probably "
                                       f"stopped{log_tail(self.log_path)}") from None
+            finally:
+                if watch is not None:
+                    watch.cancel()
+        self._answered_again()
         if response.status_code in (400, 422):
             raise ValueError(f"the {self.describe()} refused {method} {path}: {_error_text(response)}")
         if response.status_code >= 300:
@@ -336,6 +354,38 @@ class RemoteEngine(InferenceEngine):
             return response.json()
         except ValueError:
             return response.text
+
+    def _watch_for_a_stall(self, method: str, path: str, timeout: float) -> Any:
+        """A timer that checks the server once a call has gone ``stall_warning_s`` (``rollout.stall_warning_s``)
+        unanswered; None when the call's own timeout comes first."""
+        if not 0 < self.stall_warning_s < timeout:
+            return None
+        loop = asyncio.get_running_loop()
+        began = time.monotonic()
+        return loop.call_later(self.stall_warning_s,
+                               lambda: loop.create_task(self._check_stall(method, path, began, timeout)))
+
+    async def _check_stall(self, method: str, path: str, began: float, timeout: float) -> None:
+        """Log once (until the server answers again) that it stalled: a call unanswered for ``stall_warning_s``
+        while its health endpoint does not answer either. A long call on a server that answers its health is
+        work, not a stall, and is not reported."""
+        if self._stalled_since is not None or await self.health(timeout_s=STALL_CHECK_TIMEOUT_S):
+            return
+        if self._stalled_since is not None:
+            return
+        self._stalled_since = began
+        waited = time.monotonic() - began
+        print(f"areal: the {self.describe()} has not answered {method} {path} for {waited:.0f} s, nor its "
+              f"{self.health_path} endpoint for {STALL_CHECK_TIMEOUT_S:.0f} s: it looks stalled (stopped, swapping, "
+              f"or stuck in a kernel). The call is still waited for, up to rollout.request_timeout_s = "
+              f"{timeout:.0f} s; its log: {self.log_path or 'unknown'}", flush=True)
+
+    def _answered_again(self) -> None:
+        if self._stalled_since is None:
+            return
+        print(f"areal: the {self.describe()} answers again, {time.monotonic() - self._stalled_since:.0f} s after "
+              f"the call it had stalled on was sent", flush=True)
+        self._stalled_since = None
 
     # -------------------------------------------------------------- lifecycle
     async def wait_ready(self, timeout_s: float | None = None) -> None:
@@ -351,11 +401,11 @@ class RemoteEngine(InferenceEngine):
     async def start(self) -> None:
         await self.wait_ready()
 
-    async def health(self) -> bool:
+    async def health(self, timeout_s: float = 5.0) -> bool:
         import httpx
 
         try:
-            response = await self._http().get(self.health_path, timeout=5.0)
+            response = await self._http().get(self.health_path, timeout=timeout_s)
         except (httpx.TransportError, httpx.TimeoutException):
             return False
         return response.status_code == 200

@@ -41,8 +41,8 @@ from typing import Any, Iterator
 from areal_core.allocator import retain_freed_memory
 from areal_core.api import Context, PackedBatch
 from areal_core.checkpoint import (
-    CheckpointSpaceError, CheckpointStore, load_pickle, reporting_full_disk, rng_state, save_pickle_atomic,
-    set_rng_state,
+    CONTROLLER_FILE, CheckpointDamagedError, CheckpointSpaceError, CheckpointStore, load_json, reporting_full_disk,
+    rng_file, rng_state, save_json_atomic, set_rng_state,
 )
 from areal_core.clock import REAL_CLOCK, Clock
 from areal_core.config.validate import ValidatedRun, minibatch_problem, validate_run
@@ -171,28 +171,44 @@ class Trainer:
 
     # -------------------------------------------------------------- checkpoints
     def _restore(self) -> None:
-        latest = self._broadcast(self.store.latest() if self.rank == 0 else None)
+        """Continue from the newest checkpoint that verifies against its manifest (rank 0 checks, every rank
+        loads it); a newer one that does not is named and passed over. None that verifies: the run stops
+        with :class:`CheckpointDamagedError` on every rank, having loaded nothing."""
+        found: Any = None
+        if self.rank == 0:
+            try:
+                found = self.store.resumable()
+            except CheckpointDamagedError as exc:
+                found = exc
+        found = self._broadcast(found)
+        if isinstance(found, CheckpointDamagedError):
+            raise found
+        latest, passed = found
         if latest is None:
             if self.rank == 0:
                 print(f"resume: no complete checkpoint under {self.store.root}; starting from step 0", flush=True)
             return
+        if self.rank == 0:
+            for note in passed:
+                print(f"resume: {note}; passing over it", flush=True)
         meta = self.store.load_meta(latest)
         self.actor.load(str(latest / "actor"))
         if self.critic is not None:
             self.critic.load(str(latest / "critic"))
         self.step = meta["step"]
         if self.rank == 0:
-            self.controller.load_state_dict(load_pickle(latest / "controller.pkl"))
-            print(f"resume: continuing after step {self.step} from {latest}", flush=True)
-        set_rng_state(load_pickle(latest / f"rng-rank{self.rank}.pkl"))
+            self.controller.load_state_dict(load_json(latest / CONTROLLER_FILE))
+            print(f"resume: continuing after step {self.step} from {latest} (verified against its manifest)",
+                  flush=True)
+        set_rng_state(load_json(latest / rng_file(self.rank)))
 
     def _write_rank_files(self, folder: Path, controller_state: dict | None) -> None:
         self.actor.save(str(folder / "actor"))  # collective for distributed engines
         if self.critic is not None:
             self.critic.save(str(folder / "critic"))
-        save_pickle_atomic(rng_state(), folder / f"rng-rank{self.rank}.pkl")
+        save_json_atomic(rng_state(), folder / rng_file(self.rank))
         if controller_state is not None:
-            save_pickle_atomic(controller_state, folder / "controller.pkl")
+            save_json_atomic(controller_state, folder / CONTROLLER_FILE)
 
     def _save(self) -> None:
         """Rank 0 owns the atomic folder; the other ranks write into it before it is renamed.
@@ -512,19 +528,24 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(run, args.run_dir, rank, world)
     try:
         trainer.fit(resume=args.resume)
-    except CheckpointSpaceError as exc:
-        # A full disk is the user's to fix: the message names it, what is needed and how to continue.
+    except (CheckpointSpaceError, CheckpointDamagedError) as exc:
+        # A full disk or a damaged checkpoint is the user's to fix: the message names it and the way on.
         print(f"areal: the run stopped at step {trainer.step}: {exc}", file=sys.stderr)
         return 1
     except (StallError, RolloutError) as exc:
         # The data gave out or gave no signal: the user's to fix, so the message, not a traceback.
         # A workflow that crashed for any other reason keeps its traceback for the plugin's author.
-        if isinstance(exc, RolloutError) and not isinstance(exc.__cause__, FilteredOutError):
+        stalled = _server_timeout(exc)  # an episode whose server stopped answering: named below, not a traceback
+        if isinstance(exc, RolloutError) and not isinstance(exc.__cause__, FilteredOutError) and stalled is None:
             raise
-        print(f"areal: the run stopped at step {trainer.step}: {exc.__cause__ or exc}", file=sys.stderr)
+        print(f"areal: the run stopped at step {trainer.step}: {stalled or exc.__cause__ or exc}", file=sys.stderr)
         return 1
-    except RuntimeError as exc:
-        if world == 1 or not _collective_timed_out(exc):
+    except Exception as exc:  # noqa: BLE001 (only a server's timeout is answered here; the rest is raised)
+        stalled = _server_timeout(exc)
+        if stalled is not None:  # a server that stopped answering: the message says which, what and the fix
+            print(f"areal: the run stopped at step {trainer.step}: {stalled}", file=sys.stderr)
+            return 1
+        if not isinstance(exc, RuntimeError) or world == 1 or not _collective_timed_out(exc):
             raise
         # A rank that stopped answering: the traceback only says that a receive timed out; say what and whom.
         others = ", ".join(f"actor-rank{r}" for r in range(world) if r != rank)
@@ -534,7 +555,26 @@ def main(argv: list[str] | None = None) -> int:
               f"stopped). Fix: see their logs; if a step can legitimately keep a rank away longer, raise "
               f"trainer.collective_timeout_s. ({str(exc).strip().splitlines()[-1][:300]})", file=sys.stderr)
         return 1
+    if world > 1:  # leave together, then close the group: no rank tears its connections down under another
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
+
+
+def _server_timeout(exc: BaseException) -> BaseException | None:
+    """The :class:`~areal_core.api.inference.ServerTimeout` in ``exc``'s causes and contexts (an episode's, a
+    weight update's), or None."""
+    from areal_core.api.inference import ServerTimeout
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, ServerTimeout):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _collective_timed_out(exc: BaseException) -> bool:

@@ -34,6 +34,7 @@ Torch is imported only by the functions that need it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -189,10 +190,12 @@ def compare_digests(sent: dict[str, str], held: dict[str, str]) -> list[str]:
     differences = []
     for name, digest in sent.items():
         got = held.get(name)
-        if digest.startswith(NOT_CHECKABLE) or (got is not None and got.startswith(NOT_CHECKABLE)):
+        if digest.startswith(NOT_CHECKABLE) or (isinstance(got, str) and got.startswith(NOT_CHECKABLE)):
             continue
         if got is None:
             differences.append(f"{name}: sent {digest}, the engine reports no such tensor")
+        elif not isinstance(got, str):
+            differences.append(f"{name}: sent {digest}, the engine reports {got!r}, not a digest")
         elif got != digest:
             differences.append(f"{name}: sent {digest}, the engine holds {got}")
     return differences
@@ -204,7 +207,7 @@ def not_checkable(sent: dict[str, str], held: dict[str, str]) -> dict[str, str]:
     out = {}
     for name, digest in sent.items():
         marked = digest if digest.startswith(NOT_CHECKABLE) else held.get(name, "")
-        if marked.startswith(NOT_CHECKABLE):
+        if isinstance(marked, str) and marked.startswith(NOT_CHECKABLE):
             out[name] = marked.partition(":")[2].strip() or marked
     return out
 
@@ -221,18 +224,43 @@ def probe_tolerance(dtype: str) -> tuple[float, float]:
     return 0.05, 0.01
 
 
-def compare_probe(tokens: list[int], engine_logprobs: list[float], trainer_logprobs: list[float],
+def _logprob(value: Any) -> float | None:
+    """A logprob as a float; None for what is none (null, NaN, text, +inf: no logprob is positive)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return None if math.isnan(value) or value == math.inf else value
+
+
+def compare_probe(tokens: list[int], engine_logprobs: list[Any], trainer_logprobs: list[Any],
                   dtype: str) -> list[str]:
     """The probe tokens whose logprobs differ past :func:`probe_tolerance`, as ``"token i (id t): engine x,
-    trainer y"``; when only the mean is past its bound, one line saying so."""
+    trainer y"``; when only the mean is past its bound, one line saying so.
+
+    A logprob that is missing, null, NaN or +inf on either side is a difference, named as such (a model that
+    gives NaN serves nothing, and NaN compares as no gap). -inf on both sides (a token both call impossible)
+    agrees; -inf on one side only is a difference."""
     if len(engine_logprobs) != len(tokens) or len(trainer_logprobs) != len(tokens):
         return [f"{len(tokens)} probe tokens but {len(engine_logprobs)} engine and {len(trainer_logprobs)} "
                 "trainer logprobs"]
     per_token, mean_bound = probe_tolerance(dtype)
-    gaps = [abs(a - b) for a, b in zip(engine_logprobs, trainer_logprobs)]
-    out = [f"token {i} (id {t}): engine {a:.4f}, trainer {b:.4f}"
-           for i, (t, a, b, gap) in enumerate(zip(tokens, engine_logprobs, trainer_logprobs, gaps)) if gap > per_token]
-    mean = sum(gaps) / len(gaps) if gaps else 0.0
+    out, gaps = [], []
+    for i, (t, a_raw, b_raw) in enumerate(zip(tokens, engine_logprobs, trainer_logprobs)):
+        a, b = _logprob(a_raw), _logprob(b_raw)
+        if a is None or b is None:
+            bad = " and ".join(side for side, v in (("engine", a), ("trainer", b)) if v is None)
+            out.append(f"token {i} (id {t}): engine {a_raw!r}, trainer {b_raw!r} (the {bad} gave no finite "
+                       f"logprob)")
+            continue
+        if a == b:  # equal, -inf included
+            gaps.append(0.0)
+            continue
+        gap = abs(a - b)  # inf when one side only is -inf
+        gaps.append(gap)
+        if gap > per_token:
+            out.append(f"token {i} (id {t}): engine {a:.4f}, trainer {b:.4f}")
+    finite = [g for g in gaps if math.isfinite(g)]
+    mean = sum(finite) / len(finite) if finite else 0.0
     if not out and mean > mean_bound:
         out.append(f"mean difference {mean:.4f} nats over {len(gaps)} tokens (at most {mean_bound} in {dtype})")
     elif out:

@@ -1,5 +1,6 @@
 """Checkpoints a resumed run can trust: complete or absent, whatever moment the
-writer died at, and RNG state that reproduces the same random numbers."""
+writer died at, verified against their manifest before anything is loaded, and
+RNG state (JSON, never pickle) that reproduces the same random numbers."""
 
 from __future__ import annotations
 
@@ -14,13 +15,18 @@ import time
 
 import pytest
 
+import json
+
 from areal_core.checkpoint import (
+    CheckpointDamagedError,
     CheckpointStore,
     atomic_dir,
-    load_pickle,
+    load_json,
     rng_state,
-    save_pickle_atomic,
+    save_json_atomic,
     set_rng_state,
+    verify,
+    write_manifest,
 )
 from areal_core.testing.waits import wait_until
 
@@ -40,8 +46,13 @@ def test_save_makes_a_step_folder_with_meta_and_points_latest_at_it(tmp_path):
     assert store.latest() is None
     path = store.save(12, writer_of("w12"), {"version": 3})
     assert path == tmp_path / "checkpoints" / "step-00000012"
-    assert names(path) == ["meta.json", "model.bin"]
+    assert names(path) == ["manifest.json", "meta.json", "model.bin"]
     assert store.load_meta(path) == {"step": 12, "version": 3}
+    manifest = json.loads((path / "manifest.json").read_text())["files"]
+    assert manifest == {"meta.json": {"bytes": (path / "meta.json").stat().st_size,
+                                      "sha256": hashlib.sha256((path / "meta.json").read_bytes()).hexdigest()},
+                        "model.bin": {"bytes": 3, "sha256": hashlib.sha256(b"w12").hexdigest()}}
+    assert verify(path) == []
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-00000012"
     assert store.latest() == path
     assert names(tmp_path / "checkpoints") == ["latest", "step-00000012"]
@@ -150,20 +161,102 @@ def test_rng_state_round_trip_reproduces_python_numpy_and_torch(tmp_path):
     pytest.importorskip("torch")
     random.seed(1)
     draws()  # advance every generator away from its seed
-    save_pickle_atomic(rng_state(), tmp_path / "rng.pkl")
+    save_json_atomic(rng_state(), tmp_path / "rng.json")
     expected = draws()
     draws()  # move on, as the rest of a run would
-    set_rng_state(load_pickle(tmp_path / "rng.pkl"))
+    set_rng_state(load_json(tmp_path / "rng.json"))
     assert draws() == expected
-    assert names(tmp_path) == ["rng.pkl"]
+    assert names(tmp_path) == ["rng.json"]
+    saved = json.loads((tmp_path / "rng.json").read_text())  # plain JSON: nothing in it names code
+    assert sorted(saved) == ["numpy", "python", "torch"] and isinstance(saved["torch"], str)
 
 
-def test_save_pickle_atomic_replaces_and_leaves_no_temporary(tmp_path):
-    path = tmp_path / "state" / "loader.pkl"
-    save_pickle_atomic({"position": 1}, path)
-    save_pickle_atomic({"position": 2}, path)
-    assert load_pickle(path) == {"position": 2}
-    assert names(path.parent) == ["loader.pkl"]
+def test_save_json_atomic_replaces_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "state" / "controller.json"
+    save_json_atomic({"position": 1}, path)
+    save_json_atomic({"position": 2}, path)
+    assert load_json(path) == {"position": 2}
+    assert names(path.parent) == ["controller.json"]
+
+
+def two_checkpoints(tmp_path):
+    store = CheckpointStore(tmp_path / "checkpoints")
+    for step in (1, 2):
+        def write(folder, step=step):
+            (folder / "actor").mkdir()
+            (folder / "actor" / "model.safetensors").write_bytes(os.urandom(4096) + bytes([step]))
+            (folder / "controller.json").write_text(json.dumps({"consumed": step}))
+        store.save(step, write, {"version": step})
+    return store, store.path_for(1), store.path_for(2)
+
+
+def damage(folder, how, other=None):
+    """Damage a checkpoint as a disk, a copy or a hand would; the manifest is left as the save wrote it."""
+    weights = folder / "actor" / "model.safetensors"
+    if how == "truncated":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif how == "random-bytes":  # the same size, 256 bytes in the middle overwritten
+        data = bytearray(weights.read_bytes())
+        data[1024:1280] = os.urandom(256)
+        weights.write_bytes(bytes(data))
+    elif how == "other-step":  # finite garbage: another checkpoint's weights, of the same size and format
+        weights.write_bytes((other / "actor" / "model.safetensors").read_bytes())
+    elif how == "pickle-added":
+        (folder / "controller.pkl").write_bytes(b"cos\nsystem\n(S'touch /tmp/areal-pwned'\ntR.")
+    elif how == "removed":
+        weights.unlink()
+    elif how == "no-manifest":
+        (folder / "manifest.json").unlink()
+    else:
+        raise AssertionError(how)
+
+
+DAMAGE = {"truncated": "actor/model.safetensors has 1000 bytes, the manifest 4097 (truncated or replaced)",
+          "random-bytes": "actor/model.safetensors does not hold what was saved",
+          "other-step": "actor/model.safetensors does not hold what was saved",
+          "pickle-added": "controller.pkl is not in the manifest (a file added after the save)",
+          "removed": "actor/model.safetensors is missing",
+          "no-manifest": "it has no manifest.json"}
+
+
+@pytest.mark.parametrize("how", sorted(DAMAGE))
+def test_a_damaged_latest_checkpoint_is_named_and_passed_over_for_the_one_before(tmp_path, how):
+    store, first, second = two_checkpoints(tmp_path)
+    assert store.resumable() == (second, [])
+    damage(second, how, other=first)
+    assert store.latest() == second  # complete, as far as the folder's names go
+    problems = verify(second)
+    assert len(problems) == 1 and problems[0].startswith(DAMAGE[how]), problems
+    found, passed = store.resumable()
+    assert found == first
+    assert passed == [f"{second} does not verify: {problems[0]}"]
+
+
+def test_when_no_checkpoint_verifies_the_error_names_each_and_nothing_is_chosen(tmp_path):
+    store, first, second = two_checkpoints(tmp_path)
+    damage(first, "other-step", other=second)
+    damage(second, "truncated")
+    with pytest.raises(CheckpointDamagedError) as info:
+        store.resumable()
+    text = str(info.value)
+    assert f"no checkpoint under {store.root} verifies, so none is loaded: {second} does not verify: " \
+           f"actor/model.safetensors has 1000 bytes" in text
+    assert f"| {first} does not verify: actor/model.safetensors does not hold what was saved" in text
+    assert "Fix: restore the folder from a copy" in text
+    assert CheckpointStore(tmp_path / "nothing").resumable() == (None, [])
+
+
+def test_a_manifest_that_is_not_one_and_links_in_a_checkpoint_are_refused(tmp_path):
+    store, first, second = two_checkpoints(tmp_path)
+    (second / "manifest.json").write_text("{not json")
+    assert verify(second)[0].startswith("its manifest.json cannot be read (JSONDecodeError")
+    target = first / "actor" / "model.safetensors"
+    (first / "actor" / "model.safetensors").unlink()
+    (first / "actor" / "model.safetensors").symlink_to(second / "actor" / "model.safetensors")
+    assert verify(first) == ["actor/model.safetensors is a symbolic link, not the file that was saved"]
+    with pytest.raises(ValueError, match="holds a symbolic link, actor/model.safetensors"):
+        write_manifest(first)
+    assert target.is_symlink()
 
 
 WRITER = textwrap.dedent('''
@@ -212,6 +305,7 @@ def test_sigkill_at_random_moments_never_leaves_a_broken_checkpoint(tmp_path):
         # every folder under a final name that has meta.json is whole, not only the latest
         complete = [p for p in root.glob("step-*") if ".tmp-" not in p.name and (p / "meta.json").exists()]
         for folder in complete:
+            assert verify(folder) == [], folder  # and its manifest says so
             for name, digest in store.load_meta(folder)["sha256"].items():
                 assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == digest, (folder, name)
         latest = store.latest()
@@ -219,3 +313,11 @@ def test_sigkill_at_random_moments_never_leaves_a_broken_checkpoint(tmp_path):
             assert latest in complete
             steps.append(store.load_meta(latest)["step"])
     assert steps == sorted(steps) and steps and steps[-1] >= 3, steps
+
+
+def test_the_scores_areal_eval_writes_into_a_checkpoint_do_not_break_it(tmp_path):
+    from areal_core.evaluate import EVAL_FILE
+
+    store, first, second = two_checkpoints(tmp_path)
+    (second / EVAL_FILE).write_text('{"eval/accuracy": 0.5}')
+    assert verify(second) == [] and store.resumable() == (second, [])

@@ -139,7 +139,7 @@ def test_enospc_from_the_writer_is_named_and_the_partial_folder_removed(tmp_path
     assert caught.value.__cause__.errno == errno.ENOSPC
     assert message.startswith(f"no space left for the checkpoint of step 2 in {root}: the filesystem mounted at ")
     assert " ran out of space after 11 B of it were written (" in message  # config.json and the link
-    assert " that were free when it began (the checkpoint of step 1 took 1.0 KiB). " in message
+    assert " that were free when it began (the checkpoint of step 1 took 1.3 KiB). " in message  # with its manifest
     assert ("The partial checkpoint was removed; the checkpoint of step 1 is still the latest. Fix: free space "
             "there, or set output_dir to a folder on a disk with room (the writer said: ") in message
     assert message.endswith("(the writer said: OSError: [Errno 28] No space left on device)")
@@ -316,7 +316,8 @@ def test_a_run_whose_checkpoint_disk_is_full_stops_with_the_message_not_a_traceb
                 f"about 2.0 MiB (as much as the checkpoint of step 1) plus a margin of 64.2 MiB, and the "
                 f"filesystem mounted at {checkpoints} (tmpfs) has ") in out, out
         assert ("Nothing was written; the checkpoint of step 1 is still the latest. Fix: free at least ") in out
-        assert "The checkpoint of step 1 is complete: continue from it with the same command and --resume" in out
+        assert "The checkpoint of step 1 is complete and verifies: continue from it with the same " \
+               "command and --resume" in out
         assert "@@ left: latest step-00000001 \n" in out and "@@ latest: step-00000001\n" in out, out
     if case == "refused-2-ranks":
         assert "areal: the run stopped at step 2: no room for the checkpoint of step 2" in \

@@ -110,6 +110,31 @@ def test_run_writes_the_resolved_config_then_launches(double_stack, tmp_path):
     assert "the config differs from the one" in changed.output and "algorithm.extra.eps_clip (0.5 -> 0.6)" in changed.output
 
 
+def test_a_moved_or_copied_run_folder_resumes_where_it_now_is(double_stack, tmp_path):
+    """output_dir, experiment, trial, launcher.* and metrics.* say where a run lives and reports: they may change at
+    --resume (the saved config is updated); a key that changes the training may not."""
+    import shutil
+
+    first = tmp_path / "runs"
+    assert invoke("run", *double_stack, f"output_dir={first}", "experiment=exp")[0].exit_code == 0
+    (first / "exp" / "run0" / "metrics.jsonl").write_text('{"step": 1, "time": 0}\n')
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(first / "exp" / "run0", moved / "exp2" / "copy")
+    resumed, _ = invoke("run", *double_stack, f"output_dir={moved}", "experiment=exp2", "trial=copy", "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    assert (f"--resume: continuing with experiment ('exp' -> 'exp2'), output_dir ({str(first)!r} -> "
+            f"{str(moved)!r}), trial ('run0' -> 'copy'): where the run lives and reports, not what it trains") \
+        in resumed.output
+    written = yaml.safe_load((moved / "exp2" / "copy" / "config.yaml").read_text())
+    assert (written["output_dir"], written["experiment"], written["trial"]) == (str(moved), "exp2", "copy")
+    assert json.loads((moved / "exp2" / "copy" / "launched.json").read_text())["resume"] is True
+    changed, _ = invoke("run", *double_stack, f"output_dir={moved}", "experiment=exp2", "trial=copy",
+                        "rollout.group_size=3", "--resume")
+    assert changed.exit_code == 1
+    assert "at: rollout.group_size (" in changed.output and "only where the run lives and reports may change" \
+        in changed.output
+
+
 def test_run_with_problems_writes_nothing(double_stack, tmp_path):
     out = tmp_path / "runs"
     result, _ = invoke("run", *double_stack, f"output_dir={out}", "rollout.group_size=0")

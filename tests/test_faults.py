@@ -250,6 +250,7 @@ def test_server_killed_or_hung(faulty_run, seed, elastic, fault):
             else:
                 assert "rollout.request_timeout_s" in out and "waited 8 s" in out, out
                 assert "embedded engine" in out and "127.0.0.1:" in out, out
+                assert "areal: the run stopped at step" in out and "Traceback" not in out, out  # one paragraph
                 assert took < 8 + scaled(52), (took, out)  # the request timeout under test, and the teardown
     finally:
         if fault == "hang":

@@ -152,6 +152,49 @@ def test_death_by_signal_is_reported_as_such(tmp_path):
         assert failed.value.returncode == -signal.SIGKILL
 
 
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_the_cgroup_oom_counter_is_read_where_the_kernel_keeps_it(tmp_path, monkeypatch, version):
+    from areal_core.launch import supervisor
+
+    if version == "v2":
+        (tmp_path / "user.slice" / "run").mkdir(parents=True)
+        (tmp_path / "user.slice" / "run" / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 2\noom_kill 2\n")
+        cgroup = "0::/user.slice/run\n"
+    else:
+        (tmp_path / "memory").mkdir()
+        (tmp_path / "memory" / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 5\n")
+        cgroup = "9:pids:/\n4:memory:/docker/abc\n0::/\n"  # the container sees its own cgroup as the root
+    real_read = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: cgroup if str(self) == "/proc/self/cgroup"
+                        else real_read(self, *a, **k))
+    assert supervisor.oom_kill_count(tmp_path) == (2 if version == "v2" else 5)
+    assert supervisor.oom_kill_count(tmp_path / "nothing") is None
+
+
+def test_a_sigkill_is_told_apart_from_the_out_of_memory_killer_by_the_counter():
+    from areal_core.launch.supervisor import describe_exit
+
+    assert describe_exit(-9, (4, 5)) == ("was killed by signal 9 (SIGKILL) by the kernel's out-of-memory killer "
+                                         "(this cgroup's oom_kill counter went from 4 to 5 meanwhile): it ran out "
+                                         "of memory")
+    assert describe_exit(-9, (4, 4)).startswith("was killed by signal 9 (SIGKILL) from outside the run: no "
+                                                "process of this cgroup was killed for memory meanwhile")
+    assert "cannot be read" in describe_exit(-9, (None, None))
+    assert describe_exit(-15, (4, 5)) == "was killed by signal 15 (SIGTERM)"
+
+
+def test_a_real_sigkill_from_outside_is_named_so(tmp_path):
+    from areal_core.launch.supervisor import oom_kill_count
+
+    with Supervisor(tmp_path / "logs") as sup:
+        sup.start(ProcessSpec("victim", ["sh", "-c", "kill -9 $$"]))
+        with pytest.raises(ProcessFailed) as failed:
+            sup.watch(timeout_s=scaled(20))
+    if oom_kill_count() is None:
+        pytest.skip("no readable cgroup memory counter here: the message says it cannot tell")
+    assert "victim was killed by signal 9 (SIGKILL) from outside the run" in str(failed.value)
+
+
 def test_watch_until_and_timeout(tmp_path):
     with Supervisor(tmp_path / "logs", term_timeout_s=2) as sup:
         server = sup.start(ProcessSpec("server", ["sleep", "1000"]))

@@ -219,8 +219,8 @@ def test_two_train_ranks_share_batches_and_checkpoints(rl_run):
     run_dir = runs / "ranks"
     assert [s["step"] for s in read_jsonl(run_dir / "samples.jsonl")] == [1, 2, 3]
     latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
-    assert sorted(p.name for p in latest.iterdir()) == ["actor", "controller.pkl", "meta.json", "rng-rank0.pkl",
-                                                          "rng-rank1.pkl"]
+    assert sorted(p.name for p in latest.iterdir()) == ["actor", "controller.json", "manifest.json", "meta.json",
+                                                          "rng-rank0.json", "rng-rank1.json"]
     assert "resume" not in (run_dir / "logs" / "actor-rank1.log").read_text()
 
 
@@ -275,7 +275,14 @@ def test_a_killed_trainer_is_reported_with_the_way_to_resume(rl_run):
     os.kill(trainers[0], signal.SIGKILL)
     out, _ = proc.communicate(timeout=scaled(60))
     assert proc.returncode == 1
-    assert "actor-rank0 was killed by signal 9 (SIGKILL) (often the kernel's out-of-memory killer)" in out
+    from areal_core.launch.supervisor import oom_kill_count
+
+    if oom_kill_count() is not None:  # the cgroup's counter tells a kill from outside from the OOM killer
+        assert "actor-rank0 was killed by signal 9 (SIGKILL) from outside the run: no process of this cgroup was " \
+               "killed for memory meanwhile" in out, out
+    else:
+        assert "actor-rank0 was killed by signal 9 (SIGKILL) (sent by another process, or by the kernel's " \
+               "out-of-memory killer" in out, out
     assert "The checkpoint of step" in out and "--resume" in out
 
 

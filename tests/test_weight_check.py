@@ -116,6 +116,38 @@ def test_the_probe_runs_at_the_first_update_and_every_nth():
     assert "mean difference 0.3000 nats" in compare_probe([5, 6], [-1.0, -2.0], [-1.3, -2.3], "bfloat16")[0]
 
 
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("engine, trainer, gave_none", [
+    ([NAN, NAN], [-1.0, -2.0], "engine"),      # an engine serving NaN: NaN compares as no gap
+    ([-1.0, -2.0], [NAN, NAN], "trainer"),
+    ([None, None], [-1.0, -2.0], "engine"),    # NaN as JSON null: None - float raised TypeError
+    ([NAN, NAN], [None, None], "engine and trainer"),
+    (["-1.0", -2.0], [-1.0, -2.0], "engine"),  # text is no logprob
+    ([INF, -2.0], [-1.0, -2.0], "engine"),     # no logprob is positive
+])
+def test_the_probe_sees_nan_null_and_inf_as_differences(engine, trainer, gave_none):
+    differences = compare_probe([5, 6], engine, trainer, "bfloat16")
+    assert differences[0] == f"token 0 (id 5): engine {engine[0]!r}, trainer {trainer[0]!r} (the {gave_none} gave no " \
+                             f"finite logprob)"
+    assert differences[-1] == "allowed per token in bfloat16: 1.0 nats"
+
+
+def test_the_probe_agrees_on_minus_inf_only_when_both_sides_say_it():
+    assert compare_probe([5, 6], [-INF, -2.0], [-INF, -2.0], "float32") == []
+    assert compare_probe([5, 6], [-INF, -2.0], [-1.0, -2.0], "float32")[0] == \
+        "token 0 (id 5): engine -inf, trainer -1.0000"
+
+
+def test_a_digest_that_is_not_text_is_a_difference():
+    sent = digest_named([("x", torch.zeros(4)), ("y", torch.ones(4))])
+    assert compare_digests(sent, {"x": NAN, "y": None}) == [
+        f"x: sent {sent['x']}, the engine reports nan, not a digest",
+        f"y: sent {sent['y']}, the engine reports no such tensor"]
+    assert not_checkable(sent, {"x": 3}) == {}
+
+
 # ------------------------------------------------------------------ the gate, through the real hand-over
 def test_healthy_engines_pass_every_update_with_digests_and_the_probe(setup):
     s = setup("", "", weight_probe_every=2)

@@ -12,6 +12,11 @@ from areal_core.api.component import Component
 STOP_REASONS = ("stop", "length", "abort")
 
 
+class ServerTimeout(TimeoutError):
+    """An inference server did not answer a call, or finish a phase of a weight update, within
+    ``rollout.request_timeout_s``: the message names the server, what was waited for, the wait and the fix. The
+    trainer ends the run with it as one paragraph, not a traceback."""
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 256

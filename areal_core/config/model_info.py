@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -19,6 +19,9 @@ class ModelInfo:
     hidden_size: int | None = None
     vocab_size: int | None = None
     num_experts: int | None = None
+    # The whole config.json, for a plugin's plan rules that judge what the fields above do not say (its
+    # activation, biases): read, never written.
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def is_moe(self) -> bool:
@@ -54,4 +57,5 @@ def read_model_info(path: str) -> ModelInfo | None:
         hidden_size=as_int("hidden_size"),
         vocab_size=as_int("vocab_size"),
         num_experts=experts,
+        raw=raw,
     )

@@ -87,6 +87,11 @@ class RolloutConfig:
                         "(1 to max_head_offpolicyness versions, adapted per batch; rollout/lead in the metrics); "
                         "false: always run up to the bound")
     request_timeout_s: float = spec(600.0, gt=0.0)
+    stall_warning_s: float = spec(60.0, ge=0.0, help="a server that has answered neither a call for this long nor "
+                                  "its health endpoint is logged once as stalled (the call still waits up to "
+                                  "request_timeout_s); 0 = never")
+    max_request_mb: float = spec(16.0, gt=0.0, help="the largest request body an inference server the run starts "
+                                 "takes, in MiB (larger: HTTP 413); where the engine can enforce it")
     dynamic_filtering: bool = spec(False, help="drop groups whose rewards are all equal and sample more in their place")
     max_filtered_in_a_row: int = spec(512, ge=0, help="stop the run when filtering (rollout.dynamic_filtering or "
                                       "the algorithm's own, e.g. dapo's dynamic_sampling) drops this many groups in a "

@@ -29,6 +29,7 @@ from areal_core.launch.supervisor import (
     split_threads,
 )
 from areal_core.rollout.elastic import EVENTS_FILE, LAUNCHER_DISCOVERY_ENV, write_discovery_file
+from areal_core.server_guard import ensure_run_token
 
 console = Console(stderr=True, highlight=False, markup=False, soft_wrap=True, emoji=False)
 
@@ -196,7 +197,7 @@ class ServerKeeper:
             if left > 0:
                 self.used += 1
                 number = self.used
-        what = f"{managed.name} (127.0.0.1:{port}) {describe_exit(managed.returncode)}"
+        what = f"{managed.name} (127.0.0.1:{port}) {describe_exit(managed.returncode, managed.oom_kills)}"
         if left <= 0:
             self.say(f"{what}; no restarts left (rollout.elastic.restarts={self.budget}), so the run goes on with "
                      f"the other inference servers; its log: {managed.log_path}")
@@ -272,12 +273,13 @@ class LocalLauncher(Launcher):
         run_dir = Path(run_dir)
         cfg = run.config
         actor = run.placement("actor")
+        ensure_run_token()  # before any process starts: servers and trainer ranks inherit it
         inference = InferenceServers(run)
         servers = inference.servers
         server_threads, rank_threads = thread_plan(len(servers), actor.world_size, cfg.rollout.max_head_offpolicyness)
         master_port = free_port()
-        restored_step = checkpoint_step(run_dir)
-        progress = MetricsTail(run_dir, cfg.trainer.total_steps, restored_step if resume else -1)
+        restored_step = checkpoint_step(run_dir, verified=False) if resume else -1
+        progress = MetricsTail(run_dir, cfg.trainer.total_steps, restored_step)
         try:
             with Supervisor(run_dir / "logs") as sup:
                 sup.install_signal_handlers()
@@ -328,18 +330,20 @@ def report_failure(message: str, run_dir: Path) -> int:
     console.print(f"areal run failed: {message}")
     saved = checkpoint_step(run_dir)
     if saved > 0:
-        console.print(f"The checkpoint of step {saved} is complete: continue from it with the same command and "
+        console.print(f"The checkpoint of step {saved} is complete and verifies: continue from it with the same command and "
                       f"--resume (areal run ... --resume)")
     return 1
 
 
-def checkpoint_step(run_dir: Path) -> int:
-    """The step of the run's latest complete checkpoint; 0 when there is none (or it cannot be read)."""
-    from areal_core.checkpoint import CheckpointStore
+def checkpoint_step(run_dir: Path, verified: bool = True) -> int:
+    """The step of the run's newest checkpoint that verifies against its manifest; 0 when there is none (or none
+    can be read): the step ``--resume`` continues from. ``verified=False``: of the newest complete one, without
+    reading its files (where the step only starts a progress bar: the trainer verifies before it loads)."""
+    from areal_core.checkpoint import CheckpointDamagedError, CheckpointStore
 
     store = CheckpointStore(run_dir / "checkpoints")
     try:
-        latest = store.latest()
-        return int(store.load_meta(latest)["step"]) if latest is not None else 0
-    except (OSError, ValueError, KeyError, TypeError):
+        found = store.resumable()[0] if verified else store.latest()
+        return int(store.load_meta(found)["step"]) if found is not None else 0
+    except (OSError, ValueError, KeyError, TypeError, CheckpointDamagedError):
         return 0

@@ -124,15 +124,58 @@ def rendezvous_env(rank: int, world_size: int, master_port: int, local_rank: int
     }
 
 
-def describe_exit(returncode: int) -> str:
-    """How a process ended, for messages: "exited with code 3", "was killed by signal 9 (SIGKILL) (...)"."""
+def oom_kill_count(root: str | os.PathLike[str] = "/sys/fs/cgroup") -> int | None:
+    """How many processes of this process's cgroup (and those below it) the kernel's out-of-memory killer has
+    killed, from the cgroup's own counter: ``oom_kill`` in ``memory.events`` (cgroup v2) or
+    ``memory.oom_control`` (v1). None where neither can be read (no cgroup file system, no memory controller)."""
+    root = Path(root)
+    candidates: list[Path] = []
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
+        path = path.lstrip("/")
+        if controllers == "":  # v2
+            candidates += [root / path / "memory.events", root / "memory.events"]
+        elif "memory" in controllers.split(","):  # v1
+            candidates += [root / "memory" / path / "memory.oom_control", root / "memory" / "memory.oom_control"]
+    for file in candidates:
+        try:
+            for line in file.read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill" and value.strip().isdigit():
+                    return int(value)
+        except OSError:
+            continue
+    return None
+
+
+def describe_exit(returncode: int, oom_kills: tuple[int | None, int | None] = (None, None)) -> str:
+    """How a process ended, for messages: "exited with code 3", "was killed by signal 9 (SIGKILL) (...)".
+
+    For SIGKILL, ``oom_kills`` (the cgroup's :func:`oom_kill_count` when the process started and when it ended)
+    tells the kernel's out-of-memory killer from a kill sent from outside; without both it says it cannot tell.
+    """
     if returncode >= 0:
         return f"exited with code {returncode}"
     try:
         name = signal.Signals(-returncode).name
     except ValueError:
         name = "an unknown signal"
-    hint = " (often the kernel's out-of-memory killer)" if returncode == -signal.SIGKILL else ""
+    hint = ""
+    if returncode == -signal.SIGKILL:
+        before, after = oom_kills
+        if before is not None and after is not None and after > before:
+            hint = (f" by the kernel's out-of-memory killer (this cgroup's oom_kill counter went from {before} to "
+                    f"{after} meanwhile): it ran out of memory")
+        elif before is not None and after is not None:
+            hint = (f" from outside the run: no process of this cgroup was killed for memory meanwhile (its "
+                    f"oom_kill counter stayed at {after})")
+        else:
+            hint = (" (sent by another process, or by the kernel's out-of-memory killer: this machine's cgroup "
+                    "counters, which would tell, cannot be read; the kernel log would say)")
     return f"was killed by signal {-returncode} ({name}){hint}"
 
 
@@ -158,10 +201,11 @@ class ProcessFailed(RuntimeError):
     """A supervised process exited unsuccessfully; the message names it, how it ended and its last log lines."""
 
     def __init__(
-        self, name: str, returncode: int, log_tail: list[str], log_path: Path | None = None, context: str = ""
+        self, name: str, returncode: int, log_tail: list[str], log_path: Path | None = None, context: str = "",
+        oom_kills: tuple[int | None, int | None] = (None, None),
     ) -> None:
         self.name, self.returncode, self.log_tail, self.log_path = name, returncode, log_tail, log_path
-        super().__init__(f"{name} {describe_exit(returncode)}{context}{format_tail(log_path, log_tail)}")
+        super().__init__(f"{name} {describe_exit(returncode, oom_kills)}{context}{format_tail(log_path, log_tail)}")
 
 
 class Shutdown(KeyboardInterrupt):
@@ -188,6 +232,8 @@ class Managed:
     def __init__(self, spec: ProcessSpec, popen: Popen, log_path: Path) -> None:
         self.name, self.spec, self.popen, self.log_path = spec.name, spec, popen, log_path
         self.returncode: int | None = None  # set by the exit watcher; negative: killed by that signal
+        # the cgroup's out-of-memory kill counter when it started and when it ended (the watcher reads it)
+        self.oom_kills: tuple[int | None, int | None] = (oom_kill_count(), None)
         self.exited = threading.Event()
         self.reaped = False
 
@@ -209,7 +255,7 @@ class Managed:
         return read_tail(self.log_path, n)
 
     def __repr__(self) -> str:
-        state = "running" if self.returncode is None else describe_exit(self.returncode)
+        state = "running" if self.returncode is None else describe_exit(self.returncode, self.oom_kills)
         return f"<Managed {self.name} pid={self.pid} {state}>"
 
 
@@ -226,6 +272,7 @@ def _watch_exit(managed: Managed, on_exit: Callable[[Managed], None]) -> None:
     else:
         managed.returncode = managed.popen.wait()
         managed.reaped = True
+    managed.oom_kills = (managed.oom_kills[0], oom_kill_count())
     on_exit(managed)
     managed.exited.set()
 
@@ -369,7 +416,8 @@ class Supervisor:
             self._changed.wait(poll_s)
 
     def _failure(self, managed: Managed, context: str = "") -> ProcessFailed:
-        return ProcessFailed(managed.name, managed.returncode, managed.tail(), managed.log_path, context)
+        return ProcessFailed(managed.name, managed.returncode, managed.tail(), managed.log_path, context,
+                             managed.oom_kills)
 
     # -- stopping ---------------------------------------------------------
 

@@ -20,7 +20,8 @@ import logging
 from concurrent.futures import Future
 from typing import Any, Awaitable, Callable
 
-from areal_core.api.inference import GenerationRequest, GenerationResponse, InferenceEngine, SamplingParams
+from areal_core.api.inference import (GenerationRequest, GenerationResponse, InferenceEngine, SamplingParams,
+                                      ServerTimeout)
 from areal_core.clock import REAL_CLOCK, Clock
 from areal_core.rollout.admission import Admission
 from areal_core.rollout.elastic import (DOWN, JOINING, ElasticConfig, EngineLost, EnginePool, HealthMonitor, Member,
@@ -150,8 +151,11 @@ class Fleet:
         except asyncio.TimeoutError:
             describe = getattr(member.engine, "describe", None)  # e.g. "embedded engine 0 at 127.0.0.1:port"
             server = f"inference server {member.name}" + (f" ({describe()})" if callable(describe) else "")
-            raise TimeoutError(f"{server}: {what} did not finish: waited "
-                               f"{self.request_timeout_s:g} s (rollout.request_timeout_s)") from None
+            log = getattr(member.engine, "log_path", None)
+            raise ServerTimeout(f"{server}: {what} did not finish: waited {self.request_timeout_s:g} s "
+                                f"(rollout.request_timeout_s); the server is stopped, swapping, stuck or overloaded. "
+                                f"Fix: see its log{f' ({log})' if log else ''}; if this phase can legitimately "
+                                f"take longer, raise rollout.request_timeout_s") from None
 
     async def swap(self, apply: Callable[[], Awaitable[Any]], version: int, probe: bool = False) -> float:
         """Pause, run ``apply()``, serve ``version``, resume; nothing else inside the pause. The seconds paused.

@@ -65,15 +65,46 @@ def _validated(config: str | None, overrides: list[str] | None, *, dry_run: bool
     return run, path
 
 
-def check(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
+ResumeOpt = Annotated[bool, typer.Option("--resume", help="continue the run in its folder from the last complete checkpoint")]
+CheckResumeOpt = Annotated[bool, typer.Option("--resume", help="also check that the run's folder can be resumed with "
+                                              "this config: the config matches and a checkpoint verifies against "
+                                              "its manifest (every file re-read)")]
+
+
+def check(config: ConfigArg = None, overrides: OverridesArg = None, resume: CheckResumeOpt = False) -> None:
     """Validate a run config and its placement; start nothing. Exit 0 when valid, 1 with every problem."""
     run, path = _validated(config, overrides)
     alloc = run.allocation
     console.print(f"{'the built-in demo' if path == str(DEMO_CONFIG) else path}: OK. allocation {alloc} "
                   f"({alloc.n_devices} accelerator(s), {sum(c.world_size for c in alloc.components)} process(es))")
+    if resume:
+        _check_resume(run)
 
 
-ResumeOpt = Annotated[bool, typer.Option("--resume", help="continue the run in its folder from the last complete checkpoint")]
+def _check_resume(run) -> None:
+    """What `areal run --resume` would continue from, verified as the trainer verifies it; exits 1 if nothing."""
+    from areal_core.checkpoint import CheckpointDamagedError, CheckpointStore
+
+    cfg = run.config
+    run_dir = Path(cfg.output_dir).expanduser() / cfg.experiment / cfg.trial
+    if not _decide(run_dir, run.resolved_dict(), True, quiet=True):
+        err.print(f"--resume: {run_dir} holds no completed step, so `areal run --resume` would start the run afresh "
+                  f"there.")
+        raise typer.Exit(1)
+    store = CheckpointStore(run_dir / "checkpoints")
+    try:
+        found, passed = store.resumable()
+    except CheckpointDamagedError as exc:
+        err.print(f"--resume: {exc}")
+        raise typer.Exit(1) from None
+    for note in passed:
+        console.print(f"--resume: {note}; `areal run --resume` would pass over it")
+    if found is None:
+        console.print(f"--resume: {run_dir} holds steps but no complete checkpoint yet, so `areal run --resume` "
+                      f"starts again from step 0 there")
+        return
+    console.print(f"--resume: {run_dir} resumes after step {store.load_meta(found)['step']} from {found} (every "
+                  f"file verified against its manifest)")
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="show what the launcher would do (e.g. the batch scripts it "
                                          "would submit) and start nothing; the same as launcher.dry_run=true")]
 DRY_RUN_KEY = "launcher.dry_run"
@@ -143,12 +174,16 @@ def run(config: ConfigArg = None, overrides: OverridesArg = None, resume: Resume
         if not resume:
             for leftover in (METRICS_FILE, SAMPLES_FILE):  # rows of a start that stopped before its first step
                 (run_dir / leftover).unlink(missing_ok=True)
-            write_resolved_config(resolved, run_dir / CONFIG_FILE)
+        # On resume the config can differ only where the run lives (_WHERE_NOT_WHAT): the trainer reads this file.
+        write_resolved_config(resolved, run_dir / CONFIG_FILE)
         code = launcher.launch(validated, run_dir, resume=resume)
     raise typer.Exit(code)
 
 
 CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, LOCK_FILE = "config.yaml", "metrics.jsonl", "samples.jsonl", "run.lock"
+# Keys (and key prefixes, ending in '.') that say where a run lives and reports, not what it trains: a run folder
+# moved or copied elsewhere, a Ray head or SLURM job of a new cluster, other trackers. They may change at --resume.
+_WHERE_NOT_WHAT = ("output_dir ", "experiment ", "trial ", "launcher.", "metrics.")
 
 
 def _decide(run_dir: Path, resolved: dict, resume: bool, *, quiet: bool = False) -> bool:
@@ -165,11 +200,17 @@ def _decide(run_dir: Path, resolved: dict, resume: bool, *, quiet: bool = False)
                 err.print(f"--resume: {run_dir} holds no completed step (its earlier start stopped before the first "
                           f"one), so there is nothing to resume from; starting the run afresh there.")
             return False
-        differences = _differences(_load_yaml(saved), resolved)
+        before = _load_yaml(saved)
+        differences = [d for d in _differences(before, resolved) if not d.startswith(_WHERE_NOT_WHAT)]
         if differences:
             err.print(f"--resume: the config differs from the one {run_dir} was started with, at: "
-                      f"{', '.join(differences)}. Fix: resume with the same config and overrides.")
+                      f"{', '.join(differences)}. Fix: resume with the same config and overrides (only where the "
+                      f"run lives and reports may change: output_dir, experiment, trial, launcher.*, metrics.*).")
             raise typer.Exit(1)
+        moved = _differences(before, resolved)
+        if moved and not quiet:
+            err.print(f"--resume: continuing with {', '.join(moved)}: where the run lives and reports, not what it "
+                      f"trains; {run_dir / CONFIG_FILE} is updated to say so.")
         return True
     if started:
         err.print(f"run folder {run_dir} already holds a run. Fix: continue it with --resume, choose another "

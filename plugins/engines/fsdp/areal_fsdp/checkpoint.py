@@ -4,7 +4,8 @@ A checkpoint folder holds ``model.safetensors`` + ``config.json`` (the
 master weights, loadable by transformers; with LoRA the frozen base weights
 and ``adapter/``, PEFT's adapter folder), ``optimizer/`` (a
 ``torch.distributed.checkpoint`` folder of the sharded AdamW state, written by
-every rank, reloadable at another world size) and ``engine_state.json``
+every rank, reloadable at another world size; its pickled index is read by
+:mod:`areal_fsdp.safe_dcp`, which builds nothing but DCP's own classes) and ``engine_state.json``
 (version, scheduler) written last: its presence marks a complete save.
 """
 
@@ -21,6 +22,7 @@ import torch
 
 from areal_core.engine_kit.hf_folder import read_hf_weights, write_hf_files, write_json_atomic
 from areal_fsdp.lora import module_names, read_adapter, write_adapter
+from areal_fsdp.safe_dcp import SafeFileSystemReader, refusal_in
 
 STATE_FILE = "engine_state.json"
 STATE_FORMAT = 1
@@ -104,7 +106,14 @@ class CheckpointMixin:
 
             box = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
             with _quiet_single_process_dcp():
-                dcp.load(box, checkpoint_id=str(folder / OPTIMIZER_DIR), no_dist=self.world == 1)
+                try:
+                    dcp.load(box, storage_reader=SafeFileSystemReader(str(folder / OPTIMIZER_DIR)),
+                             no_dist=self.world == 1)
+                except BaseException as exc:  # DCP's CheckpointException is no Exception
+                    refused = refusal_in(exc)
+                    if refused is not None:
+                        raise refused from None
+                    raise
             set_optimizer_state_dict(self.model, self.optimizer, box["optimizer"])
             self.scheduler.load_state_dict(meta["scheduler"])
         self._version = int(meta["version"]) if meta else 0

@@ -202,6 +202,40 @@ def test_save_train_load_restores_weights_version_and_optimizer(models, tmp_path
     e.close()
 
 
+class _Payload:
+    """Unpickled, it runs ``touch <path>``: what a checkpoint from someone else could carry."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_an_optimizer_index_carrying_code_is_refused_and_runs_nothing(models, tmp_path):
+    """DCP pickles its index (optimizer/.metadata) and reads it back with pickle.load; the engine reads it with an
+    unpickler that builds only DCP's own classes. The real index loads; one with a payload is refused."""
+    import pickle
+
+    from areal_fsdp.safe_dcp import UnsafeCheckpointError
+
+    e = engine(config(models["llama"], mb_max_tokens=16))
+    e.train_batch(make_batch(), nll)
+    e.save(str(tmp_path / "ckpt"))
+    e.load(str(tmp_path / "ckpt"))  # the index DCP wrote passes the restricted unpickler
+    marker = tmp_path / "pwned"
+    index = tmp_path / "ckpt" / "optimizer" / ".metadata"
+    real = index.read_bytes()
+    index.write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(UnsafeCheckpointError, match=r"names posix\.system, which a torch\.distributed\.checkpoint "
+                                                    r"index never holds; it is not loaded"):
+        e.load(str(tmp_path / "ckpt"))
+    assert not marker.exists()
+    assert pickle.loads(pickle.dumps(_Payload(marker))) == 0 and marker.exists()  # the payload is live
+    index.write_bytes(real)
+    e.close()
+
+
 def test_export_loads_in_transformers_and_by_name_into_a_live_model(models, tmp_path):
     e = engine(config(models["llama"]))
     e.train_batch(make_batch(), nll)

@@ -101,3 +101,12 @@ def test_context_x_tensor_parallel_still_needs_t_to_divide_the_heads():
     assert (problem.code, problem.key) == ("fsdp.tensor-heads", "allocation")
     assert "'fsdp:t16c2'" in problem.message and "32 attention heads" in problem.message
     assert problem.hint == "choose t from 1, 2, 4, 8, e.g. 'fsdp:t8c2'"
+
+
+def test_a_critic_with_tensor_parallel_is_refused_as_the_engine_would():
+    """FSDPEngine.initialize refuses it (NotImplementedError); the check says so before anything starts."""
+    (problem,) = validate("fsdp[actor]:d2@cpu+fsdp[critic]:t2@cpu")
+    assert problem.code == "fsdp.critic-tensor-parallel" and problem.key == "allocation"
+    assert "'fsdp[critic]:t2@cpu': a critic with tensor parallel (t2) is not built" in problem.message
+    assert problem.hint == "place the critic with data parallel only, e.g. 'fsdp[critic]:d2@cpu'"
+    assert validate("fsdp[actor]:t2+fsdp[critic]:d2") == []

@@ -47,7 +47,10 @@ class LocalEngine(RemoteEngine):
         argv = [sys.executable, "-m", "areal_local.server", "--model", _model_arg(config),
                 "--dtype", config.model.dtype, "--host", host, "--port", str(port),
                 "--max-batch", str(options.max_batch),
-                "--rebuild", "background" if options.rebuild_in_background else "foreground"]
+                "--rebuild", "background" if options.rebuild_in_background else "foreground",
+                "--max-request-mb", f"{config.rollout.max_request_mb:g}",
+                # weights load only from the run's folder (and this user's /dev/shm stages)
+                "--run-dir", str(Path(config.output_dir).expanduser().resolve() / config.experiment / config.trial)]
         return ServerProcess(argv, http_ready(port, host=host), f"the /health endpoint of embedded engine {index} "
                              f"on {host}:{port}", startup_timeout_s=options.startup_timeout_s)
 

@@ -58,9 +58,11 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from areal_core.api.inference import SamplingParams
+from areal_core.server_guard import DEFAULT_MAX_BODY_BYTES
 from areal_core.threads import serial_torch, torch_threads
 from areal_core.weight_check import PROBE_RID_PREFIX
 
@@ -325,6 +327,9 @@ class EngineLoop:
         pending.add_done_callback(answer)
 
     def _update(self, path: str, version: int, load: Any = None) -> None:
+        if version < self.version:  # checked here, on the engine thread, where loads are applied one at a time
+            raise ValueError(f"version {version} is older than version {self.version}, which this server serves; "
+                             f"a run's versions only grow")
         # The last digests begun read the weights this load replaces (their failure went to the asker); the digest
         # thread is one, so every digest begun before them has ended too.
         if self._digesting is not None:
@@ -378,13 +383,29 @@ def _torch_threads() -> int:
     return torch.get_num_threads()
 
 
-def build_app(engine: EngineLoop) -> Any:
+def build_app(engine: EngineLoop, *, token: str | None = None, host: str = "127.0.0.1",
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, load_roots: tuple[str, ...] = ()) -> Any:
+    """The server's routes behind :class:`areal_core.server_guard.RunGuard` (the run's secret, the bound host,
+    no request from a web page, bodies up to ``max_body_bytes``). With ``load_roots``, the weight routes load
+    only folders under one of them (the run folder) or the weight stages this user's trainer writes in /dev/shm."""
     from fastapi import FastAPI, HTTPException
     from pydantic import BaseModel, Field
 
+    from areal_core.server_guard import RunGuard
     from areal_local.generator import RequestError
 
     app = FastAPI(title="areal embedded inference engine")
+
+    from areal_local import shm
+
+    def loadable(path: str, version: int) -> None:
+        """Refuse (HTTP 400/403) a version below 0 and a folder outside the run's own places."""
+        if version < 0:
+            raise HTTPException(400, f"version {version} is negative; versions count weight updates from 0")
+        if load_roots and not may_load(path, load_roots):
+            raise HTTPException(403, f"{path} is neither under the run folder ({', '.join(load_roots)}) nor a "
+                                     f"weight stage of this user's trainer in {shm.stage_root()}; this server loads "
+                                     f"weights only from there")
 
     class Sampling(BaseModel):
         max_new_tokens: int = 256
@@ -444,6 +465,7 @@ def build_app(engine: EngineLoop) -> Any:
 
     @app.post("/update_weights_from_delta")
     async def update_delta(body: Delta) -> dict:
+        loadable(body.path, body.version)
         try:
             return await engine.call("delta", body.path, body.base_version, body.version, body.digest)
         except DeltaBaseError as exc:
@@ -453,12 +475,35 @@ def build_app(engine: EngineLoop) -> Any:
 
     @app.post("/update_weights_from_disk")
     async def update(body: Update) -> dict:
+        loadable(body.path, body.version)
         try:
             return await engine.call("update", body.path, body.version, body.adopt, body.digest)
         except (OSError, ValueError, KeyError) as exc:
             raise HTTPException(400, f"cannot load weights from {body.path}: {type(exc).__name__}: {exc}") from None
 
-    return app
+    return RunGuard(app, token=token, bound_host=host, max_body_bytes=max_body_bytes)
+
+
+def may_load(path: str, roots: tuple[str, ...]) -> bool:
+    """Whether ``path`` (links resolved) is under one of ``roots``, or is a weight stage or delta folder in the
+    shared-memory stage root (:mod:`areal_local.shm`'s names) owned by this server's user."""
+    import os
+
+    from areal_local import shm
+
+    try:
+        real = Path(path).resolve(strict=True)
+    except (OSError, RuntimeError):
+        return False
+    for root in roots:
+        with contextlib.suppress(OSError, RuntimeError):
+            if real.is_relative_to(Path(root).resolve(strict=True)):
+                return True
+    stages = shm.stage_root().resolve()
+    for part in [real, *real.parents]:
+        if part.parent == stages:
+            return part.name.startswith((shm.PREFIX, shm.DELTA_PREFIX)) and part.stat().st_uid == os.getuid()
+    return False
 
 
 def own_memory(model: Any) -> int:
@@ -511,6 +556,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--max-request-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20,
+                        help="the largest request body taken, in MiB (larger ones: HTTP 413)")
+    parser.add_argument("--run-dir", action="append", default=[],
+                        help="load weights only from under this folder (repeatable) or this user's /dev/shm stages")
     parser.add_argument("--rebuild", default="background", choices=["background", "foreground"],
                         help="when the packed copies of new weights are rebuilt: while generation resumes on the "
                              "weights themselves, or before it resumes")
@@ -550,8 +599,15 @@ def main(argv: list[str] | None = None) -> None:
     # Keep idle connections far longer than clients pool them (httpx: 5 s). With uvicorn's default of 5 s
     # both sides timed out together: the client reused a connection the server was closing, and a demo run
     # died with "ReadError" on /generate from a healthy server (a known httpx / uvicorn keep-alive race).
-    uvicorn.run(build_app(engine), host=args.host, port=args.port, log_level="warning",
-                timeout_keep_alive=KEEP_ALIVE_S)
+    from areal_core.server_guard import RUN_TOKEN_ENV, run_token
+
+    token = run_token()
+    if token is None:
+        log.warning("no %s in the environment: any local process may drive this server (areal run gives each "
+                    "run a secret; see docs/security.md)", RUN_TOKEN_ENV)
+    app = build_app(engine, token=token, host=args.host, max_body_bytes=int(args.max_request_mb * 2**20),
+                    load_roots=tuple(args.run_dir))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
 
 
 if __name__ == "__main__":

@@ -85,6 +85,11 @@ def _root() -> Path:
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 
 
+def stage_root() -> Path:
+    """Where the stages and delta folders of every process of this machine go (``/dev/shm`` where it exists)."""
+    return _root()
+
+
 def sweep_stale(root: Path | None = None) -> list[Path]:
     """Remove stage and delta folders whose owning process is gone; returns what was removed."""
     removed = []

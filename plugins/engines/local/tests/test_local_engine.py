@@ -27,17 +27,27 @@ class Server:
     """One embedded server for a test module: the launcher's own recipe, run by a Supervisor."""
 
     def __init__(self, root: Path) -> None:
-        self.model = tiny_model(root / "model", seed=0, max_position_embeddings=1024)
-        self.other = tiny_model(root / "other", seed=1, max_position_embeddings=1024)
+        self.run_dir = root / "runs" / "e" / "t"  # the server loads weights from its run folder only
+        self.model = tiny_model(self.run_dir / "model", seed=0, max_position_embeddings=1024)
+        self.other = tiny_model(self.run_dir / "other", seed=1, max_position_embeddings=1024)
         self.config = RunConfig()
         self.config.model.path, self.config.model.dtype = str(self.model), "float32"
         self.config.output_dir, self.config.experiment, self.config.trial = str(root / "runs"), "e", "t"
+        self.root = root
+        self.start()
+
+    def start(self) -> None:
         self.port = free_port()
         recipe = LocalEngine.server_process(Context(config=self.config, options=LocalEngineConfig(max_batch=8)),
                                             0, self.port)
-        self.supervisor = Supervisor(root / "runs" / "e" / "t" / "logs", term_timeout_s=5)
+        self.supervisor = Supervisor(self.root / "runs" / "e" / "t" / "logs", term_timeout_s=5)
         self.process = self.supervisor.start(ProcessSpec("rollout-0", recipe.argv, threads=2))
         self.supervisor.wait_ready(self.process, recipe.ready, 120, recipe.what)
+
+    def restart(self) -> None:
+        """A fresh server serving the first weights at version 0 (a server's versions only grow: none goes back)."""
+        self.close()
+        self.start()
 
     def engine(self) -> LocalEngine:
         return LocalEngine.create(Context(config=self.config, extras={"address": f"127.0.0.1:{self.port}",
@@ -119,7 +129,8 @@ async def until_generating(server, rid: str, task: asyncio.Task, timeout_s: floa
 @pytest.fixture(autouse=True)
 def restores(request):
     """After each test on the module's server, the server as the next test expects it, whatever this test left
-    (even a failure midway): resumed, serving the first weights at version 0, so no failure cascades."""
+    (even a failure midway): resumed, serving the first weights at version 0, so no failure cascades. A server
+    that moved on to another version is started afresh: versions only grow."""
     yield
     if "server" not in request.fixturenames:
         return
@@ -127,10 +138,13 @@ def restores(request):
 
     server = request.getfixturevalue("server")
     base = f"http://127.0.0.1:{server.port}"
-    httpx.post(f"{base}/resume", timeout=scaled(30)).raise_for_status()
-    if httpx.get(f"{base}/health", timeout=scaled(30)).json()["version"] != 0:
-        httpx.post(f"{base}/update_weights_from_disk", json={"path": str(server.model), "version": 0},
-                   timeout=scaled(120)).raise_for_status()
+    try:
+        httpx.post(f"{base}/resume", timeout=scaled(30)).raise_for_status()
+        fresh = httpx.get(f"{base}/health", timeout=scaled(30)).json()["version"] == 0
+    except httpx.HTTPError:
+        fresh = False  # a test that stopped the server
+    if not fresh:
+        server.restart()
 
 
 def test_pause_returns_partial_output_and_continuing_loses_no_token(server):
@@ -220,7 +234,7 @@ def test_bad_requests_get_clear_errors_and_do_not_disturb_others(server, prompt,
 
 
 def test_weights_that_do_not_fit_are_refused_and_the_engine_keeps_working(server, tmp_path):
-    wrong = tiny_model(tmp_path / "wrong", hidden_size=32, seed=3)
+    wrong = tiny_model(server.run_dir / "wrong", hidden_size=32, seed=3)
 
     async def body(engine):
         with pytest.raises(ValueError, match="cannot load weights from"):
@@ -264,6 +278,37 @@ def test_a_crashed_server_is_reported_with_its_own_log_lines(tmp_path):
     assert "embedded engine 0 at 127.0.0.1:" in message and "is unreachable" in message
     assert "has probably stopped" in message
     assert "last lines of its log:" in message and "areal_local.server" in message
+
+
+def test_a_stalled_server_is_logged_once_while_the_call_waits_and_again_when_it_answers(tmp_path, capsys):
+    """SIGSTOP (a server stopped, swapping, stuck in a kernel): past rollout.stall_warning_s with its health
+    endpoint silent too, one line says so, naming the server, the call and its log; SIGCONT: the call completes
+    and one line says the server answers again."""
+    stalled = Server(tmp_path)
+    stalled.config.rollout.stall_warning_s = 1.0
+    try:
+        async def body(engine):
+            os.killpg(stalled.process.pid, signal.SIGSTOP)
+            try:
+                call = asyncio.create_task(engine.agenerate(greedy(4)))
+                deadline = time.monotonic() + scaled(60)
+                while engine._stalled_since is None:  # the stall check has found it (and printed its line)
+                    assert time.monotonic() < deadline and not call.done(), "no stall was reported"
+                    await asyncio.sleep(0.1)
+            finally:
+                os.killpg(stalled.process.pid, signal.SIGCONT)
+            return await call
+
+        response = run(with_engine(stalled, body))
+    finally:
+        stalled.close()
+    out = capsys.readouterr().out
+    assert response.stop_reason in ("length", "stop") and len(response.output_ids) > 0
+    (line,) = [l for l in out.splitlines() if "looks stalled" in l]
+    assert line.startswith(f"areal: the embedded engine 0 at 127.0.0.1:{stalled.port} has not answered POST "
+                           f"/generate for ")
+    assert "nor its /health endpoint for 5 s" in line and "rollout.request_timeout_s = 600 s" in line
+    assert [l for l in out.splitlines() if "answers again" in l] != []
 
 
 def test_the_server_keeps_an_idle_connection_open_longer_than_clients_pool_it(server):

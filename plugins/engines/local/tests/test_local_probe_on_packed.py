@@ -41,7 +41,7 @@ def server(tmp_path_factory):
             *recipe.argv[recipe.argv.index("areal_local.server") + 1:]]
     process = supervisor.start(ProcessSpec("rollout-0", argv, threads=1))
     supervisor.wait_ready(process, recipe.ready, scaled(120), recipe.what)
-    yield config, port, tiny_model(root / "other", seed=1)
+    yield config, port, tiny_model(root / "runs" / "e" / "t" / "other", seed=1)  # in the run folder: loadable
     supervisor.stop_all()
 
 

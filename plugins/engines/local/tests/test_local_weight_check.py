@@ -2,7 +2,7 @@
 holds match the trainer's of what it sent after tensors through shared memory and a folder from disk, and with
 a loader bug (faulty_server_double.py: the real server, one tensor permuted or a bucket skipped on load, as a
 file the test writes says) it is caught at the first update, named with the tensors that differ, and leaves
-routing. One server for the module: with the file empty it is the real server unchanged."""
+routing. A server per test: with the file empty it is the real server unchanged."""
 
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ class Servers:
     """An embedded server whose loader does what ``fault_file`` says (nothing when it is empty), on a tiny model."""
 
     def __init__(self, root: Path) -> None:
-        self.model = tiny_model(root / "model", seed=0)
-        self.other = tiny_model(root / "other", seed=1)
+        run_dir = root / "runs" / "e" / "t"  # the server loads weights from its run folder only
+        self.model = tiny_model(run_dir / "model", seed=0)
+        self.other = tiny_model(run_dir / "other", seed=1)
         self.config = RunConfig()
         self.config.model.path, self.config.model.dtype = str(self.model), "float32"
         self.config.output_dir, self.config.experiment, self.config.trial = str(root / "runs"), "e", "t"
@@ -56,8 +57,9 @@ class Servers:
                                  weight_check_holds=holds).start()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def servers(tmp_path_factory):
+    """A server of its own for each test: each begins at version 0, and a server's versions only grow."""
     s = Servers(tmp_path_factory.mktemp("weight-check"))
     yield s
     s.supervisor.stop_all()

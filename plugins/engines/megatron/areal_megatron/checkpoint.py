@@ -187,14 +187,26 @@ class CheckpointMixin:
                                  f"p{self.pp} virtual pipeline {self.vpp} (the optimizer state is split that way); "
                                  f"resume at {was} or load with with_optimizer=False")
             if self.cpu:
-                self.optimizer.load_state_dict(torch.load(folder / OPTIMIZER_DIR / self._optimizer_file(""),
-                                                          weights_only=False))
+                self.optimizer.load_state_dict(_load_tensors(folder / OPTIMIZER_DIR / self._optimizer_file("")))
             else:
-                self.optimizer.load_state_dict(torch.load(folder / OPTIMIZER_DIR / self._optimizer_file("common"),
-                                                          weights_only=False))
+                self.optimizer.load_state_dict(_load_tensors(folder / OPTIMIZER_DIR / self._optimizer_file("common")))
                 self.optimizer.load_parameter_state(
                     str(folder / OPTIMIZER_DIR / self._optimizer_file("parameter_state")))
             self.schedule.step = int(meta["schedule_step"])
             self._apply_lr()
         self._version = int(meta["version"]) if meta else 0
         self._barrier()
+
+
+def _load_tensors(path: Path) -> Any:
+    """An optimizer state file, with ``torch.load(weights_only=True)``: tensors, numbers, strings and containers
+    only, so a checkpoint from someone else cannot run code at resume."""
+    import pickle
+
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"MegatronEngine.load: {path} holds more than tensors and plain values, so it is not loaded "
+                         f"(loading it could run code): {first[:300]}. Fix: resume only from checkpoints this "
+                         f"project wrote") from None

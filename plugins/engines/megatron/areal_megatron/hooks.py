@@ -31,9 +31,62 @@ def _rules(config: Any, comp: Component, model: ModelInfo | None) -> list[Proble
     # actor.virtual_pipeline_size configures the actor; other megatron
     # components (a ref model) keep the default of no virtual pipeline.
     if role_of(comp, "train") != "actor":
-        return _component_problems(comp, model, 1)
+        return [*_component_problems(comp, model, 1), _architecture_problem(model)]
     vpp, vpp_problems = _virtual_pipeline_size(config)
-    return [*vpp_problems, *_component_problems(comp, model, vpp)]
+    return [*vpp_problems, *_component_problems(comp, model, vpp), *_cpu_problems(config, comp),
+            _architecture_problem(model)]
+
+
+# What MegatronEngine.initialize refuses, judged here from the config and the model's config.json so that
+# `areal check` gives the verdict `areal run` would reach only after starting the trainer.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def _cpu_problems(config: Any, comp: Component) -> list[Problem | None]:
+    """The actor on CPU: float32 only (Megatron's CPU linear layers have no mixed precision), no recomputation
+    (it uses Megatron's CUDA RNG checkpointing)."""
+    if comp.device != "cpu":
+        return []
+    from areal_core.config.dtype import resolve_dtype
+
+    dtype = getattr(getattr(config, "model", None), "dtype", "auto")
+    problems: list[Problem | None] = []
+    if resolve_dtype(dtype) != "float32":
+        shown = dtype if dtype != "auto" else "auto (bfloat16 on this CPU, which has bf16 units)"
+        problems.append(Problem(
+            f"{BACKEND}.cpu-dtype",
+            f"'{comp}': model.dtype {shown} over the actor's float32 master weights needs mixed precision, which "
+            f"Megatron's CPU linear layers do not support (their backward mixes dtypes under autocast).",
+            "set model.dtype=float32 for megatron on CPU, place the actor on GPU, or use actor.backend=fsdp",
+            key="model.dtype"))
+    if getattr(getattr(config, "actor", None), "gradient_checkpointing", False):
+        problems.append(Problem(
+            f"{BACKEND}.cpu-recompute",
+            f"'{comp}': actor.gradient_checkpointing recomputes activations with Megatron's CUDA RNG checkpointing, "
+            f"which has no CPU path.",
+            "set actor.gradient_checkpointing=false on CPU, or place the actor on GPU",
+            key="actor.gradient_checkpointing"))
+    return problems
+
+
+def _architecture_problem(model: ModelInfo | None) -> Problem | None:
+    """The engine converts dense Llama and Qwen2 checkpoints (SwiGLU, no Llama biases, no Qwen2 sliding window)."""
+    if model is None or model.model_type is None:
+        return None  # not read yet (a hub name): the engine says so when it loads it
+    raw = model.raw or {}
+    why = None
+    if model.model_type not in ARCHITECTURES:
+        why = f"a {model.model_type} model; the megatron backend converts {', '.join(ARCHITECTURES)} only"
+    elif raw.get("hidden_act", "silu") != "silu":
+        why = f"hidden_act {raw['hidden_act']!r}, not silu (SwiGLU), which the conversion assumes"
+    elif model.model_type == "llama" and (raw.get("attention_bias") or raw.get("mlp_bias")):
+        why = "a Llama with attention_bias / mlp_bias, which the conversion does not carry"
+    elif model.model_type == "qwen2" and raw.get("use_sliding_window"):
+        why = "a Qwen2 with use_sliding_window, which the conversion does not carry"
+    if why is None:
+        return None
+    return Problem(f"{BACKEND}.architecture", f"model.path {model.path} holds {why}.",
+                   "use actor.backend=fsdp, which trains any causal LM transformers loads", key="model.path")
 
 
 def _virtual_pipeline_size(config: Any) -> tuple[int, list[Problem]]:

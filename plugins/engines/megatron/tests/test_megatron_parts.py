@@ -69,3 +69,37 @@ def test_cuda_device_reads_cpu_only_inside():
                      lambda: torch.zeros(1, device="cuda")):
             with pytest.raises((AssertionError, RuntimeError)):
                 call()
+
+
+# ---------------------------------------------------------------------- checkpoints: data, never code
+class _Payload:
+    """Unpickled, it runs ``touch <path>``: what a checkpoint from someone else could carry."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_optimizer_files_load_as_tensors_and_values_only(tmp_path):
+    from areal_megatron.checkpoint import _load_tensors
+
+    layer = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    layer(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    torch.save(optimizer.state_dict(), tmp_path / "tp0.pt")
+    loaded = _load_tensors(tmp_path / "tp0.pt")  # what the engine writes loads under weights_only
+    assert torch.equal(loaded["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+
+    marker = tmp_path / "pwned"
+    torch.save({"state": _Payload(marker)}, tmp_path / "evil.pt")
+    with pytest.raises(ValueError, match=r"evil\.pt holds more than tensors and plain values, so it is not loaded "
+                                         r"\(loading it could run code\)"):
+        _load_tensors(tmp_path / "evil.pt")
+    assert not marker.exists()
+    torch.load(tmp_path / "evil.pt", weights_only=False)  # the payload is live: what weights_only=False ran
+    assert marker.exists()

@@ -16,8 +16,9 @@ MOE = ModelInfo(
 )
 
 
-def config(vpp=None) -> RunConfig:
+def config(vpp=None, dtype="float32") -> RunConfig:
     cfg = RunConfig()
+    cfg.model.dtype = dtype  # what megatron builds on CPU (the CPU rules are tested below)
     if vpp is not None:
         cfg.actor.extra["virtual_pipeline_size"] = vpp
     return cfg
@@ -172,3 +173,32 @@ def test_core_rejects_undeclared_dimensions_and_accepts_all_five():
     assert problems == []
     problems = core_problems("gen:d1+megatron:d2+megatron:d2", *backends)
     assert codes(problems) == ["core.duplicate-role"]
+
+
+# ---------------------------------------------------------------------- what the engine refuses, named by the check
+def test_on_cpu_the_actor_needs_float32_and_no_recomputation():
+    bf16 = validate_plan(areal_validate_parallelism, "megatron:d1@cpu", DENSE, config(dtype="bfloat16"))
+    assert codes(bf16) == ["megatron.cpu-dtype"] and bf16[0].key == "model.dtype"
+    assert "set model.dtype=float32 for megatron on CPU" in bf16[0].hint
+    assert validate_plan(areal_validate_parallelism, "megatron:d1", DENSE, config(dtype="bfloat16")) == []  # GPU
+    assert validate_plan(areal_validate_parallelism, "megatron[ref]:d1@cpu", DENSE, config(dtype="bfloat16")) == []
+    cfg = config()
+    cfg.actor.gradient_checkpointing = True
+    (recompute,) = validate_plan(areal_validate_parallelism, "megatron:d1@cpu", DENSE, cfg)
+    assert recompute.code == "megatron.cpu-recompute" and recompute.key == "actor.gradient_checkpointing"
+    assert validate_plan(areal_validate_parallelism, "megatron:d1", DENSE, cfg) == []
+
+
+@pytest.mark.parametrize(("model_type", "raw", "says"), [
+    ("mistral", {}, "a mistral model; the megatron backend converts llama, qwen2 only"),
+    ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu', not silu"),
+    ("llama", {"attention_bias": True}, "a Llama with attention_bias / mlp_bias"),
+    ("qwen2", {"use_sliding_window": True}, "a Qwen2 with use_sliding_window"),
+])
+def test_architectures_the_conversion_does_not_carry_are_named(model_type, raw, says):
+    model = ModelInfo(path="m", model_type=model_type, num_attention_heads=32, num_key_value_heads=8,
+                      num_hidden_layers=24, raw={"model_type": model_type, **raw})
+    (problem,) = validate("megatron:d8", model)
+    assert problem.code == "megatron.architecture" and says in problem.message and problem.key == "model.path"
+    assert validate("megatron:d8", ModelInfo(path="m", model_type="qwen2", num_attention_heads=32,
+                                             num_key_value_heads=8, num_hidden_layers=24)) == []

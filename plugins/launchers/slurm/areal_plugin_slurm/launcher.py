@@ -73,8 +73,11 @@ class SlurmLauncher(Launcher):
         return self.context.options or SlurmConfig()
 
     def launch(self, run: Any, run_dir: Path, *, resume: bool = False) -> int:
+        from areal_core.server_guard import ensure_run_token
+
         options, paths = self.options, Paths(Path(run_dir).resolve())
         cfg = run.config
+        ensure_run_token()  # sbatch passes this process's environment on to the job (--export=ALL, its default)
         try:
             layout = layout_for(run, options)
         except LayoutError as exc:
@@ -137,8 +140,8 @@ class SlurmLauncher(Launcher):
                       f"  logs: {paths.logs}/ (the job's own: {paths.job_log(job).name}; each step task's: "
                       f"slurm-<step>-<task>.log; servers: rollout-<i>.log; train ranks: actor-rank<r>.log)\n"
                       f"  scripts: {paths.slurm}/; Ctrl-C here cancels the job (scancel {job})")
-        saved = checkpoint_step(paths.run_dir)
-        progress = MetricsTail(paths.run_dir, cfg.trainer.total_steps, saved if resume else -1)
+        saved = checkpoint_step(paths.run_dir, verified=False) if resume else -1
+        progress = MetricsTail(paths.run_dir, cfg.trainer.total_steps, saved)
         follower = Follower(paths, job, options, progress.say, progress.poll)
         try:
             how, status = follow(follower)

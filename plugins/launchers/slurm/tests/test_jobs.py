@@ -63,7 +63,8 @@ def test_a_failing_train_step_tears_the_job_down_and_is_quoted(doubles, standins
     assert f"last 30 lines of {run_dir}/logs/slurm-train-0.log" in out or \
            f"lines of {run_dir}/logs/slurm-train-0.log" in out
     assert "RuntimeError: injected failure in step 2 (AREAL_TEST_FAIL_AT_STEP)" in out
-    assert "The checkpoint of step 1 is complete: continue from it with the same command and --resume" in out
+    assert "The checkpoint of step 1 is complete and verifies: continue from it with the same command and " \
+           "--resume" in out
     assert json.loads((run_dir / "slurm" / "status.json").read_text())["state"] == "failed"
     assert "stopped (received SIGTERM)" in (run_dir / "logs" / "slurm-servers-0.log").read_text()
     assert not run_processes(run_dir)
