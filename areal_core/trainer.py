@@ -555,11 +555,13 @@ def main(argv: list[str] | None = None) -> int:
               f"stopped). Fix: see their logs; if a step can legitimately keep a rank away longer, raise "
               f"trainer.collective_timeout_s. ({str(exc).strip().splitlines()[-1][:300]})", file=sys.stderr)
         return 1
-    if world > 1:  # leave together, then close the group: no rank tears its connections down under another
+    if world > 1:  # leave together, then end without the finalization that aborted finished ranks (areal_core.exits)
         import torch.distributed as dist
 
+        from areal_core.exits import exit_now
+
         dist.barrier()
-        dist.destroy_process_group()
+        exit_now(0)
     return 0
 
 

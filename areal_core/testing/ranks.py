@@ -64,20 +64,17 @@ def rank_main(body: Callable[[dict], None], spec_path: str, timeout_s: float = 1
     (collectives give up after ``timeout_s``), ``body(spec)``, and the group destroyed whatever happens."""
     import torch.distributed as dist
 
+    from areal_core.exits import exit_now
+
     spec = json.loads(Path(spec_path).read_text())
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
     try:
         body(spec)
-        leave_together()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
-    return 0
-
-
-def leave_together() -> None:
-    """A barrier before the group is destroyed: no rank closes its connections while another still uses them.
-    Without it one rank of a 4-rank gloo test (fsdp c2t2) was seen to abort at exit after its work was done
-    (SIGABRT, "terminate called without an active exception"; once, in a plain run of the default suite)."""
-    import torch.distributed as dist
-
+        raise
+    # Done: leave together, then end without the interpreter's finalization, where gloo's threads were seen to
+    # abort the process after its work was done (areal_core.exits)
     dist.barrier()
+    exit_now(0)
+    return 0  # not reached

@@ -1,17 +1,24 @@
 """Runs inside the sandbox, as a script (``python -I _runner.py STAGE CONFIG_JSON``); stdlib only.
 
 Stage ``setup`` (namespaces mode: root of a fresh user, mount, network and
-pid namespace): join the pids cgroup, bind the sandbox folder onto itself,
-remount every other mount read-only, then re-exec as stage ``run`` inside a
-nested user namespace, which holds no capability over those mounts and so
-cannot make them writable again.
+pid namespace): join the pids cgroup, remount every mount read-only, then
+build the program's own file system and move into it: a small tmpfs as the
+new root holding read-only binds of what the interpreter needs (``/usr`` and
+its links, the Python installation, the dynamic linker's cache), ``/dev/null``,
+``/dev/zero``, ``/dev/urandom`` and ``/dev/random``, a fresh ``/proc`` of the
+new pid namespace (only the sandbox's processes), and ``/box``, a tmpfs of
+``disk_bytes`` holding ``main.py``: the only place it can write, and all it
+can write. ``pivot_root`` makes that the root and the host's root is
+detached, so no host file (root-owned or not) and no host process is
+visible. Then re-exec as stage ``run`` inside a nested user namespace, which
+holds no capability over those mounts and so cannot make them writable again.
 
 Stage ``run``: set the resource limits, install an audit hook that refuses
 sockets and writes outside the sandbox folder, tell the host on ``ready_fd``
 that the program starts (its wall clock starts then), and execute the program.
 The audit hook is a guard for honest mistakes and the fallback mode, not a
 security boundary (Python code can reach around it); the namespaces, the
-read-only mounts, the rlimits and the cgroup are the boundary.
+new root, the read-only mounts, the rlimits and the cgroup are the boundary.
 """
 
 import ctypes
@@ -24,37 +31,98 @@ import sys
 MARK = "areal-sandbox: blocked"
 
 
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
+# statvfs flags that a remount must keep (they are locked in a user namespace): statvfs bit -> mount flag
+LOCKED = {2: MS_NOSUID, 4: MS_NODEV, 8: MS_NOEXEC, 1024: 1024, 2048: 2048, 4096: 1 << 21}
+PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}  # the syscall's number; glibc has no wrapper
+DEVICES = ("null", "zero", "urandom", "random")
+
+
+def fail(what, errno_=None):
+    why = os.strerror(errno_) if errno_ else ""
+    sys.exit(f"areal-sandbox: setup failed: {what}{': ' + why if why else ''}")
+
+
 def setup(cfg):
     if cfg.get("cgroup"):
         with open(os.path.join(cfg["cgroup"], "cgroup.procs"), "w") as f:
             f.write("0")  # this process; every descendant is born inside
     libc = ctypes.CDLL(None, use_errno=True)
-    ms_rdonly, ms_remount, ms_bind, ms_rec = 1, 32, 4096, 16384
-    box = cfg["box"]
-    if libc.mount(box.encode(), box.encode(), None, ms_bind | ms_rec, None) != 0:
-        sys.exit(f"areal-sandbox: setup failed: bind {box}: {os.strerror(ctypes.get_errno())}")
-    # statvfs flags that a remount must keep (they are locked in a user namespace)
-    keep = {2: 2, 4: 4, 8: 8, 1024: 1024, 2048: 2048, 4096: 1 << 21}
+
+    def mount(source, target, fstype, flags, data=None):
+        if libc.mount(source and source.encode(), target.encode(), fstype and fstype.encode(), flags,
+                      data and data.encode()) != 0:
+            fail(f"mount {fstype or source} on {target}", ctypes.get_errno())
+
+    def read_only(point):
+        have = os.statvfs(point).f_flag
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
+        for st, ms in LOCKED.items():
+            if have & st:
+                flags |= ms
+        return libc.mount(b"none", point.encode(), None, flags, None) == 0
+
+    with open(os.path.join(cfg["box"], "main.py"), "rb") as f:
+        source = f.read()
+    with open(os.path.abspath(__file__), "rb") as f:
+        runner = f.read()
     mounts = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
             mounts.append(line.split()[4].encode().decode("unicode_escape"))
-    for point in mounts:
-        # /proc stays writable: the nested unshare writes its uid_map there (see docs/rewards.md)
-        if point == box or point.startswith(box + "/") or point == "/proc" or point.startswith("/proc/"):
+    for point in mounts:  # every host mount read-only first: the binds below inherit it
+        if point == "/proc" or point.startswith("/proc/"):
             continue
         try:
-            have = os.statvfs(point).f_flag
+            if not read_only(point) and point == "/":
+                fail("read-only /", ctypes.get_errno())
         except OSError:
             continue
-        flags = ms_remount | ms_bind | ms_rdonly
-        for st, ms in keep.items():
-            if have & st:
-                flags |= ms
-        if libc.mount(b"none", point.encode(), None, flags, None) != 0 and point == "/":
-            sys.exit(f"areal-sandbox: setup failed: read-only /: {os.strerror(ctypes.get_errno())}")
+
+    root = cfg["root"]
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=8m,mode=755")
+    for src in cfg["binds"]:
+        dst = root + src
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        if os.path.islink(src):  # /bin -> usr/bin: the same link, so paths resolve as on the host
+            os.symlink(os.readlink(src), dst)
+            continue
+        if os.path.isdir(src):
+            os.makedirs(dst, exist_ok=True)
+        elif os.path.exists(src):
+            open(dst, "w").close()
+        else:
+            continue
+        mount(src, dst, None, MS_BIND | MS_REC)
+        read_only(dst)  # already read-only by inheritance; said again for a mount made writable since
+    os.makedirs(root + "/dev")
+    for name in DEVICES:
+        open(root + "/dev/" + name, "w").close()
+        mount("/dev/" + name, root + "/dev/" + name, None, MS_BIND)
+    os.makedirs(root + "/proc")
+    mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # this pid namespace's processes only
+    os.makedirs(root + "/box")
+    mount("tmpfs", root + "/box", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['disk_bytes']},mode=777")
+    with open(root + "/box/main.py", "wb") as f:
+        f.write(source)
+    os.makedirs(root + "/.areal")
+    with open(root + "/.areal/_runner.py", "wb") as f:
+        f.write(runner)
+    os.makedirs(root + "/.old")
+    number = PIVOT_ROOT.get(os.uname().machine)
+    if number is None:
+        fail(f"pivot_root: no syscall number known for {os.uname().machine}")
+    if libc.syscall(number, root.encode(), (root + "/.old").encode()) != 0:
+        fail("pivot_root", ctypes.get_errno())
+    os.chdir("/")
+    if libc.umount2(b"/.old", 2) != 0:  # MNT_DETACH: the host's root is gone from this namespace
+        fail("detach the host's root", ctypes.get_errno())
+    os.rmdir("/.old")
+    if not read_only("/"):
+        fail("read-only new root", ctypes.get_errno())
+    cfg = {**cfg, "box": "/box"}
     os.execv(cfg["unshare"], [cfg["unshare"], "--user", "--map-root-user", "--",
-                              sys.executable, "-I", os.path.abspath(__file__), "run", json.dumps(cfg)])
+                              cfg["python"], "-I", "/.areal/_runner.py", "run", json.dumps(cfg)])
 
 
 def guard(box):

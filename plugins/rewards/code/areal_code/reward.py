@@ -41,6 +41,9 @@ class CodeConfig:
     memory_mb: int = spec(512, ge=64, help="address space per process (RLIMIT_AS)")
     max_processes: int = spec(32, ge=1, help="processes per run (pids cgroup, else RLIMIT_NPROC)")
     file_size_mb: int = spec(16, ge=1, help="largest file or output a run may write (RLIMIT_FSIZE)")
+    disk_mb: int = spec(64, ge=1, help="all a run may write, in its own folder (a tmpfs of this size; namespaces)")
+    allow_weak_isolation: bool = spec(False, help="where the machine gives no user namespaces, run the code with "
+                                      "rlimits and an audit hook only (no boundary) instead of refusing it")
     max_concurrent: int = spec(2, ge=1, help="sandboxes running at once for this reward")
 
 
@@ -50,8 +53,8 @@ class CodeReward(Reward):
     Returns ``{"reward", "passed", "total", "reason", "detail", "isolation"}``;
     ``reason`` is ``passed``, ``wrong_answer``, ``no_code``, ``no_tests``, or
     the sandbox's status of the first failing run (``error``, ``timeout``,
-    ``cpu_time``, ``memory``, ``process_limit``, ``file_size``, ``network``,
-    ``write_blocked``, ``sandbox_error``). Never raises on any completion.
+    ``cpu_time``, ``memory``, ``process_limit``, ``file_size``, ``disk_full``,
+    ``network``, ``write_blocked``, ``sandbox_error``). Never raises on any completion.
     """
 
     config_class = CodeConfig
@@ -60,7 +63,8 @@ class CodeReward(Reward):
         super().__init__(context)
         o = self.options = self.context.options or CodeConfig()
         self.limits = Limits(cpu_s=o.cpu_s, wall_s=o.wall_s, memory_mb=o.memory_mb,
-                             max_processes=o.max_processes, file_size_mb=o.file_size_mb)
+                             max_processes=o.max_processes, file_size_mb=o.file_size_mb, disk_mb=o.disk_mb,
+                             allow_weak_isolation=o.allow_weak_isolation)
         self._slots = threading.BoundedSemaphore(o.max_concurrent)
 
     def _runs(self, code: str, item: Any) -> list[tuple[str, str, str | None]]:

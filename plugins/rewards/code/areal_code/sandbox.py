@@ -3,7 +3,10 @@
 Layers, each used where this machine allows it (:func:`isolation` says which):
 
 - namespaces (``unshare``: user, mount, network, pid): no network device but
-  a down loopback; every mount read-only except the sandbox folder; killing
+  a down loopback; a root of its own (``pivot_root`` into a tmpfs holding
+  read-only binds of ``/usr`` and the Python installation, four devices, a
+  ``/proc`` of its own pid namespace, and ``/box``: a tmpfs of ``disk_mb``,
+  the only writable place), so no host file or process is visible; killing
   the namespace's first process kills every process in it, even ones that
   left the process group.
 - a pids cgroup (v1 ``pids`` hierarchy or a writable v2 cgroup with the
@@ -66,11 +69,13 @@ class Limits:
     memory_mb: int = 512
     max_processes: int = 32
     file_size_mb: int = 16
+    disk_mb: int = 64  # all a run may write (its /box tmpfs; namespaces mode)
+    allow_weak_isolation: bool = False  # run without namespaces (rlimits and the audit hook only: no boundary)
 
 
 @dataclass(frozen=True)
 class Outcome:
-    status: str  # ok | error | timeout | cpu_time | memory | process_limit | file_size | network | write_blocked | sandbox_error
+    status: str  # ok | error | timeout | cpu_time | memory | process_limit | file_size | disk_full | network | write_blocked | sandbox_error
     returncode: int | None
     stdout: str
     stderr: str
@@ -268,16 +273,41 @@ def _status(returncode: int | None, stderr: str, timed_out: bool, forks_refused:
         return "cpu_time"
     if returncode == -signal.SIGXFSZ or "File too large" in stderr:
         return "file_size"
+    if "No space left on device" in stderr:
+        return "disk_full"
     if "Read-only file system" in stderr:
         return "write_blocked"
     return "ok" if returncode == 0 else "error"
 
 
+WEAK = ("this machine gives no unprivileged user, mount, network and pid namespaces (`unshare --user "
+        "--map-root-user --mount --net --pid` fails), so untrusted code would run with rlimits and an audit hook "
+        "only, which Python code can reach around; it is not run. Fix: run where unprivileged user namespaces are "
+        "enabled (sysctl kernel.unprivileged_userns_clone=1; a container runtime that allows them), or set "
+        "reward.allow_weak_isolation=true to accept the weaker guard")
+
+
+def root_binds() -> list[str]:
+    """What the sandbox's own root shows of the host, read-only: the system's programs and libraries (and the
+    links to them at the top level), the dynamic linker's cache, and this interpreter's installation."""
+    binds = ["/usr", "/etc/ld.so.cache", "/etc/alternatives"]
+    binds += [f"/{name}" for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+              if os.path.lexists(f"/{name}")]
+    for prefix in {sys.base_prefix, os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))}:
+        if not any(prefix == b or prefix.startswith(b + "/") for b in binds):
+            binds.append(prefix)
+    return binds
+
+
 def run_python(source: str, stdin: str = "", limits: Limits = Limits(), max_output: int = 1 << 20) -> Outcome:
     """Run ``source`` as ``main.py`` with ``stdin`` under ``limits``; never raises for what the code does."""
+    mode = isolation()
+    if mode != "namespaces" and not limits.allow_weak_isolation:
+        return Outcome("sandbox_error", None, "", f"areal-sandbox: {WEAK}", 0.0)
     work = Path(tempfile.mkdtemp(prefix="areal-sandbox-"))
     box = work / "box"
     box.mkdir()
+    (work / "root").mkdir()
     (box / "main.py").write_text(source)
     cgroup: Path | None = None
     root = pids_cgroup_root()
@@ -288,10 +318,10 @@ def run_python(source: str, stdin: str = "", limits: Limits = Limits(), max_outp
             (cgroup / "pids.max").write_text(str(limits.max_processes))
         except OSError:
             cgroup = None
-    mode = isolation()
     cfg = {"box": str(box), "cpu_s": limits.cpu_s, "memory_bytes": limits.memory_mb << 20,
            "file_bytes": limits.file_size_mb << 20, "cgroup": str(cgroup) if cgroup else "",
-           "unshare": shutil.which("unshare") or ""}
+           "unshare": shutil.which("unshare") or "", "root": str(work / "root"), "binds": root_binds(),
+           "python": os.path.realpath(sys.executable), "disk_bytes": limits.disk_mb << 20}
     # the run stage writes one byte here just before the program's first line, and closes it: the wall clock's start
     ready, cfg["ready_fd"] = os.pipe()
     if cgroup is None:
@@ -307,7 +337,8 @@ def run_python(source: str, stdin: str = "", limits: Limits = Limits(), max_outp
                    RUNNER, str(cgroup), json.dumps(cfg)]
         else:
             cmd = [sys.executable, "-I", *RUNNER_ARGV, "run", json.dumps(cfg)]
-    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(box), "TMPDIR": str(box)}
+    seen = "/box" if mode == "namespaces" else str(box)  # the folder as the program sees it
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": seen, "TMPDIR": seen}
     start = time.monotonic()
     stopped, clock = None, _Clock(start)
     # Output goes to files, not pipes: RLIMIT_FSIZE then bounds it, and a flood cannot fill our memory.

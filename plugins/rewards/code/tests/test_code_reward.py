@@ -182,10 +182,12 @@ def test_writes_outside_the_folder_are_refused(host_check, tmp_path):
 
 @pytest.mark.skipif(isolation() != "namespaces", reason="needs user + mount namespaces")
 def test_writes_around_the_audit_hook_hit_a_read_only_filesystem(host_check, tmp_path):
+    # a shell has no audit hook: the host's folder does not exist in the sandbox, and what does is read-only
     target = tmp_path / "escaped.txt"
-    result = attack(f"import os\nos.system('echo x > {target}')\nprint('done')")
+    result = attack(f"import os\nos.system('echo x > {target}; echo x > /usr/escaped.txt; echo x > /escaped.txt')"
+                    f"\nprint('done')")
     assert (result["reward"], result["reason"]) == (0.0, "write_blocked"), f"{result}"
-    assert not target.exists()
+    assert not target.exists() and not Path("/usr/escaped.txt").exists() and not Path("/escaped.txt").exists()
 
 
 def test_writing_a_file_past_the_size_limit_is_stopped(host_check):
@@ -230,6 +232,62 @@ def test_concurrent_calls_are_bounded_by_max_concurrent(host_check, monkeypatch)
         for t in threads:
             t.join(scaled(60))
         assert peak == bound, f"max_concurrent={bound} but {peak} sandboxes ran at once"
+
+
+@pytest.mark.skipif(isolation() != "namespaces", reason="needs user + mount namespaces")
+def test_no_host_file_is_visible_not_even_one_only_its_owner_may_read(host_check, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("hunter2-host-secret")
+    secret.chmod(0o600)  # root's own file when the trainer runs as root: readable to a namespace root before
+    code = (f"import os\nfor path in [{str(secret)!r}, '/etc/shadow', '/etc/passwd', {str(Path(__file__).parent)!r}]:\n"
+            f"    try:\n        print(open(path).read() if os.path.isfile(path) else os.listdir(path))\n"
+            f"    except OSError as e:\n        print(type(e).__name__)\n")
+    result = attack(code, {"tests": [{"input": "", "output": "FileNotFoundError\n" * 4}]})
+    assert result["reward"] == 1.0, result  # none of them exists for the program
+    assert "hunter2" not in str(result)
+    # the host's home folder shows at most the way to the interpreter's installation (bound read-only)
+    import sys
+
+    home, prefix = Path.home(), Path(sys.base_prefix)
+    allowed = sorted(prefix.relative_to(home).parts[:1]) if prefix.is_relative_to(home) else []
+    listing = attack(f"import os\nh = {str(home)!r}\nprint(sorted(os.listdir(h)) if os.path.isdir(h) else [])",
+                     {"tests": [{"input": "", "output": repr(allowed)}]})
+    assert listing["reward"] == 1.0, listing
+
+
+@pytest.mark.skipif(isolation() != "namespaces", reason="needs user + pid namespaces")
+def test_proc_shows_the_sandboxs_processes_only(host_check):
+    code = ("import os\npids = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())\n"
+            "print(len(pids) <= 3, os.getpid() in pids, open('/proc/1/cmdline').read().count('_runner.py'))")
+    result = attack(code, {"tests": [{"input": "", "output": "True True 1"}]})
+    assert result["reward"] == 1.0, result  # the host's init and processes are not listed
+
+
+@pytest.mark.skipif(isolation() != "namespaces", reason="needs user + mount namespaces")
+def test_all_a_run_writes_is_capped_not_only_each_file(host_check):
+    free = os.statvfs(tempfile.gettempdir())
+    code = ("for i in range(40):\n    with open(f'part{i}.bin', 'wb') as f:\n        f.write(b'x' * (1 << 20))\n"
+            "print('done')")
+    result = attack(code, disk_mb=8, file_size_mb=2)  # 40 files of 1 MiB: each under the file limit
+    assert (result["reward"], result["reason"]) == (0.0, "disk_full"), result
+    assert "No space left on device" in result["detail"]
+    after = os.statvfs(tempfile.gettempdir())
+    assert (free.f_bavail - after.f_bavail) * after.f_frsize < 4 << 20  # nothing of it landed on the host's disk
+    assert attack(code, disk_mb=64, file_size_mb=2)["reward"] == 1.0  # the same program with room passes
+
+
+def test_without_namespaces_untrusted_code_is_refused_unless_allowed(host_check, monkeypatch):
+    import areal_code.reward as reward_module
+    import areal_code.sandbox as sandbox_module
+
+    monkeypatch.setattr(sandbox_module, "isolation", lambda: "rlimits")
+    monkeypatch.setattr(reward_module, "isolation", lambda: "rlimits")
+    refused = attack("print('done')")
+    assert (refused["reward"], refused["reason"]) == (0.0, "sandbox_error"), refused
+    assert "so untrusted code would run with rlimits and an audit hook only" in refused["detail"]
+    assert "reward.allow_weak_isolation=true" in refused["detail"]
+    allowed = attack("print('done')", allow_weak_isolation=True)
+    assert allowed["reward"] == 1.0 and allowed["isolation"] == "rlimits", allowed
 
 
 def test_writes_inside_the_folder_work_and_are_removed(host_check):
