@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
@@ -217,10 +217,15 @@ class Fuzz:
             f"{type(result.exception).__name__}: {result.exception}\n{described}")
         assert _tree(self.work) == before, f"check wrote on disk\n{described}"
         assert "Traceback" not in result.output, described
+        resumes = "--resume" in args[1:]
+        if resumes and ": OK. allocation " in result.output:  # valid, then whether the run's folder resumes
+            said = [line for line in result.output.splitlines() if line.startswith("--resume: ")]
+            assert result.exit_code in (0, 1) and said, described
+            return
         if result.exit_code == 0:
             assert result.output.endswith("process(es))\n") and ": OK. allocation " in result.output, described
             return
-        if result.exit_code == 2:  # an option typer does not know ("--resume" on check, "-x"): its usage error
+        if result.exit_code == 2:  # an option typer does not know ("--dry-run" on check, "-x"): its usage error
             assert any(arg.startswith("-") for arg in args[1:]) and "No such option" in result.output, described
             return
         assert result.exit_code == 1, described
@@ -238,6 +243,7 @@ def _fuzz(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, examples: int) -> Fuz
     @settings(max_examples=examples, deadline=None, database=None, print_blob=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
     @given(case=CASES)
+    @example(case={"file": None, "overrides": ["--resume"]})  # found by a suite run: a valid demo, no run to resume
     def one(case):
         fuzz.check(case)
 
@@ -247,7 +253,7 @@ def _fuzz(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, examples: int) -> Fuz
 
 def test_check_answers_random_input_with_its_own_problems(tmp_path, monkeypatch):
     n = int(os.environ.get("AREAL_FUZZ_EXAMPLES", 200))  # more for a longer local hunt
-    assert _fuzz(tmp_path, monkeypatch, n).cases >= n
+    assert _fuzz(tmp_path, monkeypatch, n).cases >= n + 1  # the explicit example, then n drawn
 
 
 @pytest.mark.slow
