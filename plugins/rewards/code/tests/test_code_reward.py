@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import subprocess
 import tempfile
@@ -144,10 +145,17 @@ def test_infinite_loop_is_stopped_by_the_cpu_limit(host_check):
 def test_sleeping_forever_is_stopped_by_the_wall_clock(host_check):
     start = time.monotonic()
     result = attack("import time\nwhile True:\n    time.sleep(1)", wall_s=1.0)
+    took = time.monotonic() - start
     assert (result["reward"], result["reason"]) == (0.0, "timeout"), result
-    assert time.monotonic() - start < 1.0 + scaled(4)
     # the detail says how long it ran and how much of that was not counted, so a user can tell load from a hang
-    assert "stopped after" in result["detail"] and "wall_s is 1.0" in result["detail"], result["detail"]
+    said = re.search(r"stopped after ([\d.]+) s, of which ([\d.]+) s of the sandbox's setup and ([\d.]+) s waiting "
+                     r"for a CPU were not counted; wall_s is 1\.0", result["detail"])
+    assert said, result["detail"]
+    seconds, setup_s, cpu_wait_s = map(float, said.groups())
+    # the sandbox's own part is bounded; its setup (bounded apart) and the CPU a loaded machine kept from it are not
+    # (a loaded suite run took 7.4 s here in all)
+    assert seconds - setup_s - cpu_wait_s < 1.0 + scaled(4), result["detail"]
+    assert took < seconds + scaled(4)  # and the reward added little around the sandbox
 
 
 def test_socket_cannot_reach_the_host(host_check):
