@@ -66,14 +66,14 @@ def _is_model_folder(folder: Path) -> bool:
     return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
 
 
-def _checkpoint(folder: Path, given: str) -> Target:
+def _checkpoint(folder: Path, given: str, verified: bool = False) -> Target:
     actor = folder / "actor"
     if not _is_model_folder(actor):
         raise EvalError(f"{ARG} {given!r} is a checkpoint folder, but its actor/ holds no Hugging Face model "
                         f"(config.json + *.safetensors): it was written by a train engine that saves another "
                         f"format. Fix: evaluate a checkpoint of a train engine that writes Hugging Face folders "
                         f"(fsdp, megatron), or convert actor/ into one and pass that folder")
-    problems = verify(folder)
+    problems = [] if verified else verify(folder)  # a run folder's checkpoint was verified choosing it
     if problems:
         raise EvalError(f"{ARG} {given!r}: the checkpoint {folder} does not verify against its manifest, so it is "
                         f"not loaded: {'; '.join(problems[:3])}. Fix: restore it from a copy, or evaluate another "
@@ -103,7 +103,7 @@ def resolve_target(given: str) -> Target:
             except CheckpointDamagedError as exc:
                 raise EvalError(f"{ARG} {given!r}: {exc}") from None
             if latest is not None:
-                return _checkpoint(latest, given)
+                return _checkpoint(latest, given, verified=True)
         if (path / "config.yaml").is_file():
             raise EvalError(f"{ARG} {given!r} is a run folder without a complete checkpoint (none under "
                             f"{path / 'checkpoints'}), so there is no trained model to evaluate. Fix: let the run "

@@ -61,7 +61,8 @@ def run_worker_ranks(worker: str | os.PathLike[str], spec: dict, folder: Path, w
 
 def rank_main(body: Callable[[dict], None], spec_path: str, timeout_s: float = 120) -> int:
     """A worker script's ``main``: the spec from ``spec_path``, a gloo process group from torchrun's variables
-    (collectives give up after ``timeout_s``), ``body(spec)``, and the group destroyed whatever happens."""
+    (collectives give up after ``timeout_s``), ``body(spec)``; on a failure the group is destroyed and the
+    error raised, on success the ranks pass a barrier and the process ends with :func:`areal_core.exits.exit_now`."""
     import torch.distributed as dist
 
     from areal_core.exits import exit_now

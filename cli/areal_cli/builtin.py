@@ -200,14 +200,13 @@ def _decide(run_dir: Path, resolved: dict, resume: bool, *, quiet: bool = False)
                 err.print(f"--resume: {run_dir} holds no completed step (its earlier start stopped before the first "
                           f"one), so there is nothing to resume from; starting the run afresh there.")
             return False
-        before = _load_yaml(saved)
-        differences = [d for d in _differences(before, resolved) if not d.startswith(_WHERE_NOT_WHAT)]
+        moved = _differences(_load_yaml(saved), resolved)
+        differences = [d for d in moved if not d.startswith(_WHERE_NOT_WHAT)]
         if differences:
             err.print(f"--resume: the config differs from the one {run_dir} was started with, at: "
                       f"{', '.join(differences)}. Fix: resume with the same config and overrides (only where the "
                       f"run lives and reports may change: output_dir, experiment, trial, launcher.*, metrics.*).")
             raise typer.Exit(1)
-        moved = _differences(before, resolved)
         if moved and not quiet:
             err.print(f"--resume: continuing with {', '.join(moved)}: where the run lives and reports, not what it "
                       f"trains; {run_dir / CONFIG_FILE} is updated to say so.")

@@ -45,13 +45,13 @@ from typing import Any
 
 from areal_core.api import Launcher
 from areal_core.launch.local import MetricsTail, checkpoint_step, console, report_failure
-from areal_core.server_guard import RUN_TOKEN_ENV, ensure_run_token
 from areal_core.launch.nodes import (
     NODE_ADDRESS_ENV, NODE_ENV, StorageReport, check_plugin_sets, installed_plugins, raise_storage_problems,
     remove_storage_tokens, trainer_argv, trainer_env,
 )
 from areal_core.launch.supervisor import Shutdown, describe_exit, format_tail, read_tail
 from areal_core.rollout.elastic import LAUNCHER_DISCOVERY_ENV, write_discovery_file
+from areal_core.server_guard import RUN_TOKEN_ENV, ensure_run_token
 from areal_plugin_ray.placement import Plan, Slot, local_ranks, plan
 
 STRATEGIES = ["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
@@ -120,7 +120,8 @@ class RayLauncher(Launcher):
         options = self.context.options or RayLauncherConfig()
         run_dir = Path(run_dir).resolve()
         cfg = run.config
-        progress = MetricsTail(run_dir, cfg.trainer.total_steps, checkpoint_step(run_dir, verified=False) if resume else -1)
+        restored = checkpoint_step(run_dir, verified=False) if resume else -1
+        progress = MetricsTail(run_dir, cfg.trainer.total_steps, restored)
         previous = {s: signal.signal(s, _raise_shutdown) for s in (signal.SIGTERM, signal.SIGHUP)}
         session = RaySession(run, run_dir, options, progress)
         try:
@@ -357,10 +358,10 @@ class RaySession:
         import ray
 
         try:
-            code = ray.get(ref)
+            code, oom_kills = ray.get(ref)
         except _lost_actor_errors() as exc:
             return None, f"was lost: its Ray actor {_how_lost(exc)} ({_first_line(exc)})"
-        return code, describe_exit(code)
+        return code, describe_exit(code, tuple(oom_kills))
 
     def _log_tail(self, name: str, n: int = 15) -> str:
         path = self.run_dir / "logs" / f"{name}.log"

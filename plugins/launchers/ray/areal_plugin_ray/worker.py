@@ -75,11 +75,12 @@ class NodeProcess:
         self.managed = self.sup.start(ProcessSpec(self.name, argv, env=env, threads=threads))
         return self.managed.pid
 
-    def wait(self) -> int:
-        """Block until the process ends; its exit status (negative: killed by that signal)."""
+    def wait(self) -> tuple[int, tuple[int | None, int | None]]:
+        """Block until the process ends; its exit status (negative: killed by that signal) and its node's
+        out-of-memory kill counter when it started and ended (``describe_exit`` tells a kill from outside by it)."""
         assert self.managed is not None, f"{self.name} was never started"
         self.managed.exited.wait()
-        return self.managed.poll()
+        return self.managed.poll(), self.managed.oom_kills
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after the supervisor's grace, everything this actor started."""
