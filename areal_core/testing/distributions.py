@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["install_fake_distribution"]
+__all__ = ["install_fake_distribution", "interpreter_with"]
 
 
 def _dist_info_name(name: str, version: str) -> str:
@@ -105,3 +105,22 @@ def install_fake_distribution(
         sys.path_importer_cache.pop(entry, None)
         shutil.rmtree(info, ignore_errors=True)  # uninstalled, even if the folder is on sys.path again
         _forget_caches()
+
+
+def interpreter_with(folder: Path | str, module: str, version: str, distribution: str | None = None) -> Path:
+    """A STAND-IN interpreter (a shell script running this Python) on whose path distribution ``distribution``
+    (default ``module``) ``version`` provides the empty top-level package ``module``: for checks that ask a
+    server's interpreter what it has (``areal_core.remote.server_python_problem``) without installing the real
+    package. Returns the script's path."""
+    folder = Path(folder)
+    site = folder / "site"
+    (site / module).mkdir(parents=True, exist_ok=True)
+    (site / module / "__init__.py").write_text(f"# a stand-in of {module} {version} for tests\n")
+    info = site / _dist_info_name(distribution or module, version)
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution or module}\nVersion: {version}\n")
+    (info / "top_level.txt").write_text(f"{module}\n")
+    script = folder / "python"
+    script.write_text(f'#!/bin/sh\nPYTHONPATH="{site}" exec "{sys.executable}" "$@"\n')
+    script.chmod(0o755)
+    return script

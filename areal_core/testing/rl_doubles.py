@@ -310,6 +310,23 @@ def installed(folder: Path) -> Iterator[tuple[Path, dict[str, str]]]:
         yield config, {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
 
 
+def areal_command(command: str, folder: Path, overrides: list[str], timeout_s: float = 120) -> Any:
+    """``areal COMMAND`` (``check``, ``run``) of :data:`CONFIG` with the doubles installed, output under
+    ``folder/runs``, trial ``refused``, then ``overrides``: for tests that a refusal is the same through both.
+    Returns the finished process (stdout and stderr together in ``stdout``); waits at most ``timeout_s``
+    (:func:`~areal_core.testing.scaled`)."""
+    import subprocess
+    import sys
+
+    from areal_core.testing.waits import scaled
+
+    areal = str(Path(sys.executable).with_name("areal"))
+    with installed(folder) as (config, env):
+        return subprocess.run([areal, command, str(config), f"output_dir={folder / 'runs'}", "trial=refused",
+                               *overrides], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=scaled(timeout_s))
+
+
 def areal_run(folder: Path, trial: str, overrides: list[str], timeout_s: float = 600) -> tuple[Any, Path]:
     """``areal run`` of :data:`CONFIG` with the doubles installed (:func:`installed`), output under
     ``folder/runs``, then ``overrides`` (``key=value``: the real engines or algorithm a test puts in place of

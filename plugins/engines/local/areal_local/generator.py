@@ -66,6 +66,7 @@ import torch
 
 from areal_core.api.inference import SamplingParams
 from areal_local.cache import SlotCache
+from areal_local.hooks import LAYER_TYPES, unsupported_layer_types
 from areal_local.lean_decode import SUPPORTED_MODEL_TYPES, LeanDecoder
 from areal_local.lean_decode import supports as lean_supports
 from areal_local.packed import PackedLinears, packing_available
@@ -75,7 +76,6 @@ from areal_local.sampling import sample
 __all__ = ["Finished", "Generator", "RequestError"]
 
 _SUPPORTED_ATTENTION = ("sdpa", "eager")
-_SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # A prompt prefix shared by the joiners is run once (Generator._shared_prefix) when it is at least this
 # long and saves at least this many tokens of prefill in all.
@@ -147,11 +147,11 @@ class Generator:
                 f"{' or '.join(_SUPPORTED_ATTENTION)} (load the model with attn_implementation='sdpa')"
             )
         layer_types = list(getattr(config, "layer_types", None) or [])
-        unknown = sorted(set(layer_types) - set(_SUPPORTED_LAYER_TYPES))
-        if unknown:
+        unknown = unsupported_layer_types(layer_types)
+        if unknown:  # judged from config.json by the plan rule too (areal_local.hooks): areal check says it first
             raise ValueError(
                 f"Generator: {type(model).__name__} has layer types {unknown}; the generator handles "
-                f"{', '.join(_SUPPORTED_LAYER_TYPES)} only"
+                f"{' and '.join(LAYER_TYPES)} layers only"
             )
         self.model = model.eval()
         if packed_linears is None:

@@ -22,7 +22,7 @@ def test_declaration():
 def test_hook_module_declares_the_backend_and_provides_the_demo_model():
     warnings, names = registered_hooks(hooks, "local")
     assert warnings == []
-    assert sorted(names) == ["areal_declare_backends", "areal_resolve_model"]
+    assert sorted(names) == ["areal_declare_backends", "areal_resolve_model", "areal_validate_parallelism"]
 
 
 @pytest.mark.parametrize("text", ["local:cpu+trainer:d1@cpu", "local:d4@cpu+trainer:d2@cpu", "local:d2@cpu|trainer:d2@cpu"])

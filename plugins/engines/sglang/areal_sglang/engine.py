@@ -33,8 +33,10 @@ import asyncio
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable
 
+from areal_core import server_guard
 from areal_core.api import GenerationRequest, GenerationResponse, ServerProcess
 from areal_core.remote import RemoteEngine, attach_addresses, check_server_version, http_ready
 from areal_core.rollout.elastic import Member
@@ -42,6 +44,9 @@ from areal_core.launch.nodes import NODE_ADDRESS_ENV
 from areal_core.rollout.weight_group import FleetWeightGroup, GroupLayout, GroupMemberFailed
 
 SUPPORTED = ">=0.5.0,<0.6"
+# areal's launcher of SGLang (the run's secret and guard): a standalone module the server's interpreter imports
+SERVER_PATH = Path(__file__).resolve().parent / "server_path"
+LAUNCHER = "areal_sglang_launch"
 SUPPORTED_TEXT = "SGLang >=0.5.0,<0.6 (its /pause_generation takes a mode from 0.5)"
 PYTHON_ENV = "AREAL_SGLANG_PYTHON"
 
@@ -80,11 +85,30 @@ def check_version(found: str) -> None:
                          "install a supported release, or point rollout.python at one")
 
 
+def server_python(chosen: str = "") -> str:
+    """The interpreter servers run under: ``chosen`` (``rollout.python``), else $AREAL_SGLANG_PYTHON, else this
+    Python."""
+    return chosen or os.environ.get(PYTHON_ENV) or sys.executable
+
+
 def server_argv(python: str, model: str, port: int, options: SGLangEngineConfig,
                 dtype: str = "auto", tensor_parallel: int = 1, host: str = "127.0.0.1") -> list[str]:
-    return [python, "-m", "sglang.launch_server", "--model-path", model, "--host", host,
+    """The command of one SGLang server: SGLang's own launcher, run by ``areal_sglang_launch`` (importable
+    from :data:`SERVER_PATH`, see :func:`server_env`), which gives it the run's secret without putting it on
+    the command line and puts the run's guard in front of it."""
+    return [python, "-m", LAUNCHER, "--model-path", model, "--host", host,
             "--port", str(port), "--dtype", dtype, "--tp-size", str(tensor_parallel),
             "--mem-fraction-static", str(options.mem_fraction_static), *map(str, options.extra_args)]
+
+
+def server_env(host: str = "127.0.0.1",
+               max_request_mb: float = server_guard.DEFAULT_MAX_BODY_BYTES / 2**20) -> dict[str, str]:
+    """The environment :func:`server_argv` needs beside this process's own: the launcher on ``PYTHONPATH``
+    (first), the guard's file, the bound host and the body cap. The run's secret reaches the server as every
+    process of the run gets it, in the environment it inherits (``AREAL_RUN_TOKEN``)."""
+    paths = [str(SERVER_PATH), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {"PYTHONPATH": os.pathsep.join(paths), "AREAL_SERVER_GUARD_FILE": server_guard.__file__,
+            "AREAL_SERVER_HOST": host, "AREAL_SERVER_MAX_BODY_BYTES": str(int(max_request_mb * 2**20))}
 
 
 def _group_host(options: SGLangEngineConfig) -> str:
@@ -106,14 +130,15 @@ class SGLangEngine(RemoteEngine):
         config, options = context.config, context.options or SGLangEngineConfig()
         if attach_addresses(options):
             return None  # rollout.addresses: the servers run already; the engines attach to them
-        python = options.python or os.environ.get(PYTHON_ENV) or sys.executable
+        python = server_python(options.python)
         placement = getattr(context, "placement", None)
         tensor_parallel = getattr(getattr(placement, "parallel", None), "t", 1) or 1
         host = context.extras.get("host") or "127.0.0.1"  # a cluster launcher gives the node's address
         argv = server_argv(python, config.model.path, port, options, getattr(config.model, "dtype", "auto"),
                            tensor_parallel, host)
-        return ServerProcess(argv, http_ready(port, host=host), f"the /health endpoint of SGLang server {index} on {host}:{port}",
-                             startup_timeout_s=options.startup_timeout_s)
+        env = server_env(host, config.rollout.max_request_mb)
+        return ServerProcess(argv, http_ready(port, host=host), f"the /health endpoint of SGLang server {index} on "
+                             f"{host}:{port}", env=env, startup_timeout_s=options.startup_timeout_s)
 
     @classmethod
     def create(cls, context: Any) -> SGLangEngine:

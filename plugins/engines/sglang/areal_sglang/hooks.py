@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from areal_core import Problem
+from areal_core import Problem, hookimpl
 from areal_core.config.allocation import Component
 from areal_core.config.model_info import ModelInfo
 from areal_core.parallelism import declare_backend, validate_components
 from areal_core.parallelism_rules import divisors, experts_problem, heads_problem, layers_problem
-from areal_core.remote import rollout_addresses_problem
+from areal_core.remote import rollout_addresses_problem, server_python_problem
 
 BACKEND = "sglang"
 
@@ -28,6 +28,19 @@ def _component_problems(config: Any, comp: Component, model: ModelInfo | None) -
         experts_problem(BACKEND, comp, par.e, model),
         rollout_addresses_problem(BACKEND, config, comp),
     ]
+
+
+@hookimpl
+def areal_validate_config(config: Any) -> list[Problem]:
+    """The servers' interpreter has a supported SGLang (what SGLangEngine.start checks once a server is up)."""
+    from areal_sglang.engine import PYTHON_ENV, SUPPORTED, server_python  # no sglang import: the plugin's own
+
+    extra = getattr(getattr(config, "rollout", None), "extra", None) or {}
+    python = server_python(extra.get("python") or "")
+    problem = server_python_problem(BACKEND, config, python, "sglang", SUPPORTED,
+                                    f"point rollout.python (or ${PYTHON_ENV}) at an interpreter with SGLang "
+                                    f"{SUPPORTED} (GPU machines), or attach to running servers with rollout.addresses")
+    return [problem] if problem else []
 
 
 def _expert_tensor_problem(comp: Component) -> Problem | None:

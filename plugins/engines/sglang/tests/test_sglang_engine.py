@@ -183,7 +183,7 @@ def test_supported_versions_pass(version):
 
 def test_server_recipe_uses_tensor_parallel_and_memory_share():
     argv = server_argv("/py", "/m", 7000, SGLangEngineConfig(mem_fraction_static=0.5), "bfloat16", 2)
-    assert argv[:3] == ["/py", "-m", "sglang.launch_server"]
+    assert argv[:3] == ["/py", "-m", "areal_sglang_launch"]  # SGLang's launcher, given the run's secret and guard
     assert argv[argv.index("--tp-size") + 1] == "2" and argv[argv.index("--mem-fraction-static") + 1] == "0.5"
     assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--port") + 1] == "7000"
 

@@ -23,7 +23,8 @@ def test_declaration():
 
 
 def test_hook_module_registers_cleanly():
-    assert registered_hooks(hooks, "sglang") == ([], ["areal_declare_backends", "areal_validate_parallelism"])
+    assert registered_hooks(hooks, "sglang") == ([], ["areal_declare_backends", "areal_validate_config",
+                                                    "areal_validate_parallelism"])
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,9 @@
 SGLang server's ``/weights_checker`` after weight updates equals what the trainer computes
 (``SGLangEngine.sent_digests``): the layout mapping and the GPU hash port checked against SGLang itself.
 
-Run on a GPU machine where SGLang 0.5.x is installed (the trainer's interpreter, or ``AREAL_SGLANG_PYTHON``)::
+It also checks that the server, started through areal's launcher (``areal_sglang_launch``) with the run's
+secret, refuses a weight load without it. Run on a GPU machine where SGLang 0.5.x is installed (the trainer's
+interpreter, or ``AREAL_SGLANG_PYTHON``)::
 
     AREAL_SGLANG_PYTHON=/path/to/sglang/python .venv/bin/python -m pytest \\
         plugins/engines/sglang/tests/test_sglang_real_server_digest.py -q -rA
@@ -46,13 +48,16 @@ pytestmark = pytest.mark.skipif(not _has_sglang(), reason=f"needs SGLang and a C
 
 
 @pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True)])
-def test_a_real_servers_checksums_equal_what_the_trainer_computes(tmp_path, arch, tied):
+def test_a_real_servers_checksums_equal_what_the_trainer_computes(tmp_path, monkeypatch, arch, tied):
+    import httpx
     from safetensors.torch import load_file
+
+    from areal_core.server_guard import RUN_TOKEN_ENV, new_run_token
 
     from areal_core.remote import ServerFleet, http_ready
     from areal_core.api import ServerProcess
     from areal_core.testing import tiny_model
-    from areal_sglang.engine import SGLangEngine, SGLangEngineConfig, server_argv
+    from areal_sglang.engine import SGLangEngine, SGLangEngineConfig, server_argv, server_env
 
     shape = dict(arch=arch, vocab_size=1000, hidden_size=256, heads=4, kv_heads=2, dtype="bfloat16",
                  tie_word_embeddings=tied)
@@ -63,7 +68,8 @@ def test_a_real_servers_checksums_equal_what_the_trainer_computes(tmp_path, arch
 
     def recipe(index: int, port: int) -> ServerProcess:
         return ServerProcess(server_argv(PYTHON, str(base), port, options, "bfloat16", TP), http_ready(port),
-                             f"the SGLang server on 127.0.0.1:{port}", startup_timeout_s=scaled(600))
+                             f"the SGLang server on 127.0.0.1:{port}", env=server_env(),
+                             startup_timeout_s=scaled(600))
 
     async def body(address: str) -> list:
         engine = SGLangEngine(None, address, weight_group_backend="gloo", request_timeout_s=300,
@@ -82,9 +88,14 @@ def test_a_real_servers_checksums_equal_what_the_trainer_computes(tmp_path, arch
         finally:
             await engine.aclose()
 
+    monkeypatch.setenv(RUN_TOKEN_ENV, new_run_token())  # the run's secret: areal's launcher gives it to SGLang
     with ServerFleet(tmp_path / "logs") as fleet:
         (server,) = fleet.launch(recipe, 1, prefix="sglang-real")
         checks = asyncio.run(body(server.address))
+        # without the secret, the real server refuses a weight load (SGLang's key check and areal's guard)
+        refused = httpx.post(f"http://{server.address}/update_weights_from_disk", timeout=30,
+                             json={"model_path": str(updates[0])})
+        assert refused.status_code == 401, refused.text
     for how, sent, held in checks:
         print(f"{arch} tp {TP} {how}: {len(sent)} checksums sent, {len(held)} held, e.g. "
               f"{sorted(held.items())[:2]}")

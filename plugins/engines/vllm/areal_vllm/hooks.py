@@ -9,18 +9,32 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from areal_core import Problem
+from areal_core import Problem, hookimpl
 from areal_core.config.allocation import DIMENSION_NAMES, Component
 from areal_core.config.model_info import ModelInfo
 from areal_core.parallelism import declare_backend, validate_components
 from areal_core.parallelism_rules import experts_problem, heads_problem, layers_problem
-from areal_core.remote import rollout_addresses_problem
+from areal_core.remote import rollout_addresses_problem, server_python_problem
 
 BACKEND = "vllm"
 
 
 def _component_problems(config: Any, comp: Component, model: ModelInfo | None) -> list[Problem | None]:
     return [*_placement_problems(comp, model), rollout_addresses_problem(BACKEND, config, comp)]
+
+
+@hookimpl
+def areal_validate_config(config: Any) -> list[Problem]:
+    """The servers' interpreter has a supported vLLM (what VLLMEngine.start checks once a server is up)."""
+    from areal_vllm.engine import SUPPORTED, default_python  # no vllm import: the plugin's own module
+
+    extra = getattr(getattr(config, "rollout", None), "extra", None) or {}
+    python = extra.get("python") or default_python()
+    problem = server_python_problem(BACKEND, config, python, "vllm", SUPPORTED,
+                                    "install vLLM for the servers with: bash scripts/install_vllm.sh (it makes "
+                                    ".venv-vllm, found by default), or point rollout.python at an interpreter that "
+                                    "has it")
+    return [problem] if problem else []
 
 
 def _placement_problems(comp: Component, model: ModelInfo | None) -> list[Problem | None]:

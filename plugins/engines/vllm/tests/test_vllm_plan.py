@@ -24,7 +24,8 @@ def test_declaration():
 
 
 def test_hook_module_registers_cleanly():
-    assert registered_hooks(hooks, "vllm") == ([], ["areal_declare_backends", "areal_validate_parallelism"])
+    assert registered_hooks(hooks, "vllm") == ([], ["areal_declare_backends", "areal_validate_config",
+                                                  "areal_validate_parallelism"])
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,1 @@
+"""Modules the SGLang server process imports (its PYTHONPATH holds this folder): areal_sglang_launch."""
