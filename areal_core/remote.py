@@ -305,6 +305,31 @@ def _error_text(response: Any) -> str:
     return response.text[:800]
 
 
+class NonFiniteLogprobs(RuntimeError):
+    """A server answered a generation with a logprob that is null, NaN or +inf: the weights it holds compute no
+    probability, and a sample carrying one must never reach training."""
+
+
+def finite_logprobs(who: str, rid: str, token_ids: list[int], logprobs: list[Any], version: int) -> list[float]:
+    """``logprobs`` as floats, or :class:`NonFiniteLogprobs` naming ``who`` (the server), the request, the first
+    bad token and the weight version it holds. -inf (a token the model calls impossible, drawn anyway at
+    temperature 0 ties) is kept: it is a probability."""
+    import math
+
+    out = []
+    for i, value in enumerate(logprobs):
+        number = None if value is None or isinstance(value, bool) else float(value)
+        if number is None or math.isnan(number) or number == math.inf:
+            token = token_ids[i] if i < len(token_ids) else "?"
+            raise NonFiniteLogprobs(
+                f"the {who} gave logprob {value!r} for token {i} (id {token}) of request {rid}: the weights it "
+                f"serves (version {version}) compute no probability (NaN or inf in them, e.g. a training step that "
+                "diverged). No sample of theirs is trained on; resume from the last checkpoint, with a lower "
+                "learning rate or tighter gradient clipping")
+        out.append(number)
+    return out
+
+
 class RemoteError(RuntimeError):
     """A server answered with an error status; the message names the server, the path and its log."""
 

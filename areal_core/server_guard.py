@@ -68,15 +68,60 @@ def auth_headers(token: str | None = None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
+def run_load_roots(config: Any) -> tuple[str, ...]:
+    """Where a run's servers may load weights from besides the trainer's /dev/shm stages: the run folder
+    (``output_dir/experiment/trial``, resolved); () for a config that names no run."""
+    from pathlib import Path
+
+    try:
+        return (str(Path(config.output_dir).expanduser().resolve() / config.experiment / config.trial),)
+    except (AttributeError, TypeError):
+        return ()
+
+
+def may_load(path: str, roots: tuple[str, ...] | list[str], stage_root: str | None = None,
+             stage_prefixes: tuple[str, ...] = ()) -> bool:
+    """Whether a server may load weights from ``path`` (links resolved): it lies under one of ``roots`` (the run
+    folder), or inside a folder of ``stage_root`` (``/dev/shm``) whose name starts with one of
+    ``stage_prefixes`` and that this server's user owns (the trainer's weight stages)."""
+    from pathlib import Path
+
+    try:
+        real = Path(path).resolve(strict=True)
+    except (OSError, RuntimeError):
+        return False
+    for root in roots:
+        try:
+            if real.is_relative_to(Path(root).resolve(strict=True)):
+                return True
+        except (OSError, RuntimeError):
+            continue
+    if stage_root is None or not stage_prefixes:
+        return False
+    stages = Path(stage_root).resolve()
+    for part in [real, *real.parents]:
+        if part.parent == stages:
+            return part.name.startswith(tuple(stage_prefixes)) and part.stat().st_uid == os.getuid()
+    return False
+
+
+# A check of a request's JSON body, for the paths it is given for: (status, detail) to refuse, None to pass
+BodyCheck = Callable[[str, Any], "tuple[int, str] | None"]
+
+
 class RunGuard:
-    """ASGI middleware: refuse what is not from this run (see the module docstring)."""
+    """ASGI middleware: refuse what is not from this run (see the module docstring). ``body_checks``: per path,
+    a check of a POST's JSON body (the body is read whole, within the cap, before the app sees it), for what a
+    server framework's own routes do not check (vLLM's ``/collective_rpc`` loads any folder it is given)."""
 
     def __init__(self, app: Any, *, token: str | None, bound_host: str = "127.0.0.1",
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 body_checks: dict[str, BodyCheck] | None = None) -> None:
         if max_body_bytes < 1:
             raise ValueError(f"RunGuard: max_body_bytes must be >= 1, got {max_body_bytes}")
         self.app, self.token, self.max_body_bytes = app, token or None, max_body_bytes
         self.hosts = LOCAL_HOSTS | {bound_host.lower()}
+        self.body_checks = dict(body_checks or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -114,6 +159,35 @@ class RunGuard:
             return message
 
         seen = 0
+        check = self.body_checks.get(path) if method == "POST" else None
+        if check is not None:
+            body = b""
+            while True:
+                message = await counted()
+                if message["type"] == "http.disconnect":
+                    return  # the client left, or the body passed the cap (answered 413 already)
+                body += message.get("body", b"")
+                if not message.get("more_body", False):
+                    break
+            try:
+                parsed = json.loads(body or b"null")
+            except ValueError:
+                parsed = None  # not JSON: the app answers it as it would
+            refusal = check(path, parsed)
+            if refusal is not None:
+                await _answer(send, *refusal)
+                return
+            replayed = False
+
+            async def replay() -> dict:
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()
+
+            await self.app(scope, replay, sent_once)
+            return
         await self.app(scope, counted, sent_once)
 
     def _refusal(self, headers: dict[str, str], method: str, path: str) -> tuple[int, str] | None:

@@ -267,3 +267,16 @@ def test_an_interpreter_that_cannot_answer_is_a_problem_not_a_traceback(tmp_path
     broken.chmod(0o755)
     found = server_python_problem("engine", _run_config(), str(broken), "servepkg", ">=1", "install it")
     assert found.code == "engine.python" and "cannot start: libpython missing" in found.message
+
+
+def test_a_logprob_that_is_no_probability_is_refused_naming_the_token():
+    import math
+
+    from areal_core.remote import NonFiniteLogprobs, finite_logprobs
+
+    assert finite_logprobs("server s", "r1", [4, 5], [-0.5, -math.inf], 3) == [-0.5, -math.inf]
+    assert finite_logprobs("server s", "r1", [4], [0], 3) == [0.0]
+    for bad in (None, math.nan, "NaN", math.inf):
+        with pytest.raises(NonFiniteLogprobs, match=r"the server s gave logprob .* for token 1 \(id 5\) of request "
+                                                    r"r1: the weights it serves \(version 3\)"):
+            finite_logprobs("server s", "r1", [4, 5], [-0.1, bad], 3)

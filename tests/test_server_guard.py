@@ -87,3 +87,44 @@ def test_a_run_draws_its_secret_once_and_its_clients_send_it(monkeypatch):
     assert auth_headers() == {"Authorization": f"Bearer {token}"}
     monkeypatch.setenv(RUN_TOKEN_ENV, "given")
     assert ensure_run_token() == "given"  # a process of a run keeps the run's
+
+
+def test_a_body_check_sees_the_json_before_the_app_and_the_app_gets_the_body_whole():
+    seen = []
+
+    def check(path, body):
+        seen.append((path, body))
+        return (403, "not that folder") if body.get("path") == "/etc" else None
+
+    guard = RunGuard(echo_app, token=None, max_body_bytes=1000, body_checks={"/load": check})
+    refused = call(guard, path="/load", content=b'{"path": "/etc"}')
+    assert refused.status_code == 403 and refused.json()["detail"] == "not that folder"
+    taken = call(guard, path="/load", content=b'{"path": "/run/step-1", "pad": "' + b"x" * 500 + b'"}')
+    assert taken.status_code == 200 and taken.text == str(len(b'{"path": "/run/step-1", "pad": "') + 502)
+    assert seen == [("/load", {"path": "/etc"}), ("/load", {"path": "/run/step-1", "pad": "x" * 500})]
+    assert call(guard, path="/load", content=b"x" * 1001).status_code == 413  # the cap holds before the check
+    assert call(guard, path="/other", content=b'{"path": "/etc"}').status_code == 200  # other paths unchecked
+    assert len(seen) == 2
+
+
+def test_weights_load_only_from_the_run_folder_or_this_users_stages(tmp_path):
+    from areal_core.server_guard import may_load, run_load_roots
+    from types import SimpleNamespace
+
+    run = tmp_path / "runs" / "exp" / "trial"
+    (run / "checkpoints" / "step-1").mkdir(parents=True)
+    stages = tmp_path / "shm"
+    (stages / "areal-w-1").mkdir(parents=True)
+    (stages / "other-1").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (run / "escape").symlink_to(tmp_path / "elsewhere")
+    roots = run_load_roots(SimpleNamespace(output_dir=str(tmp_path / "runs"), experiment="exp", trial="trial"))
+    assert roots == (str(run),)
+
+    def ok(path):
+        return may_load(str(path), roots, str(stages), ("areal-w-",))
+
+    assert ok(run / "checkpoints" / "step-1") and ok(stages / "areal-w-1")
+    assert not ok(tmp_path / "elsewhere") and not ok(run / "escape")  # links resolved
+    assert not ok(stages / "other-1") and not ok(stages) and not ok(run / "missing")
+    assert run_load_roots(SimpleNamespace()) == ()

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from areal_core.api import GenerationRequest, GenerationResponse, ServerProcess
-from areal_core.remote import RemoteEngine, http_ready, run_log_path
+from areal_core.remote import RemoteEngine, finite_logprobs, http_ready, run_log_path
+from areal_core.server_guard import run_load_roots
 
 
 @dataclass
@@ -50,7 +51,7 @@ class LocalEngine(RemoteEngine):
                 "--rebuild", "background" if options.rebuild_in_background else "foreground",
                 "--max-request-mb", f"{config.rollout.max_request_mb:g}",
                 # weights load only from the run's folder (and this user's /dev/shm stages)
-                "--run-dir", str(Path(config.output_dir).expanduser().resolve() / config.experiment / config.trial)]
+                *(f"--run-dir={root}" for root in run_load_roots(config))]
         return ServerProcess(argv, http_ready(port, host=host), f"the /health endpoint of embedded engine {index} "
                              f"on {host}:{port}", startup_timeout_s=options.startup_timeout_s)
 
@@ -91,8 +92,11 @@ class LocalEngine(RemoteEngine):
             "sampling": {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
                          "top_k": s.top_k, "stop": list(s.stop), "stop_token_ids": list(s.stop_token_ids),
                          "seed": s.seed}})
-        return GenerationResponse(request.rid, request.input_ids, out["output_ids"], out["output_logprobs"],
-                                  out["output_versions"], out["stop_reason"])
+        versions = out["output_versions"]
+        logprobs = finite_logprobs(self.describe(), request.rid, out["output_ids"], out["output_logprobs"],
+                                   versions[-1] if versions else self._version)
+        return GenerationResponse(request.rid, request.input_ids, out["output_ids"], logprobs, versions,
+                                  out["stop_reason"])
 
     async def pause(self) -> None:
         await self.request("POST", "/pause")

@@ -487,23 +487,10 @@ def build_app(engine: EngineLoop, *, token: str | None = None, host: str = "127.
 def may_load(path: str, roots: tuple[str, ...]) -> bool:
     """Whether ``path`` (links resolved) is under one of ``roots``, or is a weight stage or delta folder in the
     shared-memory stage root (:mod:`areal_local.shm`'s names) owned by this server's user."""
-    import os
-
+    from areal_core.server_guard import may_load as guard_may_load
     from areal_local import shm
 
-    try:
-        real = Path(path).resolve(strict=True)
-    except (OSError, RuntimeError):
-        return False
-    for root in roots:
-        with contextlib.suppress(OSError, RuntimeError):
-            if real.is_relative_to(Path(root).resolve(strict=True)):
-                return True
-    stages = shm.stage_root().resolve()
-    for part in [real, *real.parents]:
-        if part.parent == stages:
-            return part.name.startswith((shm.PREFIX, shm.DELTA_PREFIX)) and part.stat().st_uid == os.getuid()
-    return False
+    return guard_may_load(path, roots, str(shm.stage_root()), (shm.PREFIX, shm.DELTA_PREFIX))
 
 
 def own_memory(model: Any) -> int:

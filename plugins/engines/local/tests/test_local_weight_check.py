@@ -149,3 +149,24 @@ def test_a_delta_is_applied_bit_for_bit_and_one_on_another_base_is_refused_then_
                                                delta=make_delta(dict(v2), v3, 1, 3))  # its base is not held: full
         assert controller.fleet.delta_bytes == 0 and controller.fleet.full_bytes > 0
         assert engine.version == 3 and controller.fleet.weight_failures == []
+
+
+def test_weights_that_compute_nan_are_refused_at_the_first_generation_not_trained_on(servers):
+    """Finite garbage passes digests (both sides hold the same bytes) and NaN does too; the server then answers
+    with null logprobs. The client refuses such an answer, naming the server, the token and the version: here the
+    parity probe's generation, as any rollout's would be."""
+    from safetensors.torch import load_file
+
+    from areal_core.remote import NonFiniteLogprobs
+
+    servers.fault_file.write_text("")
+    named = [(n, t.clone().fill_(float("nan")) if n == TENSOR else t)
+             for n, t in load_file(str(servers.other / "model.safetensors")).items()]
+    with servers.controller() as controller:
+        with pytest.raises(NonFiniteLogprobs) as error:
+            controller.update_weights_from_tensors(named, 1, sent=SentDigests(1, "on", digest_named(named)),
+                                                   probe=True)
+        assert controller.fleet.weight_failures == []  # the digests agreed: NaN is what the trainer sent
+    said = str(error.value)
+    assert f"embedded engine 0 at 127.0.0.1:{servers.ports[0]} gave logprob None for token 0" in said
+    assert "(version 1) compute no probability" in said and "resume from the last checkpoint" in said

@@ -38,7 +38,7 @@ from typing import Any, Iterable
 
 from areal_core import server_guard
 from areal_core.api import GenerationRequest, GenerationResponse, ServerProcess
-from areal_core.remote import RemoteEngine, attach_addresses, check_server_version, http_ready
+from areal_core.remote import RemoteEngine, attach_addresses, check_server_version, finite_logprobs, http_ready
 from areal_core.rollout.elastic import Member
 from areal_core.launch.nodes import NODE_ADDRESS_ENV
 from areal_core.rollout.weight_group import FleetWeightGroup, GroupLayout, GroupMemberFailed
@@ -101,14 +101,16 @@ def server_argv(python: str, model: str, port: int, options: SGLangEngineConfig,
             "--mem-fraction-static", str(options.mem_fraction_static), *map(str, options.extra_args)]
 
 
-def server_env(host: str = "127.0.0.1",
-               max_request_mb: float = server_guard.DEFAULT_MAX_BODY_BYTES / 2**20) -> dict[str, str]:
+def server_env(host: str = "127.0.0.1", max_request_mb: float = server_guard.DEFAULT_MAX_BODY_BYTES / 2**20,
+               load_roots: Iterable[str] = ()) -> dict[str, str]:
     """The environment :func:`server_argv` needs beside this process's own: the launcher on ``PYTHONPATH``
-    (first), the guard's file, the bound host and the body cap. The run's secret reaches the server as every
-    process of the run gets it, in the environment it inherits (``AREAL_RUN_TOKEN``)."""
+    (first), the guard's file, the bound host, the body cap and where weights may load from (``load_roots``,
+    the run folder; none given: from anywhere). The run's secret reaches the server as every process of the
+    run gets it, in the environment it inherits (``AREAL_RUN_TOKEN``)."""
     paths = [str(SERVER_PATH), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     return {"PYTHONPATH": os.pathsep.join(paths), "AREAL_SERVER_GUARD_FILE": server_guard.__file__,
-            "AREAL_SERVER_HOST": host, "AREAL_SERVER_MAX_BODY_BYTES": str(int(max_request_mb * 2**20))}
+            "AREAL_SERVER_HOST": host, "AREAL_SERVER_MAX_BODY_BYTES": str(int(max_request_mb * 2**20)),
+            "AREAL_SERVER_LOAD_ROOTS": os.pathsep.join(map(str, load_roots))}
 
 
 def _group_host(options: SGLangEngineConfig) -> str:
@@ -136,7 +138,7 @@ class SGLangEngine(RemoteEngine):
         host = context.extras.get("host") or "127.0.0.1"  # a cluster launcher gives the node's address
         argv = server_argv(python, config.model.path, port, options, getattr(config.model, "dtype", "auto"),
                            tensor_parallel, host)
-        env = server_env(host, config.rollout.max_request_mb)
+        env = server_env(host, config.rollout.max_request_mb, server_guard.run_load_roots(config))
         return ServerProcess(argv, http_ready(port, host=host), f"the /health endpoint of SGLang server {index} on "
                              f"{host}:{port}", env=env, startup_timeout_s=options.startup_timeout_s)
 
@@ -273,7 +275,8 @@ class SGLangEngine(RemoteEngine):
         if reason is None:
             raise RuntimeError(f"the {self.describe()} ended request {request.rid} with finish_reason {finish!r}, "
                                "not stop, length or abort")
-        return GenerationResponse(request.rid, request.input_ids, ids, [float(p[0]) for p in pairs],
+        return GenerationResponse(request.rid, request.input_ids, ids,
+                                  finite_logprobs(self.describe(), request.rid, ids, [p[0] for p in pairs], version),
                                   [version] * len(ids), reason)
 
     async def pause(self) -> None:

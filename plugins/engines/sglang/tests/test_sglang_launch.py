@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 from pathlib import Path
 
 import httpx
@@ -28,6 +29,7 @@ def launch(tmp_path: Path, model: Path, max_request_mb: float = 16.0, guard: boo
     ``guard=False``: without the guard's file (a server started by hand from the launcher module)."""
     config = RunConfig()
     config.model.path, config.rollout.max_request_mb = str(model), max_request_mb
+    config.output_dir, config.experiment, config.trial = str(tmp_path / "runs"), "exp", "trial"
     recipe = SGLangEngine.server_process(Context(config=config, options=SGLangEngineConfig(
         startup_timeout_s=scaled(60))), 0, 0)
 
@@ -76,6 +78,12 @@ def test_the_secret_reaches_sglang_by_the_environment_and_every_route_obeys_the_
         big = httpx.post(f"{base}/generate", headers=secret, content=b"x" * (2 << 20), timeout=scaled(30))
         assert big.status_code == 413, big.text
 
+        # weights from disk only from under the run folder, the secret notwithstanding
+        step = shutil.copytree(model, tmp_path / "runs" / "exp" / "trial" / "checkpoints" / "step-1")
+        outside = httpx.post(f"{base}/update_weights_from_disk", headers=secret, json={"model_path": str(model)},
+                             timeout=scaled(30))
+        assert outside.status_code == 403 and "is not under the run folder" in outside.json()["detail"]
+
         engine = SGLangEngine(None, server.address)  # sends the run's secret from the environment
 
         async def body():
@@ -83,7 +91,7 @@ def test_the_secret_reaches_sglang_by_the_environment_and_every_route_obeys_the_
                 await engine.start()
                 await engine.pause()
                 await engine.resume()
-                await engine.update_weights_from_disk(str(model), 1)
+                await engine.update_weights_from_disk(str(step), 1)
                 return await engine.agenerate(GenerationRequest([5, 17, 33], SamplingParams(max_new_tokens=4)))
             finally:
                 await engine.aclose()

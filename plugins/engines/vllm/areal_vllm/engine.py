@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from areal_core.api import GenerationRequest, GenerationResponse, ServerProcess, stable_seed
-from areal_core.remote import (RemoteEngine, RemoteError, attach_addresses, check_server_version, http_ready,
-                               layer_buckets, send_pipelined)
+from areal_core.remote import (RemoteEngine, RemoteError, attach_addresses, check_server_version, finite_logprobs,
+                               http_ready, layer_buckets, send_pipelined)
 from areal_core import server_guard
 from areal_core.server_guard import RUN_TOKEN_ENV, run_token
 
@@ -107,6 +107,7 @@ def server_argv(python: str, model: str, port: int, options: VLLMEngineConfig, d
                 digest_modes: Iterable[str] = ("on", "sample"), tensor_parallel: int = 1,
                 pipeline_parallel: int = 1, expert_parallel: int = 1,
                 max_request_mb: float = server_guard.DEFAULT_MAX_BODY_BYTES / 2**20,
+                load_roots: Iterable[str] = (),
                 ) -> tuple[list[str], dict[str, str]]:
     """The command and environment of one vLLM server on ``host:port`` (a cluster launcher gives the node's
     address; 127.0.0.1 otherwise), with ``worker_extension`` (importable from ``python_path``, put before
@@ -116,7 +117,8 @@ def server_argv(python: str, model: str, port: int, options: VLLMEngineConfig, d
     ``expert_parallel`` > 1 turns vLLM's expert parallelism on (it spreads the experts over the server's
     tensor-parallel ranks; the plan checks the sizes). Every route sits behind the run's guard
     (``areal_vllm_guard``: the run's secret from this process's environment, the bound host, no web page, bodies
-    up to ``max_request_mb``)."""
+    up to ``max_request_mb``; weight reloads only from under ``load_roots``, the run folder, and the trainer's
+    buckets in /dev/shm: none given, from anywhere)."""
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
             "--port", str(port), "--max-model-len", str(options.max_model_len), "--dtype", dtype,
             "--disable-uvicorn-access-log", "--worker-extension-cls", worker_extension,
@@ -131,7 +133,8 @@ def server_argv(python: str, model: str, port: int, options: VLLMEngineConfig, d
     env = {"VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /collective_rpc
            "PYTHONPATH": os.pathsep.join(paths), "AREAL_VLLM_DIGEST_MODES": ",".join(digest_modes)}
     env.update({"AREAL_SERVER_GUARD_FILE": server_guard.__file__, "AREAL_SERVER_HOST": host,
-                "AREAL_SERVER_MAX_BODY_BYTES": str(int(max_request_mb * 2**20))})
+                "AREAL_SERVER_MAX_BODY_BYTES": str(int(max_request_mb * 2**20)),
+                "AREAL_SERVER_LOAD_ROOTS": os.pathsep.join(map(str, load_roots))})
     token = run_token()
     if token:  # the guard reads it from the environment; vLLM's own key check on /v1 gets the same secret
         env.update({RUN_TOKEN_ENV: token, "VLLM_API_KEY": token})
@@ -185,7 +188,8 @@ class VLLMEngine(RemoteEngine):
                                 tensor_parallel=getattr(parallel, "t", 1) or 1,
                                 pipeline_parallel=getattr(parallel, "p", 1) or 1,
                                 expert_parallel=getattr(parallel, "e", 1) or 1,
-                                max_request_mb=getattr(getattr(config, "rollout", None), "max_request_mb", 16.0))
+                                max_request_mb=getattr(getattr(config, "rollout", None), "max_request_mb", 16.0),
+                                load_roots=server_guard.run_load_roots(config))
         return ServerProcess(argv, http_ready(port, host=host), f"the /health endpoint of vLLM server {index} on "
                              f"{host}:{port} (interpreter {python})", env=env,
                              startup_timeout_s=options.startup_timeout_s)
@@ -272,7 +276,8 @@ class VLLMEngine(RemoteEngine):
         if reason is None:
             raise RuntimeError(f"the {self.describe()} ended request {request.rid} with finish_reason "
                                f"{choice.get('finish_reason')!r}, not stop, length or abort")
-        return GenerationResponse(request.rid, request.input_ids, ids, [float(x) for x in logprobs],
+        return GenerationResponse(request.rid, request.input_ids, ids,
+                                  finite_logprobs(self.describe(), request.rid, ids, logprobs, version),
                                   [version] * len(ids), reason)
 
     async def pause(self) -> None:

@@ -7,8 +7,9 @@ two changes made in this process only:
 - the server's parsed arguments get the run's secret (``AREAL_RUN_TOKEN`` from the environment, which only the
   same user can read) as ``api_key`` (and ``admin_api_key`` where the release has one), so SGLang's own check
   asks every route but ``/health`` and ``/metrics`` for ``Authorization: Bearer <secret>``;
-- areal's :class:`RunGuard` (the bound host, no request from a web page, bodies capped, the secret) is put in
-  front of SGLang's HTTP app, as it is in front of vLLM's (``areal_vllm_guard``).
+- areal's :class:`RunGuard` (the bound host, no request from a web page, bodies capped, the secret, weights
+  from disk only from under the run folder) is put in front of SGLang's HTTP app, as it is in front of vLLM's
+  (``areal_vllm_guard``).
 
 The SGLang environment holds no areal package: the guard's module (stdlib only) is loaded from its file, named
 in ``AREAL_SERVER_GUARD_FILE``; without it (a server started by hand) only SGLang's key check guards the server.
@@ -58,10 +59,20 @@ def _guard_app(guard, token):
         return
     host = os.environ.get("AREAL_SERVER_HOST", "127.0.0.1")
     limit = int(os.environ.get("AREAL_SERVER_MAX_BODY_BYTES", guard.DEFAULT_MAX_BODY_BYTES))
+    roots = tuple(filter(None, os.environ.get("AREAL_SERVER_LOAD_ROOTS", "").split(os.pathsep)))
+
+    def check_load(path, body):
+        """/update_weights_from_disk only from the run folder (a server started by hand: from anywhere)."""
+        folder = body.get("model_path") if isinstance(body, dict) else None
+        if not roots or folder is None or guard.may_load(str(folder), roots):
+            return None
+        return 403, (f"{folder} is not under the run folder ({', '.join(roots)}); this server loads weights only "
+                     "from there")
 
     class RunGuard:  # Starlette builds middleware from the app and keyword arguments
         def __init__(self, inner):
-            self.guarded = guard.RunGuard(inner, token=token, bound_host=host, max_body_bytes=limit)
+            self.guarded = guard.RunGuard(inner, token=token, bound_host=host, max_body_bytes=limit,
+                                          body_checks={"/update_weights_from_disk": check_load})
 
         async def __call__(self, scope, receive, send):
             await self.guarded(scope, receive, send)
