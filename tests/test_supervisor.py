@@ -417,12 +417,30 @@ def test_rendezvous_env_uses_torchrun_names():
         rendezvous_env(2, 2, 29500)
 
 
-def test_free_port_can_be_bound():
+def test_a_free_port_is_held_for_the_server_it_is_meant_for():
+    """Taken by a server that binds with SO_REUSEADDR (uvicorn, torch's TCPStore, vLLM all do), and by no one
+    else meanwhile: a plain bind is refused and the kernel hands it to no one asking for any free port."""
+    import errno
     import socket
 
     port = free_port()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))
+    with socket.socket() as plain:
+        with pytest.raises(OSError) as refused:
+            plain.bind(("127.0.0.1", port))
+        assert refused.value.errno == errno.EADDRINUSE
+    picked = set()
+    for _ in range(2000):
+        with socket.socket() as any_port:
+            any_port.bind(("127.0.0.1", 0))
+            picked.add(any_port.getsockname()[1])
+    assert port not in picked
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+    assert len({free_port() for _ in range(50)}) == 50  # never the same port twice while held
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")

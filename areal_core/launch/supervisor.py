@@ -47,6 +47,7 @@ still alive, so starting processes from a short-lived thread is harmless.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import shlex
@@ -103,11 +104,36 @@ def split_threads(n_processes: int, cpu_count: int | None = None) -> list[int]:
     return [base + (i < extra) for i in range(n_processes)]
 
 
+# Ports handed out by free_port, each held by a bound socket that never listens (see free_port): (when, socket)
+_HELD_PORTS: collections.deque = collections.deque()
+_HELD_LOCK = threading.Lock()
+PORT_HOLD_S = 600.0  # how long a handed-out port stays held: longer than any server takes to start
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on ``host``; another process may still take it before you bind."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port free right now on ``host``, held for this process for :data:`PORT_HOLD_S` seconds.
+
+    A port picked and then left free for a server or rank 0 to bind seconds later was taken in between by
+    another process often enough to fail a run under load (``EADDRINUSE`` at the torch rendezvous of a test's
+    run while other tests started servers). So the picking socket stays bound, with ``SO_REUSEADDR`` and
+    without listening: the kernel gives the port to no one asking it for a free port, and refuses it to a plain
+    ``bind``, while the servers and ranks it is meant for, which all bind with ``SO_REUSEADDR`` (uvicorn,
+    torch's TCPStore, vLLM), take it as usual. No library does this (``portpicker`` has no hold), hence here.
+    The socket is not inherited by children (PEP 446) and closes at the latest when this process ends."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    except BaseException:
+        s.close()
+        raise
+    now = time.monotonic()
+    with _HELD_LOCK:
+        while _HELD_PORTS and now - _HELD_PORTS[0][0] > PORT_HOLD_S:
+            _HELD_PORTS.popleft()[1].close()
+        _HELD_PORTS.append((now, s))
+    return port
 
 
 def rendezvous_env(rank: int, world_size: int, master_port: int, local_rank: int | None = None) -> dict[str, str]:

@@ -246,8 +246,9 @@ class InferenceEngineConformance(ComponentConformance):
         """With ``rollout.weight_check_holds: training`` (the default) the controller asks for the digests right
         after the load, while generation already goes on: they must come, be those of the weights loaded, and
         leave the requests in flight running to their end. The digests are asked for a third of the way through
-        a long request (then a sixth, a twelfth), timed as in the pause test; an attempt whose request had
-        already ended is retried with another seed."""
+        a long request, timed as in the pause test; an attempt whose request had already ended is retried with
+        another seed, asking at a third of the time that request took (the machine's speed may have changed
+        since the timing request: a loaded machine's share of CPU comes and goes)."""
         from areal_core.weight_check import compare_digests
 
         path = self.weights_path_for_update()
@@ -260,14 +261,17 @@ class InferenceEngineConformance(ComponentConformance):
             timing = await self.generate(engine, self.request(max_new_tokens=self.long_max_new_tokens, seed=999))
             whole_s = (time.monotonic() - began) / max(1, len(timing.output_ids)) * self.long_max_new_tokens
             ended_first: list[str] = []
+            delay = whole_s / 3
             for attempt in range(self.pause_attempts):
-                delay = whole_s / 3 / 2 ** (attempt % 3)
                 long = self.request(max_new_tokens=self.long_max_new_tokens, seed=2000 + attempt)
+                started, took = time.monotonic(), []
                 running = asyncio.ensure_future(self.generate(engine, long))
+                running.add_done_callback(lambda _, t0=started, out=took: out.append(time.monotonic() - t0))
                 await asyncio.sleep(delay)
                 if running.done():
                     ended_first.append(f"asking at {delay:.2f}s: the request had ended with "
-                                       f"{len((await running).output_ids)} tokens")
+                                       f"{len((await running).output_ids)} tokens in {took[0]:.2f}s")
+                    delay = took[0] / 3
                     continue
                 held = await self.within(engine.weight_digest("on"), "weight_digest('on') while a request runs")
                 response = await self.within(running, "the request in flight while the digests were taken")

@@ -119,6 +119,19 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def _outsider_calls(server_pid: int, calls: list[tuple[str, str]]) -> subprocess.Popen:
+    """Start a local process that is not the run's calling the server ``server_pid`` from inside the cluster's
+    network namespace (where the server listens on 127.0.0.1), each (method, path) once; it prints the statuses
+    as a JSON list. Started in the background, so the test's timing does not move."""
+    argv = Path(f"/proc/{server_pid}/cmdline").read_bytes().decode().split("\0")
+    port = argv[argv.index("--port") + 1]
+    code = (f"import httpx; print([httpx.request(m, 'http://127.0.0.1:{port}' + p, timeout=30).status_code "
+            f"for m, p in {calls!r}])")
+    env = {k: v for k, v in os.environ.items() if k != "AREAL_RUN_TOKEN"}
+    return subprocess.Popen(["nsenter", "-t", str(server_pid), "-n", sys.executable, "-c", code], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def _steps(run_dir: Path) -> list[dict]:
     return read_jsonl(run_dir / "samples.jsonl")
 
@@ -176,8 +189,14 @@ def test_a_killed_server_actor_is_restarted_by_ray_and_the_run_finishes(tmp_path
     run = ClusterRun(tmp_path, config, env, "elastic", _elastic_overrides(model, 50, True),
                      nodes=[{"num_cpus": 2}, {"num_cpus": 1}])
     run.wait_for_steps(3)
+    # the servers Ray placed obey only their run: the secret travelled to them in the actors' environment
+    server = next(p for p in launched_pids("areal_local.server", str(model)) if process_name(p) == "rollout-0")
+    outsider = _outsider_calls(server, [("POST", "/pause"), ("POST", "/update_weights_from_disk"),
+                                        ("GET", "/health")])
     os.kill(_actor_of("areal_local.server", "rollout-1", str(model)), signal.SIGKILL)
     out = run.output()
+    said, errors = outsider.communicate(timeout=120)
+    assert outsider.returncode == 0 and json.loads(said) == [401, 401, 200], errors
     assert run.proc.returncode == 0, out
     assert "rollout-1 (inference server 1)" in out and "Ray restarts it" in out, out
     assert re.search(r"rollout-1 is back on \S+, node ", out), out
