@@ -150,6 +150,16 @@ def _scan() -> dict[str, list[Found]]:
     return result
 
 
+def distributions() -> dict[tuple[str, str], list[str]]:
+    """Every installed distribution that provides areal entry points (disabled ones too): (name, version) ->
+    the entry-point names it provides, sorted; the core's own included."""
+    found: dict[tuple[str, str], set[str]] = {}
+    for entries in _scan().values():
+        for f in entries:
+            found.setdefault((f.distribution, f.version), set()).add(f.name)
+    return {key: sorted(names) for key, names in sorted(found.items())}
+
+
 def _env_names(var: str) -> set[str] | None:
     raw = os.environ.get(var)
     if raw is None:

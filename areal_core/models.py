@@ -1,5 +1,8 @@
 """Where a run's model lives: ``model.path`` resolved to a local HF folder.
 
+A local folder is taken as it is; a Hugging Face Hub id (``ORG/NAME[@REVISION]``) is downloaded into
+huggingface_hub's cache (:mod:`areal_core.hub`).
+
 ``model.path: ""`` means the built-in demo model, which a plugin provides
 through the ``areal_resolve_model`` hook (``areal-plugin-local`` converts
 SmolLM2-135M-Instruct once into a user cache). Engines, workflows (for the
@@ -31,6 +34,10 @@ def resolve_model_path(path: str, dtype: str = "auto") -> Path:
     answer = get_plugin_manager().hook.areal_resolve_model(path=path, dtype=concrete, materialize=True)
     if answer is not None:
         return Path(answer)
+    from areal_core.hub import model_folder, parse_hub_id
+
+    if parse_hub_id(path) is not None:  # ORG/NAME[@REVISION]: downloaded into huggingface_hub's cache
+        return model_folder(path)
     if not path:
         raise ModelNotFoundError(
             "model.path is '' (the built-in demo model) but no installed plugin provides it; it comes with "
@@ -38,7 +45,15 @@ def resolve_model_path(path: str, dtype: str = "auto") -> Path:
             "folder (config.json + safetensors)")
     raise ModelNotFoundError(
         f"model.path {path!r} is not a folder and no installed plugin knows it. Fix: point model.path at a "
-        f"local Hugging Face model folder (config.json + safetensors); nothing is downloaded at run time")
+        f"local Hugging Face model folder (config.json + safetensors), or name a hub model as ORG/NAME[@REVISION]")
+
+
+def server_model_path(path: str) -> str:
+    """What a launcher hands an inference server as its model: a hub id downloaded here (once, before any server
+    starts, so the servers and the trainer load the same snapshot from the cache), anything else as given."""
+    from areal_core.hub import model_folder, parse_hub_id
+
+    return str(model_folder(path)) if parse_hub_id(path) is not None else path
 
 
 def model_path_of(config: Any) -> Path:

@@ -383,3 +383,32 @@ def test_areal_plugins_flags_a_plugin_whose_requirements_are_not_installed_witho
         f"areal-plugin-needy 0.2.0 requires pluggy<0.1 ({pluggy} is installed), so its components may fail to "
         f"import. Fix: pip install 'pluggy<0.1'."]
     assert "needy_mod" not in sys.modules
+
+
+def test_version_names_the_core_and_every_plugin_distribution(tmp_path):
+    with install_fake_distribution(tmp_path, "areal-plugin-thirdparty", "2.3.4",
+                                   {"areal.rewards": {"third_reward": "third_mod:Reward"}}, {}):
+        result, _ = invoke("--version")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].startswith(f"areal-core {importlib.metadata.version('areal-core')} (")
+    assert "areal-plugin-thirdparty 2.3.4 (third_reward)" in lines
+    assert any(line.startswith("areal-plugin-fsdp 0.1.0 (fsdp)") for line in lines)
+    out = subprocess.run([str(Path(sys.executable).with_name("areal")), "--version"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("areal-core "), out.stderr
+
+
+def test_shell_completion_is_offered_and_completes_commands():
+    areal = str(Path(sys.executable).with_name("areal"))
+    assert "--install-completion" in invoke("--help")[0].output
+    # the script `--install-completion` writes for bash (asked through click's protocol: `--show-completion`
+    # detects the shell from the parent processes, which a test does not control)
+    script = subprocess.run([areal], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "_AREAL_COMPLETE": "source_bash"})
+    assert "complete" in script.stdout and "_AREAL_COMPLETE" in script.stdout, script.stdout + script.stderr
+    # what bash asks the command when the user presses tab after `areal ch`
+    asked = subprocess.run([areal], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "_AREAL_COMPLETE": "complete_bash", "COMP_WORDS": "areal ch",
+                                "COMP_CWORD": "1"})
+    assert "check" in asked.stdout.split(), asked.stdout + asked.stderr

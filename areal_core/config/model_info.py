@@ -32,11 +32,21 @@ _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num
 
 
 def read_model_info(path: str) -> ModelInfo | None:
-    """Read ``path/config.json``; None when there is no such local file (yet)."""
+    """Read ``path/config.json`` (for a hub id, the copy in huggingface_hub's cache, which ``areal check`` fetched);
+    None when there is no such file (yet)."""
     if not path:
         return None
     try:
-        raw = json.loads((Path(path).expanduser() / "config.json").read_text())
+        folder = Path(path).expanduser()
+        local = folder.is_dir()
+    except (OSError, ValueError, RuntimeError):  # too long a name, a NUL byte, '~nobody' names no home folder
+        return None
+    if not local:
+        from areal_core.hub import cached_config_folder
+
+        folder = cached_config_folder(path) or folder
+    try:
+        raw = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError, RuntimeError):  # RuntimeError: '~nobody' names no home folder
         return None
     if not isinstance(raw, dict):

@@ -31,7 +31,8 @@ def spec(default: Any = None, *, factory: Any = None, help: str = "", **rules: A
 
 @dataclass
 class ModelConfig:
-    path: str = spec("", help="HF model folder (safetensors + config.json); '' = the built-in demo model")
+    path: str = spec("", help="HF model folder (safetensors + config.json), a hub model ORG/NAME[@REVISION]; "
+                          "'' = the built-in demo model")
     dtype: str = spec("auto", choices=["auto", "float32", "bfloat16"],
                       help="parameter / compute dtype; auto = bfloat16 on a GPU or a CPU with bf16 units, else float32")
 

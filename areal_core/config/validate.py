@@ -152,7 +152,7 @@ def _path_error(exc: Exception) -> str:
 
 
 MODEL_FIX = ("set model.path to a local Hugging Face model folder (config.json, *.safetensors weights, tokenizer), "
-             "or to '' for the built-in demo model")
+             "a hub model as ORG/NAME[@REVISION], or '' for the built-in demo model")
 
 
 def model_path_problems(path: str, dtype: str, manager: PluginManager, problems: list[Problem]) -> list[Problem]:
@@ -176,6 +176,14 @@ def model_path_problems(path: str, dtype: str, manager: PluginManager, problems:
         known = [answer for _, answer in manager.call_each("areal_resolve_model", problems, path=path, dtype=dtype,
                                                            materialize=False) if answer is not None]
         if known:
+            return []
+        from areal_core.hub import HubModelError, model_config_folder, parse_hub_id
+
+        if parse_hub_id(path) is not None:  # a hub id: its config.json alone is fetched (or read from the cache)
+            try:
+                model_config_folder(path)
+            except HubModelError as exc:
+                return [Problem("core.model-hub", str(exc).removeprefix("model.path "), key="model.path")]
             return []
         what = "is a file, not a folder" if exists else "does not exist"
         return [Problem("core.model", f"{shown!r} {what}, and no installed plugin knows it as a model name",
@@ -257,8 +265,8 @@ def validate_run(path: str | None = None, overrides: list[str] | None = None, *,
         run.problems.append(Problem("core.allocation-syntax", f"{where}{exc.reason} at character "
                                     f"{exc.position + 1}\n      {exc.text}\n      {' ' * exc.position}^",
                                     "see docs/engines.md for the allocation grammar", key="allocation"))
-    run.model = read_model_info(config.model.path)
     run.problems.extend(model_path_problems(config.model.path, config.model.dtype, manager, run.problems))
+    run.model = read_model_info(config.model.path)
     if with_components:
         resolve_components(run)
         run.problems.extend(_capability_problems(run))

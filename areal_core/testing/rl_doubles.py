@@ -129,6 +129,9 @@ class CounterTrainEngineDouble(TrainEngine):
         Path(path, "weights.json").write_text(json.dumps({"version": self.state["version"]}))
         model = self.context.config.model.path
         if model:
+            from areal_core.models import resolve_model_path  # a folder, or a hub id's snapshot in the cache
+
+            model = resolve_model_path(model)
             for name in ("model.safetensors", "config.json"):
                 shutil.copy(Path(model, name), Path(path, name))
 
@@ -143,7 +146,9 @@ class CounterTrainEngineDouble(TrainEngine):
 
             if os.environ.get("RANK", "0") != "0":
                 return iter([[]])
-            return iter([list(load_file(str(Path(model, "model.safetensors"))).items())])
+            from areal_core.models import resolve_model_path
+
+            return iter([list(load_file(str(resolve_model_path(model) / "model.safetensors")).items())])
         return iter([[("version", torch.tensor(self.state["version"]))]])
 
 

@@ -33,9 +33,32 @@ def collect_commands(manager: PluginManager) -> CommandRegistrar:
     return registrar
 
 
+def versions() -> str:
+    """``areal --version``: the core's version, then every distribution that provides plugins, with what it
+    provides (entry-point names)."""
+    from areal_core.discovery import CORE_DISTRIBUTION, distributions, normalize
+
+    lines, rest = [], []
+    for (dist, ver), names in distributions().items():
+        (lines if normalize(dist) == CORE_DISTRIBUTION else rest).append(f"{dist} {ver} ({', '.join(names)})")
+    return "\n".join((lines or ["areal-core (not installed: run from a source tree)"]) + rest)
+
+
 def build_app(manager: PluginManager) -> tuple[typer.Typer, list[str]]:
-    app = typer.Typer(name="areal", help=HELP, no_args_is_help=True, add_completion=False,
+    # add_completion: typer's --install-completion / --show-completion (bash, zsh, fish, PowerShell)
+    app = typer.Typer(name="areal", help=HELP, no_args_is_help=True, add_completion=True,
                       pretty_exceptions_enable=False)
+
+    def show_version(value: bool) -> None:
+        if value:
+            print(versions())
+            raise typer.Exit()
+
+    @app.callback()
+    def areal(version: bool = typer.Option(False, "--version", callback=show_version, is_eager=True,
+                                           help="Show the core's and every plugin distribution's version.")) -> None:
+        """areal: fully asynchronous RL for LLM reasoning and agents."""
+
     registrar = collect_commands(manager)
     for name, cmd in registrar.commands.items():
         if cmd.is_group:

@@ -29,7 +29,13 @@ class LocalEngineConfig:
 
 
 def _model_arg(config: Any) -> str:
-    return config.model.path or "demo"
+    """What the server loads: the demo model by name, a hub id as the snapshot folder it is downloaded to (here,
+    once, before any server starts), a folder as it is."""
+    if not config.model.path:
+        return "demo"
+    from areal_core.models import server_model_path
+
+    return server_model_path(config.model.path)
 
 
 class LocalEngine(RemoteEngine):

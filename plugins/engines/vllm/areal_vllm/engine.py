@@ -183,7 +183,10 @@ class VLLMEngine(RemoteEngine):
         dtype = getattr(config.model, "dtype", "auto") or "auto"
         host = context.extras.get("host") or "127.0.0.1"
         check = getattr(getattr(config, "rollout", None), "weight_check", "on")
-        argv, env = server_argv(python, config.model.path, port, options, dtype=dtype, device=device, host=host,
+        from areal_core.models import server_model_path  # a hub id: downloaded here once, before servers start
+
+        model = server_model_path(config.model.path)
+        argv, env = server_argv(python, model, port, options, dtype=dtype, device=device, host=host,
                                 digest_modes=() if check == "off" else (check,),
                                 tensor_parallel=getattr(parallel, "t", 1) or 1,
                                 pipeline_parallel=getattr(parallel, "p", 1) or 1,

@@ -8,7 +8,7 @@ from typing import Any
 from areal_core.api import Reward
 from areal_core.config.schema import spec
 
-from areal_math.extract import extract_answer
+from areal_math.extract import extract_answer, nesting_depth
 from areal_math.verify import equivalent
 
 
@@ -20,15 +20,18 @@ class MathConfig:
     timeout_s: float = spec(5.0, gt=0.0, help="hard bound on one comparison; past it the worker is killed and the reward is 0")
     workers: int = spec(2, ge=1, help="math-verify worker processes (shared by every math reward with this count)")
     max_answer_chars: int = spec(1000, ge=1, help="longer extracted answers score 0 without being parsed")
+    max_answer_depth: int = spec(10, ge=1, help="answers nested deeper in (), [] or {} score 0 without being "
+                                 "parsed (sympy's parse time grows steeply with depth: a verdict that depended on "
+                                 "the machine's load)")
 
 
 class MathReward(Reward):
-    """Extract the final answer (``\\boxed{}``, ``####``, "the answer is", last number) and
-    compare it with the reference through math-verify.
+    """Extract the final answer (``\\boxed{}``, ``####``, "the answer is", the last number the prose does not
+    reject) and compare it with the reference through math-verify.
 
     Returns ``{"reward": 1.0 | 0.0, "extracted": str | None, "method": str | None,
     "reason": str}``; ``reason`` is one of ``correct``, ``wrong``, ``no_answer``,
-    ``missing_reference``, ``answer_too_long``, ``unparsable_answer``,
+    ``missing_reference``, ``ambiguous_answer``, ``answer_too_long``, ``answer_too_deep``, ``unparsable_answer``,
     ``unparsable_reference``, ``timeout``, ``error``. Never raises on any
     completion or item.
     """
@@ -48,9 +51,16 @@ class MathReward(Reward):
         found = extract_answer(completion)
         if found is None:
             return _result(None, None, "no_answer", "no boxed answer, '####', 'the answer is' or number found")
+        if found.method == "ambiguous":
+            return _result(found.answer, found.method, "ambiguous_answer", "the last number is one of alternatives "
+                           "('7 or 8'); no boxed or stated answer picks one")
         if len(found.answer) > self.options.max_answer_chars:
             return _result(found.answer[:80] + "...", found.method, "answer_too_long",
                            f"{len(found.answer)} characters > reward.max_answer_chars={self.options.max_answer_chars}")
+        depth = nesting_depth(found.answer)
+        if depth > self.options.max_answer_depth:
+            return _result(found.answer[:80], found.method, "answer_too_deep",
+                           f"nested {depth} deep > reward.max_answer_depth={self.options.max_answer_depth}")
         reference = str(reference).strip()
         if found.answer == reference:  # the common case needs no worker
             return _result(found.answer, found.method, "correct", "identical text", 1.0)

@@ -122,11 +122,40 @@ def test_extraction_rules(completion, answer, method):
     assert found is not None and (found.answer, found.method) == (answer, method)
 
 
-def test_the_last_number_rule_reads_the_last_number_even_when_the_prose_rejects_it():
-    """The documented trade-off: without a boxed or stated answer the last number is the answer."""
-    assert score("The result is 7, not 8.", "8")["reward"] == 1.0
-    assert score("The result is 7, not 8.", "7")["reward"] == 0.0
+@pytest.mark.parametrize(("completion", "answer"), [
+    ("The result is 7, not 8.", "7"),
+    ("The answer is 7, not 8.", "7"),
+    ("The answer is 7 rather than 8", "7"),
+    ("#### 12, not 13", "12"),
+    ("It is not 8. It is 7.", "7"),
+    ("So 3+4=7", "7"),
+])
+def test_a_number_the_prose_rejects_is_not_the_answer(completion, answer):
+    """An answer stated with a rejected candidate ("7, not 8") is scored on the one it keeps, by every rule."""
+    assert score(completion, answer)["reward"] == 1.0
+    wrong = str(int(answer) + 1)
+    assert score(completion, wrong)["reward"] == 0.0
+
+
+def test_alternatives_without_a_choice_score_zero():
+    for completion in ("It is 7 or 8.", "Either 7 or 8"):
+        result = score(completion, "8")
+        assert result == {**result, "reward": 0.0, "reason": "ambiguous_answer", "method": "ambiguous"}, result
+    assert score("It is 7 or 8. I pick 8.", "8")["reward"] == 1.0  # a later sentence picks one
+    assert score("It isn't 8", "8")["reason"] == "no_answer"
     assert score("The result is \\boxed{7}, not 8.", "7")["reward"] == 1.0  # rule 1 first: box the answer
+
+
+def test_a_deeply_nested_answer_scores_zero_at_once_whatever_the_load():
+    """The depth cap decides before math-verify: the same verdict on an idle and a loaded machine (23 nested
+    parentheses took about 5 s to parse, near the timeout, so the verdict had depended on load)."""
+    deep = "(" * 23 + "8" + ")" * 23
+    began = time.monotonic()
+    result = score(f"\\boxed{{{deep}}}", "8", timeout_s=60.0)
+    assert result["reason"] == "answer_too_deep" and result["reward"] == 0.0, result
+    assert "nested 23 deep > reward.max_answer_depth=10" in result["detail"]
+    assert time.monotonic() - began < 1.0  # no worker was asked
+    assert score("\\boxed{" + "(" * 10 + "8" + ")" * 10 + "}", "8", timeout_s=60.0)["reward"] == 1.0
 
 
 def test_nothing_to_extract():
