@@ -13,7 +13,9 @@ import asyncio
 import importlib
 import math
 import re
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from areal_core.api.component import Component, Context
@@ -32,16 +34,34 @@ class TargetError(ValueError):
         super().__init__(f"{key}: {self.why}. Fix: {fix}")
 
 
+def _import_here_too(module_name: str) -> Any:
+    """``importlib.import_module``, also finding a module in the current folder, as ``python script.py`` and
+    ``python -m`` do (and the run's trainer, started with ``-m`` from this folder, does): the ``areal`` console
+    script's path starts at its own bin folder, so ``reward.target=my_reward:score`` beside the config was not
+    found by ``areal check`` although the run would have found it."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        top = module_name.partition(".")[0]
+        here = Path.cwd()
+        if exc.name != top or not ((here / f"{top}.py").is_file() or (here / top / "__init__.py").is_file()):
+            raise
+        if str(here) not in sys.path:
+            sys.path.append(str(here))  # after installed packages: a local file never shadows one
+        return importlib.import_module(module_name)
+
+
 def load_target(target: str, key: str = "reward.target") -> Any:
     """Import ``"package.module:attribute"``, or raise :class:`TargetError`."""
     if not isinstance(target, str) or not TARGET.fullmatch(target):
         raise TargetError(key, target, "is not 'package.module:attribute'", f"write it like {key}=my_pkg.rewards:score")
     module_name, _, attr = target.partition(":")
     try:
-        obj = importlib.import_module(module_name)
+        obj = _import_here_too(module_name)
     except Exception as exc:
         raise TargetError(key, target, f"cannot be imported: {type(exc).__name__}: {exc}",
-                          f"install the package that provides {module_name}, or correct {key}") from exc
+                          f"install the package that provides {module_name}, put it in the folder you run areal "
+                          f"from ({Path.cwd()}), or correct {key}") from exc
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise TargetError(key, target, f"names nothing: {module_name} has no attribute {attr!r}",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import threading
 
@@ -109,3 +110,32 @@ def test_weighted_reports_every_bad_part(user_module):
 def test_weighted_needs_parts():
     run = validate_run(overrides=["reward.name=weighted"])
     assert [p.key for p in reward_problems(run)] == ["reward.parts"]
+
+
+def test_a_reward_module_in_the_folder_areal_runs_from_is_found_by_check_and_run(tmp_path):
+    """`reward.target=my_reward:score` beside the config, no PYTHONPATH: the console script's path does not hold
+    the current folder, yet the run's trainer (`python -m`, started from it) does; check and run agree."""
+    import subprocess
+    from pathlib import Path
+
+    from areal_core.testing import rl_doubles
+
+    (tmp_path / "here_reward.py").write_text("def score(prompt, completion, item):\n    return 1.0\n")
+    areal = str(Path(sys.executable).with_name("areal"))
+    with rl_doubles.installed(tmp_path / "doubles") as (config, env):
+        # the doubles' site only: an empty entry (as rl_doubles leaves when PYTHONPATH was unset) means the
+        # current folder to Python, which is what a user's unset PYTHONPATH does not give
+        env = {**env, "PYTHONPATH": os.pathsep.join(p for p in env["PYTHONPATH"].split(os.pathsep) if p)}
+
+        def areal_in_here(command, *overrides):
+            return subprocess.run([areal, command, str(config), f"output_dir={tmp_path / 'runs'}", "trial=here",
+                                   "reward.name=function", *overrides], cwd=tmp_path, env=env,
+                                  capture_output=True, text=True, timeout=120)
+
+        checked = areal_in_here("check", "reward.target=here_reward:score")
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+        missing = areal_in_here("check", "reward.target=not_here_reward:score")
+        said = missing.stdout + missing.stderr
+        assert missing.returncode == 1 and f"put it in the folder you run areal from ({tmp_path})" in said, said
+        ran = areal_in_here("run", "reward.target=here_reward:score", "trainer.total_steps=2")
+    assert ran.returncode == 0, ran.stdout + ran.stderr
