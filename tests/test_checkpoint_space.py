@@ -316,8 +316,9 @@ def test_a_run_whose_checkpoint_disk_is_full_stops_with_the_message_not_a_traceb
                 f"about 2.0 MiB (as much as the checkpoint of step 1) plus a margin of 64.2 MiB, and the "
                 f"filesystem mounted at {checkpoints} (tmpfs) has ") in out, out
         assert ("Nothing was written; the checkpoint of step 1 is still the latest. Fix: free at least ") in out
-        assert "The checkpoint of step 1 is complete and verifies: continue from it with the same " \
-               "command and --resume" in out
+        resume = re.search(r"The checkpoint of step 1 is complete and verifies: continue from it with: (areal run .*)",
+                           out)
+        assert resume and resume.group(1).endswith(" --resume"), out  # the command that started it, resumed
         assert "@@ left: latest step-00000001 \n" in out and "@@ latest: step-00000001\n" in out, out
     if case == "refused-2-ranks":
         assert "areal: the run stopped at step 2: no room for the checkpoint of step 2" in \

@@ -473,3 +473,12 @@ def test_thread_plan_splits_cores_when_both_sides_run_at_once_and_gives_each_all
     assert thread_plan(1, 1, eta=0, cpu_count=2) == ([2], [2])  # synchronous: generate, then train
     assert thread_plan(2, 2, eta=0, cpu_count=8) == ([4, 4], [4, 4])
     assert thread_plan(0, 1, eta=0, cpu_count=2) == ([], [2])
+
+
+def test_the_resume_command_is_the_one_that_started_the_run_with_resume():
+    from areal_core.launch.local import resume_command
+
+    assert resume_command(["/venv/bin/areal", "run", "my run.yaml", "trial=a b", "actor.optimizer.lr=1e-5"]) == \
+        "areal run 'my run.yaml' 'trial=a b' actor.optimizer.lr=1e-5 --resume"
+    assert resume_command(["areal", "run", "c.yaml", "--resume"]) == "areal run c.yaml --resume"
+    assert resume_command(["python", "my_script.py"]).startswith("areal run CONFIG [key=value ...] --resume")

@@ -309,11 +309,12 @@ class LocalLauncher(Launcher):
         except Shutdown as exc:
             progress.close()
             console.print(f"areal run stopped ({exc}); every process it started was stopped. "
-                          f"Continue with: areal run ... --resume")
+                          f"Continue with: {resume_command()}", highlight=False, markup=False)
             return exc.exit_code
         except KeyboardInterrupt:
             progress.close()
-            console.print("areal run interrupted; every process it started was stopped. Continue with --resume")
+            console.print(f"areal run interrupted; every process it started was stopped. Continue with: "
+                          f"{resume_command()}", highlight=False, markup=False)
             return 130
         except TimeoutError as exc:
             progress.close()
@@ -324,14 +325,26 @@ class LocalLauncher(Launcher):
         return 0
 
 
+def resume_command(argv: list[str] | None = None) -> str:
+    """The command that continues this run: ``areal`` with the arguments this process was given (``argv``,
+    default ``sys.argv``), plus ``--resume``, quoted for a POSIX shell. When this process was not started as
+    ``areal run ...`` (a script calling a launcher), the general form."""
+    import shlex
+
+    args = list(sys.argv if argv is None else argv)[1:]
+    if args[:1] != ["run"]:
+        return "areal run CONFIG [key=value ...] --resume (the command that started the run)"
+    return shlex.join(["areal", *args, *([] if "--resume" in args else ["--resume"])])
+
+
 def report_failure(message: str, run_dir: Path) -> int:
     """Say that the run failed and, when a checkpoint is complete, how to continue from it; the exit status (1).
     Every launcher ends a failed run with these words."""
     console.print(f"areal run failed: {message}")
     saved = checkpoint_step(run_dir)
     if saved > 0:
-        console.print(f"The checkpoint of step {saved} is complete and verifies: continue from it with the same command and "
-                      f"--resume (areal run ... --resume)")
+        console.print(f"The checkpoint of step {saved} is complete and verifies: continue from it with: "
+                      f"{resume_command()}", highlight=False, markup=False)
     return 1
 
 

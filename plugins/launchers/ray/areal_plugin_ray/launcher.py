@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_core.api import Launcher
-from areal_core.launch.local import MetricsTail, checkpoint_step, console, report_failure
+from areal_core.launch.local import MetricsTail, checkpoint_step, console, report_failure, resume_command
 from areal_core.launch.nodes import (
     NODE_ADDRESS_ENV, NODE_ENV, StorageReport, check_plugin_sets, installed_plugins, raise_storage_problems,
     remove_storage_tokens, trainer_argv, trainer_env,
@@ -133,12 +133,12 @@ class RayLauncher(Launcher):
         except Shutdown as exc:
             progress.close()
             console.print(f"areal run stopped ({exc}); every process it started on the Ray cluster was stopped. "
-                          f"Continue with: areal run ... --resume")
+                          f"Continue with: {resume_command()}", highlight=False, markup=False)
             return exc.exit_code
         except KeyboardInterrupt:
             progress.close()
             console.print("areal run interrupted; every process it started on the Ray cluster was stopped. "
-                          "Continue with --resume")
+                          f"Continue with: {resume_command()}", highlight=False, markup=False)
             return 130
         finally:
             try:

@@ -121,7 +121,7 @@ class SlurmLauncher(Launcher):
 
     def _submit_and_follow(self, paths: Paths, layout: Layout, options: SlurmConfig, cfg: Any, resume: bool,
                            job_name: str) -> int:
-        from areal_core.launch.local import MetricsTail, checkpoint_step, report_failure
+        from areal_core.launch.local import MetricsTail, checkpoint_step, report_failure, resume_command
 
         from areal_plugin_slurm.follow import Follower, follow, signals_raise_shutdown
 
@@ -152,7 +152,7 @@ class SlurmLauncher(Launcher):
             state = "was cancelled and has left the queue" if status["gone"] else \
                 f"was cancelled, but may still be stopping (squeue -j {job}; scancel {job} again if it stays)"
             console.print(f"areal run stopped ({status['why']}); SLURM job {job} {state}. "
-                          f"Continue with: areal run ... --resume")
+                          f"Continue with: {resume_command()}", highlight=False, markup=False)
             return int(status["code"])
         if status is not None and status.get("state") == "completed":
             console.print(f"areal run finished: {paths.run_dir} (SLURM job {job})")

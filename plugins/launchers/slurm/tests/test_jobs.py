@@ -5,6 +5,7 @@ a run that trains, a train step that fails, `areal run` stopped by SIGTERM, a no
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 from importlib import metadata
@@ -63,8 +64,8 @@ def test_a_failing_train_step_tears_the_job_down_and_is_quoted(doubles, standins
     assert f"last 30 lines of {run_dir}/logs/slurm-train-0.log" in out or \
            f"lines of {run_dir}/logs/slurm-train-0.log" in out
     assert "RuntimeError: injected failure in step 2 (AREAL_TEST_FAIL_AT_STEP)" in out
-    assert "The checkpoint of step 1 is complete and verifies: continue from it with the same command and " \
-           "--resume" in out
+    assert f"The checkpoint of step 1 is complete and verifies: continue from it with: areal run {config} " in out
+    assert re.search(r"continue from it with: areal run .* --resume\n", out), out
     assert json.loads((run_dir / "slurm" / "status.json").read_text())["state"] == "failed"
     assert "stopped (received SIGTERM)" in (run_dir / "logs" / "slurm-servers-0.log").read_text()
     assert not run_processes(run_dir)
@@ -87,7 +88,8 @@ def test_sigterm_to_areal_run_cancels_the_job_and_leaves_nothing_running(doubles
     assert proc.returncode == 128 + signal.SIGTERM, out
     assert "areal run received SIGTERM: cancelling SLURM job 1000 (scancel 1000)" in out
     assert "areal run stopped (received SIGTERM); SLURM job 1000 was cancelled and has left the queue. Continue " \
-           "with: areal run ... --resume" in out
+           f"with: areal run {config} output_dir={runs} trial=stopped " in out
+    assert re.search(r"Continue with: areal run .* actor.step_s=0.5 --resume\n", out), out
     assert [c["argv"] for c in standins.calls("scancel")] == [["1000"]]
     assert json.loads((run_dir / "slurm" / "status.json").read_text())["state"] == "cancelled"
     assert not run_processes(run_dir)
