@@ -412,3 +412,18 @@ def test_shell_completion_is_offered_and_completes_commands():
                            env={**os.environ, "_AREAL_COMPLETE": "complete_bash", "COMP_WORDS": "areal ch",
                                 "COMP_CWORD": "1"})
     assert "check" in asked.stdout.split(), asked.stdout + asked.stderr
+
+
+@pytest.mark.parametrize("columns", [80, 60])
+def test_the_plugins_listing_never_cuts_a_name_on_a_narrow_terminal(columns):
+    from areal_core.listing import collect_listing
+
+    out = subprocess.run([str(Path(sys.executable).with_name("areal")), "plugins"], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "COLUMNS": str(columns)})
+    assert out.returncode == 0, out.stderr
+    listing = collect_listing()
+    names = {h.removeprefix("areal_") for e in listing["distributions"] for h in e["hooks"]}
+    names |= {e["distribution"] for e in listing["distributions"]}
+    for name in names:
+        assert name in out.stdout, f"{name!r} is cut at {columns} columns"
+    assert max(len(line) for line in out.stdout.splitlines()) <= columns or columns < 80  # blocks wrap softly

@@ -292,6 +292,9 @@ def write_resolved_config(data: dict, target: Path) -> None:
     os.replace(tmp, target)
 
 
+PLUGINS_TABLE_MIN_WIDTH = 80  # narrower terminals get one block per distribution: no name cut mid-word
+
+
 def plugins(as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False) -> None:
     """Every installed plugin: distribution, version, components, hooks and load errors (exit status 1 when
     any is broken: a hook module or a component's module that cannot be imported, a name claimed twice)."""
@@ -304,18 +307,37 @@ def plugins(as_json: Annotated[bool, typer.Option("--json", help="machine-readab
         if broken:
             raise typer.Exit(1)
         return
+    if console.width < PLUGINS_TABLE_MIN_WIDTH:  # too narrow for four columns: one block per distribution
+        for entry in listing["distributions"]:
+            console.print(f"{entry['distribution']} {entry['version']}" + (" (built-in)" if entry["builtin"] else ""),
+                          style="bold", soft_wrap=True)
+            for label, items in (("components", [f"{k}: {', '.join(v)}" for k, v in entry["components"].items()]),
+                                 ("backends", [f"{b['backend']} ({b['kind']}, dims {b['dims']}, "
+                                               f"{'/'.join(b['devices'])})" for b in entry["backends"]]),
+                                 ("hooks", entry["hooks"]), ("problems", entry["errors"] + entry["warnings"])):
+                console.print(f"  {label}: {'; '.join(items) or '-'}", soft_wrap=True)
+        _exit_if_broken(broken)
+        return
+    # Names are never cut mid-word (distributions, hooks): the free-text columns wrap instead. Hooks are shown
+    # without their common "areal_" prefix.
     table = Table(title="areal plugins", show_lines=True)
-    for col in ("distribution", "components", "hooks", "problems"):
-        table.add_column(col, overflow="fold")
+    table.add_column("distribution", no_wrap=True)
+    table.add_column("components", overflow="fold")
+    table.add_column("hooks (areal_...)", no_wrap=True)
+    table.add_column("problems", overflow="fold")
     for entry in listing["distributions"]:
         comps = "\n".join(f"{kind}: {', '.join(names)}" for kind, names in entry["components"].items())
         backs = "\n".join(f"backend {b['backend']} ({b['kind']}, dims {b['dims']}, {'/'.join(b['devices'])})"
                           for b in entry["backends"])
-        table.add_row(f"{entry['distribution']} {entry['version']}" + (" (built-in)" if entry["builtin"] else ""),
+        table.add_row(f"{entry['distribution']}\n{entry['version']}" + (" (built-in)" if entry["builtin"] else ""),
                       "\n".join(x for x in (comps, backs) if x) or "-",
-                      "\n".join(entry["hooks"]) or "-",
+                      "\n".join(h.removeprefix("areal_") for h in entry["hooks"]) or "-",
                       "\n".join(entry["errors"] + entry["warnings"]) or "-")
     console.print(table)
+    _exit_if_broken(broken)
+
+
+def _exit_if_broken(broken: list[str]) -> None:
     if broken:
         err.print(f"broken: {', '.join(broken)} (see problems above)")
         raise typer.Exit(1)
