@@ -47,6 +47,7 @@ from areal_core.checkpoint import (
 from areal_core.clock import REAL_CLOCK, Clock
 from areal_core.config.validate import ValidatedRun, minibatch_problem, validate_run
 from areal_core.launch.nodes import rollout_node_env, same_node_as_trainer
+from areal_core.completions import COMPLETIONS_FILE
 from areal_core.metrics import MetricsLogger, histogram, summarize, truncate_jsonl
 from areal_core.problems import ProblemsError, format_problems
 from areal_core.rollout import RolloutController, RolloutError, StallError, has_reward_variance, pack_groups
@@ -81,6 +82,7 @@ class Trainer:
     def __init__(self, run: ValidatedRun, run_dir: Path, rank: int = 0, world_size: int = 1,
                  clock: Clock = REAL_CLOCK) -> None:
         self.run, self.cfg, self.run_dir = run, run.config, Path(run_dir)
+        self._decode: Any = None  # token ids -> text for completions.jsonl: the workflow's tokenizer (rank 0)
         # The step's timings and the controller's loop run on it; the simulator passes a virtual one, which the
         # engines also get (extras["clock"]) to spend modelled time on.
         self.clock = clock
@@ -126,6 +128,9 @@ class Trainer:
     def _rollout_side(self) -> None:
         reward = build(self.run, "reward")
         workflow = build(self.run, "workflow", reward=reward)
+        tokenizer = getattr(workflow, "tokenizer", None)
+        if callable(getattr(tokenizer, "decode", None)):
+            self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
         placement = self.run.placement("rollout")
 
         def engine_at(index: int, address: str | None) -> Any:
@@ -256,6 +261,7 @@ class Trainer:
             seed_everything(self.cfg.trainer.seed + self.rank)
         if self.rank == 0:
             truncate_jsonl(self.run_dir / "samples.jsonl", self.step + 1)
+            truncate_jsonl(self.run_dir / COMPLETIONS_FILE, self.step + 1)
         total = self.cfg.trainer.total_steps
         # Steps are logged 1-based; everything after the resumed step is dropped and redone.
         logger = MetricsLogger.for_run(self.run_dir, resume_step=self.step + 1, progress=False,
@@ -378,6 +384,7 @@ class Trainer:
                 metrics["time/weight_delta_s"] = self.weights.delta_s
             metrics.update(self._rollout_metrics(groups, packed, version, waited, train_s))
             self._record_samples(groups, version)
+            self._record_completions(groups, version)
             metrics["time/step_s"] = now() - began  # from asking for the batch to handing the weights over
         return metrics
 
@@ -436,6 +443,18 @@ class Trainer:
         m["throughput/gen_tokens_per_s"] = (tokens - before) / (since - before_t) if since > before_t else 0.0
         self._last_generated = (tokens, since)
         return m
+
+    def _record_completions(self, groups, version: int) -> None:
+        """The step's samples as text in completions.jsonl (``metrics.completions_every``), decoded with the
+        workflow's tokenizer (the one that encoded its prompts); a workflow without one (a ``tokenizer``
+        attribute with ``decode``) gives records with their counts and no text."""
+        from areal_core.completions import append_records, completion_records, due
+
+        step, cfg = self.step + 1, self.cfg.metrics
+        if not due(step, cfg.completions_every):
+            return
+        append_records(self.run_dir, completion_records(groups, step, version, self._decode,
+                                                        cfg.completions_per_step))
 
     def _record_samples(self, groups, version: int) -> None:
         """One JSON line per step naming the data items it trained on (what resume is checked against)."""

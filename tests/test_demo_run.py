@@ -69,6 +69,30 @@ def test_a_short_default_run_writes_a_complete_run_folder(tmp_path):
     trained = AutoModelForCausalLM.from_pretrained(latest / "actor")  # plain HF safetensors
     assert trained.config.vocab_size > 0
 
+    # What the model wrote, as text, for every step (2 groups of 2 a step: all 4 samples, under the cap of 8)
+    from areal_core.completions import read_records
+    from areal_core.models import load_tokenizer
+
+    written = read_records(run_dir / "completions.jsonl")
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["item"]) for r in written] == \
+        [(s["step"], item) for s in samples for item in s["items"] for _ in range(2)]
+    tokenizer = load_tokenizer(str(model))
+    for r in written:
+        assert r["prompt"].endswith("=") and "3+4=7" in r["prompt"], r  # the few-shot arithmetic prompt
+        assert isinstance(r["completion"], str) and r["completion_tokens"] > 0
+        assert len(tokenizer(r["completion"], add_special_tokens=False)["input_ids"]) >= 1
+        assert r["reward"] in (0.0, 1.0) and r["version"] == r["step"] - 1
+        assert 0 <= r["staleness"] <= 2 and r["versions"][1] - r["versions"][0] <= 2
+    shown = subprocess.run([AREAL, "samples", str(run_dir), "-n", "2"], capture_output=True, text=True,
+                           timeout=scaled(60))
+    assert shown.returncode == 0 and shown.stdout.count("step 3 · item ") == 2, shown.stdout + shown.stderr
+    first = written[0]
+    by_item = subprocess.run([AREAL, "samples", str(run_dir), "--item", str(first["item"]), "--json"],
+                             capture_output=True, text=True, timeout=scaled(60))
+    assert [json.loads(line) for line in by_item.stdout.splitlines()] == \
+        [r for r in written if r["item"] == first["item"]][:4]
+
     plotted = subprocess.run([AREAL, "plot", str(run_dir)], capture_output=True, text=True, timeout=scaled(120))
     assert plotted.returncode == 0, plotted.stderr
     png = run_dir / "curves.png"

@@ -384,3 +384,6 @@ def areal_register_commands(registrar) -> None:
     from areal_cli.evaluate import eval_command  # here: that module imports this one
 
     registrar.add_command(eval_command, "eval")
+    from areal_cli.samples import samples
+
+    registrar.add_command(samples, "samples")
