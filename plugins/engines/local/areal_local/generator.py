@@ -207,6 +207,8 @@ class Generator:
         self._sliding_window = getattr(config, "sliding_window", None) if "sliding_attention" in layer_types else None
         self._mask_per_type = bool(layer_types) and self._sliding_window is not None
         self._keep_last = "logits_to_keep" in inspect.signature(model.forward).parameters
+        # transformers 5.x renamed forward's past_key_values to cache (the old name warns, and goes in 5.40)
+        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self._rng = random.Random(seed)
         self._cache = SlotCache()
         self._rows: list[_Request] = []  # running, row i of the cache
@@ -442,11 +444,11 @@ class Generator:
         if self._mask_per_type:
             mask = {"full_attention": mask, "sliding_attention": self._mask_format(sliding)}
         kwargs = {"logits_to_keep": 1} if self._keep_last else {}
+        kwargs[self._cache_arg] = self._cache if cache is None else cache
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=position_ids,
-            past_key_values=self._cache if cache is None else cache,
             use_cache=True,
             **kwargs,
         )

@@ -831,3 +831,18 @@ def test_warming_weight_loads_changes_no_packed_copy(folders):
     gen.warm_weight_loads()
     assert all(gen._packed._packed[k] is t and torch.equal(t.to_dense(), bits) for k, (t, bits) in packed.items())
     assert all(w is t and torch.equal(w.to_dense(), bits) for (w, _), (t, bits) in zip(gen._lean._qkv, qkv))
+
+
+def test_the_forward_uses_the_cache_argument_transformers_keeps(llama):
+    """transformers 5.x renamed forward's ``past_key_values`` to ``cache``, warning (FutureWarning) that the old
+    name goes in 5.40: the generator passes whichever the installed release's forward takes, with no warning."""
+    import inspect
+    import warnings
+
+    gen = Generator(llama, eos_token_ids=[EOS], max_batch=2, lean_decode=False, packed_linears=False)
+    takes = inspect.signature(llama.forward).parameters
+    assert gen._cache_arg == ("cache" if "cache" in takes else "past_key_values")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        results, _ = drain(gen, {0: [("a", PROMPTS[0], greedy(6))]})
+    assert results["a"].output_ids == hf_greedy(llama, PROMPTS[0], 6)
