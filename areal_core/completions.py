@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 COMPLETIONS_FILE = "completions.jsonl"
+EVAL_SAMPLES_FILE = "eval_samples.jsonl"  # the trainer's evaluations, one line per validation item
 
 
 def _plain(value: Any) -> Any:
@@ -35,6 +36,36 @@ def _plain(value: Any) -> Any:
     return None
 
 
+def sample_text(t: Any, decode: Callable[[list[int]], str] | None) -> dict:
+    """A trajectory's prompt (before the policy's first token) and completion (from it on) as text (None without
+    ``decode``), their token counts, its reward and the reward's JSON-able details."""
+    first = next((j for j, m in enumerate(t.loss_mask) if m), len(t.tokens))
+    return {"prompt": decode(list(t.tokens[:first])) if decode else None,
+            "completion": decode(list(t.tokens[first:])) if decode else None,
+            "reward": _plain(float(t.reward)),
+            "reward_info": {key: _plain(v) for key, v in (t.info or {}).items() if _plain(v) is not None},
+            "prompt_tokens": first, "completion_tokens": len(t.tokens) - first}
+
+
+def eval_item_records(results: list[Any], items: list[Any], success: float,
+                      decode: Callable[[list[int]], str] | None) -> list[dict]:
+    """Per validation item of one evaluation: its index, id and reference answer where the item has them,
+    whether it passed (a sample reaching ``success``), and each sample's text and reward."""
+    out = []
+    for index, (item, result) in enumerate(zip(items, results)):
+        samples = [] if isinstance(result, BaseException) or not result else result
+        texts = [sample_text(t, decode) for t in samples]
+        record = {"index": index, "passed": any((x["reward"] or 0.0) >= success for x in texts),
+                  "samples": [{k: x[k] for k in ("completion", "reward", "reward_info", "completion_tokens")}
+                              for x in texts]}
+        if isinstance(item, dict):
+            record.update({k: _plain(item[k]) for k in ("id", "answer") if k in item and _plain(item[k]) is not None})
+        if texts:
+            record["prompt"] = texts[0]["prompt"]
+        out.append(record)
+    return out
+
+
 def completion_records(groups: Iterable[Any], step: int, version: int, decode: Callable[[list[int]], str] | None,
                        limit: int) -> list[dict]:
     """Up to ``limit`` records of the trajectories of ``groups`` (EpisodeGroups), in order; ``decode`` turns token
@@ -44,18 +75,11 @@ def completion_records(groups: Iterable[Any], step: int, version: int, decode: C
         for i, t in enumerate(group.trajectories):
             if len(out) >= limit:
                 return out
-            first = next((j for j, m in enumerate(t.loss_mask) if m), len(t.tokens))
             policy = [v for v, m in zip(t.versions, t.loss_mask) if m and v >= 0]
-            info = {key: _plain(v) for key, v in (t.info or {}).items() if _plain(v) is not None}
-            out.append({
-                "step": step, "version": version, "item": group.seq, "group": k, "sample": i,
-                "prompt": decode(list(t.tokens[:first])) if decode else None,
-                "completion": decode(list(t.tokens[first:])) if decode else None,
-                "reward": _plain(float(t.reward)), "reward_info": info,
-                "prompt_tokens": first, "completion_tokens": len(t.tokens) - first,
-                "versions": [min(policy), max(policy)] if policy else [],
-                "staleness": version - min(policy) if policy else None,
-            })
+            out.append({"step": step, "version": version, "item": group.seq, "group": k, "sample": i,
+                        **sample_text(t, decode),
+                        "versions": [min(policy), max(policy)] if policy else [],
+                        "staleness": version - min(policy) if policy else None})
     return out
 
 

@@ -163,10 +163,12 @@ def _engine(run: Any, index: int, address: str | None, log_dir: Path) -> Any:
                 "log_path": str(log_dir / f"eval-rollout-{index}.log")}))
 
 
-def evaluate(run: Any, log_dir: Path, step: int = 0, say: Callable[[str], None] = print) -> dict[str, float]:
+def evaluate(run: Any, log_dir: Path, step: int = 0, say: Callable[[str], None] = print,
+             per_item: list | None = None) -> dict[str, float]:
     """Score ``run.config``'s model: the trainer's :class:`~areal_core.trainer_eval.Evaluation` on inference
     servers started for it on this machine (their logs in ``log_dir``), all stopped again on return. Returns the
-    ``eval/*`` metrics, ``eval/after_step`` = ``step``.
+    ``eval/*`` metrics, ``eval/after_step`` = ``step``; ``per_item``, when given, receives each validation
+    item's results (its samples' text and rewards, :func:`areal_core.completions.eval_item_records`).
 
     Raises :class:`EvalError` for ``eval.size`` 0, ``ProcessFailed`` / ``TimeoutError`` for a server that did
     not come up, ``RuntimeError`` for an item whose episode failed, ``TimeoutError`` (naming
@@ -203,13 +205,16 @@ def evaluate(run: Any, log_dir: Path, step: int = 0, say: Callable[[str], None] 
             say(f"evaluating {len(evaluation.items)} validation items of {cfg.dataset.name!r}, "
                 f"{cfg.eval.samples} sample(s) each at temperature {cfg.eval.temperature:g}")
             evaluation.start(controller, step)
-            return evaluation.collect(wait=True)
+            metrics = evaluation.collect(wait=True)
+            if per_item is not None:
+                per_item.extend(evaluation.last_items)
+            return metrics
         finally:
             controller.close()
 
 
 def report(target: Target, run: Any, metrics: dict[str, float], config_file: str, overrides: list[str],
-           seconds: float) -> dict:
+           seconds: float, per_item: list | None = None) -> dict:
     """The contents of ``eval.json``."""
     cfg = run.config
     resolved = run.resolved_dict()
@@ -227,6 +232,7 @@ def report(target: Target, run: Any, metrics: dict[str, float], config_file: str
         "metrics": metrics,  # as the trainer logs them in metrics.jsonl
         "seconds": seconds,
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "per_item": list(per_item or []),  # each validation item: passed, its samples' text and rewards
     }
 
 

@@ -47,7 +47,7 @@ from areal_core.checkpoint import (
 from areal_core.clock import REAL_CLOCK, Clock
 from areal_core.config.validate import ValidatedRun, minibatch_problem, validate_run
 from areal_core.launch.nodes import rollout_node_env, same_node_as_trainer
-from areal_core.completions import COMPLETIONS_FILE
+from areal_core.completions import COMPLETIONS_FILE, EVAL_SAMPLES_FILE
 from areal_core.metrics import MetricsLogger, histogram, summarize, truncate_jsonl
 from areal_core.problems import ProblemsError, format_problems
 from areal_core.rollout import RolloutController, RolloutError, StallError, has_reward_variance, pack_groups
@@ -173,6 +173,7 @@ class Trainer:
     def _eval_setup(self, reward: Any) -> None:
         """The validation items and a workflow that samples ``eval.samples`` per item at ``eval.temperature``."""
         self.evaluation = Evaluation(self.run, reward, lambda: build(self.run, "dataset", split="validation"))
+        self.evaluation.samples_file = self.run_dir / EVAL_SAMPLES_FILE
 
     # -------------------------------------------------------------- checkpoints
     def _restore(self) -> None:
@@ -262,6 +263,7 @@ class Trainer:
         if self.rank == 0:
             truncate_jsonl(self.run_dir / "samples.jsonl", self.step + 1)
             truncate_jsonl(self.run_dir / COMPLETIONS_FILE, self.step + 1)
+            truncate_jsonl(self.run_dir / EVAL_SAMPLES_FILE, self.step + 1)
         total = self.cfg.trainer.total_steps
         # Steps are logged 1-based; everything after the resumed step is dropped and redone.
         logger = MetricsLogger.for_run(self.run_dir, resume_step=self.step + 1, progress=False,

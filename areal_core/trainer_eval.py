@@ -27,6 +27,11 @@ class Evaluation:
         ev = self.cfg.eval
         self.items: list[Any] = []
         self._pending: tuple[Any, int, float] | None = None
+        self.decode: Callable[[list[int]], str] | None = None
+        # The last finished evaluation, per validation item (areal_core.completions.eval_item_records); with
+        # samples_file set, each evaluation's is appended there too (the trainer's eval_samples.jsonl)
+        self.last_items: list[dict] = []
+        self.samples_file: Any = None
         if ev.size == 0:
             return
         self.items = list(itertools.islice(iter(validation()), ev.size))
@@ -39,6 +44,9 @@ class Evaluation:
         workflow_cls = run.components["workflow"]
         self.workflow = workflow_cls.create(Context(
             config=eval_cfg, options=run.options.get("workflow"), extras={"reward": reward}))
+        tokenizer = getattr(self.workflow, "tokenizer", None)
+        self.decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) \
+            if callable(getattr(tokenizer, "decode", None)) else None
 
     def start(self, controller: Any, step: int) -> None:
         """Evaluate the policy the engines serve after ``step``, unless an evaluation is still running."""
@@ -59,7 +67,17 @@ class Evaluation:
             return {}
         results = pending.result()
         self._pending = None
-        return eval_metrics(results, self.items, self.cfg.eval.success, step, time.monotonic() - began)
+        metrics = eval_metrics(results, self.items, self.cfg.eval.success, step, time.monotonic() - began)
+        from areal_core.completions import eval_item_records
+
+        self.last_items = eval_item_records(results, self.items, self.cfg.eval.success, self.decode)
+        if self.samples_file is not None:
+            import json
+
+            with open(self.samples_file, "a", encoding="utf-8") as f:
+                for record in self.last_items:
+                    f.write(json.dumps({"step": step, **record}, ensure_ascii=False) + "\n")
+        return metrics
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

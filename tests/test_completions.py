@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from areal_cli.app import build_app
 from areal_core.api.workflow import Trajectory
-from areal_core.completions import append_records, completion_records, due, read_records
+from areal_core.completions import append_records, completion_records, due, eval_item_records, read_records
 from areal_core.plugins import get_plugin_manager
 from areal_core.rollout.batch import EpisodeGroup
 
@@ -75,3 +75,16 @@ def test_areal_samples_shows_a_step_an_item_or_the_worst(tmp_path):
     nothing = CliRunner().invoke(app, ["samples", str(tmp_path / "older-run")])
     assert nothing.exit_code == 1 and f"{tmp_path / 'older-run' / 'completions.jsonl'} does not exist" in \
         nothing.output and "metrics.completions_every > 0" in nothing.output
+
+
+def test_eval_items_say_which_passed_and_what_each_sample_wrote():
+    items = [{"id": "q1", "answer": "42", "messages": ["..."]}, {"answer": 7}, "plain item"]
+    results = [group(0, [1.0, 0.0]).trajectories, None, RuntimeError("episode failed")]
+    records = eval_item_records(results, items, success=1.0, decode=decode)
+    assert [(r["index"], r["passed"], len(r["samples"])) for r in records] == [(0, True, 2), (1, False, 0),
+                                                                               (2, False, 0)]
+    assert records[0]["id"] == "q1" and records[0]["answer"] == "42" and records[0]["prompt"] == "ab"
+    assert records[0]["samples"][1] == {"completion": "cdef", "reward": 0.0, "reward_info": {
+        "method": "boxed", "long": "x" * 500 + "..."}, "completion_tokens": 4}
+    assert records[1] == {"index": 1, "passed": False, "samples": [], "answer": 7}
+    assert "prompt" not in records[2] and json.dumps(records)

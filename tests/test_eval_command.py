@@ -86,6 +86,14 @@ def test_areal_eval_of_a_checkpoint_equals_the_trainers_own_evaluation_of_that_s
     assert (report["k"], report["pass@k"], report["mean@k"], report["reward_mean"], report["items"]) == \
         (1, logged[2]["eval/accuracy"], logged[2]["eval/mean_at_k"], logged[2]["eval/reward_mean"], 8)
     assert "pass@1" in scored.stdout and "mean reward" in scored.stdout
+    # per item: what the model wrote and how it scored, the same items and verdicts as the trainer's evaluation
+    per_item = report["per_item"]
+    assert [r["index"] for r in per_item] == list(range(8))
+    assert sum(r["passed"] for r in per_item) / 8 == report["pass@k"]
+    assert all(len(r["samples"]) == 1 and isinstance(r["samples"][0]["completion"], str) for r in per_item)
+    assert all(r["prompt"].endswith("=") and "answer" in r for r in per_item)
+    trainer_items = [r for r in read_jsonl(run_dir / "eval_samples.jsonl") if r["step"] == 2]
+    assert [(r["passed"], r["samples"]) for r in trainer_items] == [(r["passed"], r["samples"]) for r in per_item]
     assert not list(checkpoint.glob(".eval.json*"))
     assert (run_dir / "logs" / "eval-rollout-0.log").exists()
 

@@ -51,10 +51,12 @@ def eval_command(target: TargetArg, config: EvalConfigArg = None, overrides: Ove
     try:
         with ServedModel(resolved) as served:
             run = _validate(config_file, [*overrides, f"model.path={_yaml_string(served)}"])
-            metrics = _evaluate(run, resolved)
+            per_item: list = []
+            metrics = _evaluate(run, resolved, per_item)
     except EvalError as exc:
         _fail(str(exc))
-    _write_and_show(resolved, run, metrics, config_file, overrides, destination, time.monotonic() - began)
+    _write_and_show(resolved, run, metrics, config_file, overrides, destination, time.monotonic() - began,
+                    per_item)
 
 
 def _fail(message: str) -> None:
@@ -104,7 +106,7 @@ def _validate(config_file: str, overrides: list[str]):
     return run
 
 
-def _evaluate(run, target) -> dict[str, float]:
+def _evaluate(run, target, per_item: list) -> dict[str, float]:
     """The evaluation, its server logs in the run's logs/ (a base model's: a temporary folder, kept and named
     when something failed)."""
     from areal_core.evaluate import EvalError, evaluate
@@ -114,7 +116,7 @@ def _evaluate(run, target) -> dict[str, float]:
     log_dir = Path(tempfile.mkdtemp(prefix="areal-eval-logs-")) if temporary else target.run_dir / "logs"
     keep = False
     try:
-        metrics = evaluate(run, log_dir, step=target.step, say=lambda line: err.print(line))
+        metrics = evaluate(run, log_dir, step=target.step, say=lambda line: err.print(line), per_item=per_item)
     except Shutdown as exc:
         err.print(f"areal eval stopped ({exc}); every server it started was stopped; nothing was written")
         raise typer.Exit(exc.exit_code) from None
@@ -132,10 +134,10 @@ def _evaluate(run, target) -> dict[str, float]:
 
 
 def _write_and_show(target, run, metrics: dict[str, float], config_file: str, overrides: list[str],
-                    destination: Path, seconds: float) -> None:
+                    destination: Path, seconds: float, per_item: list) -> None:
     from areal_core.evaluate import DEMO_MODEL, report, write_report
 
-    data = report(target, run, metrics, config_file, overrides, seconds)
+    data = report(target, run, metrics, config_file, overrides, seconds, per_item)
     try:
         write_report(data, destination)
     except OSError as exc:
