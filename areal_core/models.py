@@ -48,14 +48,6 @@ def resolve_model_path(path: str, dtype: str = "auto") -> Path:
         f"local Hugging Face model folder (config.json + safetensors), or name a hub model as ORG/NAME[@REVISION]")
 
 
-def server_model_path(path: str) -> str:
-    """What a launcher hands an inference server as its model: a hub id downloaded here (once, before any server
-    starts, so the servers and the trainer load the same snapshot from the cache), anything else as given."""
-    from areal_core.hub import model_folder, parse_hub_id
-
-    return str(model_folder(path)) if parse_hub_id(path) is not None else path
-
-
 def model_path_of(config: Any) -> Path:
     """:func:`resolve_model_path` for a :class:`~areal_core.config.RunConfig`."""
     return resolve_model_path(config.model.path, config.model.dtype)

@@ -29,13 +29,9 @@ class LocalEngineConfig:
 
 
 def _model_arg(config: Any) -> str:
-    """What the server loads: the demo model by name, a hub id as the snapshot folder it is downloaded to (here,
-    once, before any server starts), a folder as it is."""
-    if not config.model.path:
-        return "demo"
-    from areal_core.models import server_model_path
-
-    return server_model_path(config.model.path)
+    """What the server loads: the demo model by name, anything else as given (the server resolves a hub id into
+    the Hugging Face cache itself, on the node it runs on)."""
+    return config.model.path or "demo"
 
 
 class LocalEngine(RemoteEngine):

@@ -565,6 +565,10 @@ def main(argv: list[str] | None = None) -> None:
         from areal_local.models import demo_model_path
 
         model = str(demo_model_path(args.dtype))
+    else:  # a folder as it is; a hub id downloaded into the Hugging Face cache (areal_core.hub)
+        from areal_core.models import resolve_model_path
+
+        model = str(resolve_model_path(model, args.dtype))
     # Only the engine thread may run torch on several cores: a second multi-threaded OpenMP team (this
     # thread's, had it loaded the model at full width) throttles every kernel of the first (areal_core.threads).
     import torch

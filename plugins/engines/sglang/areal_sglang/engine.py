@@ -136,10 +136,8 @@ class SGLangEngine(RemoteEngine):
         placement = getattr(context, "placement", None)
         tensor_parallel = getattr(getattr(placement, "parallel", None), "t", 1) or 1
         host = context.extras.get("host") or "127.0.0.1"  # a cluster launcher gives the node's address
-        from areal_core.models import server_model_path  # a hub id: downloaded here once, before servers start
-
-        model = server_model_path(config.model.path)
-        argv = server_argv(python, model, port, options, getattr(config.model, "dtype", "auto"),
+        # a hub id goes to SGLang as it is (it downloads into the inherited Hugging Face cache, on its node)
+        argv = server_argv(python, config.model.path, port, options, getattr(config.model, "dtype", "auto"),
                            tensor_parallel, host)
         env = server_env(host, config.rollout.max_request_mb, server_guard.run_load_roots(config))
         return ServerProcess(argv, http_ready(port, host=host), f"the /health endpoint of SGLang server {index} on "

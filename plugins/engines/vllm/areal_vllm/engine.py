@@ -183,10 +183,9 @@ class VLLMEngine(RemoteEngine):
         dtype = getattr(config.model, "dtype", "auto") or "auto"
         host = context.extras.get("host") or "127.0.0.1"
         check = getattr(getattr(config, "rollout", None), "weight_check", "on")
-        from areal_core.models import server_model_path  # a hub id: downloaded here once, before servers start
-
-        model = server_model_path(config.model.path)
-        argv, env = server_argv(python, model, port, options, dtype=dtype, device=device, host=host,
+        # a hub id goes to vLLM as it is: the server downloads it into the run's Hugging Face cache (HF_HOME and
+        # HF_ENDPOINT are inherited), on the node it runs on, and the trainer reads it from there
+        argv, env = server_argv(python, config.model.path, port, options, dtype=dtype, device=device, host=host,
                                 digest_modes=() if check == "off" else (check,),
                                 tensor_parallel=getattr(parallel, "t", 1) or 1,
                                 pipeline_parallel=getattr(parallel, "p", 1) or 1,

@@ -1,0 +1,87 @@
+"""The GPU recipes in examples/gpu/ pass `areal check` as written, with their hub models' real shapes: a stand-in
+of the hub on 127.0.0.1 serves the Qwen2.5 configs (their published sizes), so the plan rules judge the
+allocations against the real head and layer counts; the data is swapped for the repository's GSM8K-format sample
+(the recipes read the real GSM8K, downloaded by the command they give) and the vLLM interpreter for a stand-in
+(the GPU vLLM is not installable here). The SLURM recipe's job is also written (`--dry-run`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from areal_core.testing.distributions import interpreter_with
+from areal_core.testing.hub import serve
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "examples" / "gpu").glob("*.yaml"))
+AREAL = str(Path(sys.executable).with_name("areal"))
+# config.json facts of the models the recipes name (Qwen2.5 *-Instruct, as published on the hub)
+QWEN = {
+    "Qwen2.5-0.5B-Instruct": dict(hidden_size=896, num_attention_heads=14, num_key_value_heads=2,
+                                  num_hidden_layers=24, intermediate_size=4864, tie_word_embeddings=True),
+    "Qwen2.5-1.5B-Instruct": dict(hidden_size=1536, num_attention_heads=12, num_key_value_heads=2,
+                                  num_hidden_layers=28, intermediate_size=8960, tie_word_embeddings=True),
+    "Qwen2.5-7B-Instruct": dict(hidden_size=3584, num_attention_heads=28, num_key_value_heads=4,
+                                num_hidden_layers=28, intermediate_size=18944, tie_word_embeddings=False),
+}
+SAMPLE = ["dataset.path=examples/data/gsm8k_format_train.jsonl",
+          "dataset.validation_path=examples/data/gsm8k_format_val.jsonl"]
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hub")
+    for name, shape in QWEN.items():
+        folder = root / "models" / "Qwen" / name
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps({
+            "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936,
+            "max_position_embeddings": 32768, "torch_dtype": "bfloat16", "use_sliding_window": False, **shape}))
+    python = interpreter_with(root / "vllm-env", "vllm", "0.32.0")
+    with serve(root) as endpoint:
+        yield endpoint, python, root
+
+
+def areal(hub, tmp_path, *args):
+    endpoint, python, _ = hub
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf-home"))
+    return subprocess.run([AREAL, *args, *SAMPLE, f"rollout.python={python}", f"output_dir={tmp_path / 'runs'}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_there_are_recipes_for_one_gpu_eight_and_two_nodes():
+    assert [p.name for p in RECIPES] == ["gsm8k_qwen2.5-0.5b_1gpu.yaml", "gsm8k_qwen2.5-1.5b_8gpu.yaml",
+                                         "gsm8k_qwen2.5-7b_2nodes_ray.yaml", "gsm8k_qwen2.5-7b_2nodes_slurm.yaml"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
+def test_each_recipe_passes_the_check_with_its_models_real_shape(hub, tmp_path, recipe):
+    checked = areal(hub, tmp_path, "check", str(recipe))
+    said = checked.stdout + checked.stderr
+    assert checked.returncode == 0, said
+    assert "OK. allocation" in said
+    fetched = (hub[2] / "requests.log").read_text()
+    model = next(name for name in QWEN if name in recipe.read_text())
+    assert f"/Qwen/{model}/resolve/" in fetched  # its config came from the hub
+
+
+def test_the_plan_rules_read_the_hub_models_heads(hub, tmp_path):
+    """The 7B recipe at t3 is refused: 28 heads are not divisible by 3, which only the model's config says."""
+    recipe = ROOT / "examples" / "gpu" / "gsm8k_qwen2.5-7b_2nodes_ray.yaml"
+    refused = areal(hub, tmp_path, "check", str(recipe), "allocation=vllm:d4t3+fsdp:d4")
+    said = refused.stdout + refused.stderr
+    assert refused.returncode == 1 and "[vllm.tensor-heads]" in said and "28 attention heads" in said, said
+
+
+def test_the_slurm_recipe_writes_its_job(hub, tmp_path):
+    recipe = ROOT / "examples" / "gpu" / "gsm8k_qwen2.5-7b_2nodes_slurm.yaml"
+    dry = areal(hub, tmp_path, "run", str(recipe), "--dry-run")
+    said = dry.stdout + dry.stderr
+    assert dry.returncode == 0, said
+    assert "#SBATCH --nodes=2" in said and "#SBATCH --partition=gpu" in said, said
