@@ -366,19 +366,60 @@ class BackgroundSink:
 
     _DONE = object()
 
-    def __init__(self, sink: MetricsSink, label: str, on_failure: Any, *, max_queued: int = 10_000,
-                 close_timeout_s: float = 30.0) -> None:
+    def __init__(self, sink: MetricsSink | None, label: str, on_failure: Any, *, max_queued: int = 10_000,
+                 close_timeout_s: float = 30.0, build: Any = None, on_build_failure: Any = None,
+                 start_timeout_s: float = 60.0) -> None:
+        """``build``: instead of ``sink``, a callable that makes it, called on the writer's thread (a tracker's
+        start-up, which may wait on the network, never holds training); steps queue meanwhile. One that raises
+        goes to ``on_build_failure(error)``; one not done within ``start_timeout_s`` is reported the same way
+        (a ``TimeoutError``) at the next write, and what it makes later is closed unused."""
         import queue
         import threading
+        import time
 
         self.sink, self.label, self.on_failure = sink, label, on_failure
         self.close_timeout_s = close_timeout_s
+        self._build, self._on_build_failure = build, on_build_failure
+        self._start_deadline = time.monotonic() + start_timeout_s
+        self._start_timeout_s = start_timeout_s
+        self._built = threading.Event()
+        if build is None:
+            self._built.set()
         self._queue: Any = queue.Queue(max_queued)
         self._failed = self._dropping = False
         self._thread = threading.Thread(target=self._run, name=f"areal-metrics-{label}"[:60], daemon=True)
         self._thread.start()
 
+    def wait_started(self) -> MetricsSink | None:
+        """The sink once built (waiting at most until the start time limit); None when it failed or is late."""
+        import time
+
+        self._built.wait(max(0.0, self._start_deadline - time.monotonic()))
+        return self.sink if self._built.is_set() and not self._failed else None
+
+    def _build_here(self) -> bool:
+        try:
+            sink = self._build()
+        except Exception as e:
+            if not self._failed:
+                self._failed = True
+                self._on_build_failure(e)
+            return False
+        if self._failed:  # given up on at the start time limit: what it made is not used
+            try:
+                sink.close()
+            except Exception:
+                pass
+            return False
+        self.sink = sink
+        self._built.set()
+        return True
+
     def _run(self) -> None:
+        if self._build is not None and not self._build_here():
+            while self._queue.get() is not self._DONE:  # take what is queued, write nothing
+                pass
+            return
         while True:
             item = self._queue.get()
             if item is self._DONE:
@@ -398,7 +439,14 @@ class BackgroundSink:
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         import queue
+        import time
 
+        if not self._built.is_set() and not self._failed and time.monotonic() > self._start_deadline:
+            self._failed = True
+            self._on_build_failure(TimeoutError(f"it did not start within {self._start_timeout_s:g} s "
+                                                "(metrics.logger_start_timeout_s)"))
+        if self._failed:
+            return
         try:
             self._queue.put_nowait((step, dict(metrics)))
         except queue.Full:
@@ -423,7 +471,26 @@ class BackgroundSink:
                         "has every step)", self.close_timeout_s, self.label, self._queue.qsize())
 
     def __repr__(self) -> str:
-        return repr(self.sink)
+        return repr(self.sink) if self.sink is not None else self.label
+
+
+WARNINGS_FILE = "warnings.jsonl"  # a run's warnings for the terminal: the launcher prints each line once
+
+
+def _off_message(name: str, error: Exception) -> str:
+    """Why metrics logger ``name`` is off for the run, and the fix."""
+    from areal_core.registry import find
+
+    try:
+        entry = find("logger", name)
+    except Exception:
+        entry = None
+    fix = f"correct the cause, or leave '{name}' out of metrics.loggers"
+    if isinstance(error, ImportError) and entry is not None:  # a library the logger needs
+        fix = (f"install what it needs (`pip install --force-reinstall {entry.distribution}` brings its "
+               f"dependencies), or leave '{name}' out of metrics.loggers")
+    return (f"metrics logger '{name}'{f' from {entry.owner}' if entry else ''} is off for this run (training goes "
+            f"on; metrics.jsonl has every step): {_failure(error, fix)}")
 
 
 class MetricsLogger:
@@ -438,13 +505,24 @@ class MetricsLogger:
 
     def __init__(
         self, sinks: Iterable[MetricsSink] = (), progress: ProgressDisplay | None = None, *,
-        names: Sequence[str] | None = None,
+        names: Sequence[str] | None = None, warnings_path: str | os.PathLike[str] | None = None,
     ) -> None:
         self.sinks: list[MetricsSink] = list(sinks)
         self.progress = progress
         self.disabled: list[MetricsSink] = []
         self._names = {id(sink): name for sink, name in zip(self.sinks, names or ())}
         self._closed = False
+        self.warnings_path = Path(warnings_path) if warnings_path is not None else None
+
+    def warn(self, message: str) -> None:
+        """A logging warning, and a line of ``warnings_path`` (the launcher prints each on the terminal once)."""
+        log.warning("%s", message)
+        if self.warnings_path is not None:
+            try:
+                with open(self.warnings_path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"time": time.time(), "message": message}) + "\n")
+            except OSError:
+                pass  # the log has it
 
     def _label(self, sink: MetricsSink) -> str:
         name = self._names.get(id(sink))
@@ -461,64 +539,79 @@ class MetricsLogger:
         resume_step: int | None = None,
         progress: bool = True,
         progress_fields: Mapping[str, str] | Sequence[str] = DEFAULT_PROGRESS_FIELDS,
+        start_timeout_s: float = 60.0,
+        warnings_path: str | os.PathLike[str] | None = None,
     ) -> MetricsLogger:
         """The run's sinks, built from the metrics loggers named in ``loggers`` (``metrics.loggers``), and a
         progress bar.
 
         Each is found in the entry-point group ``areal.loggers`` and called as ``factory(run_dir,
-        resume_step=resume_step, config=config)``. One that cannot be imported or built is reported once (a
-        warning with the fix) and left out; only ``jsonl`` failing raises, as the run cannot go without
-        metrics.jsonl. ``config``: the resolved run config (``config.yaml``'s content), for the loggers that
-        record hyperparameters and name the run.
+        resume_step=resume_step, config=config)``: ``jsonl`` here (the run cannot go without metrics.jsonl: its
+        failure raises), every other one on a thread of its own (:class:`BackgroundSink`), so a tracker that
+        waits on the network at start-up never holds the first step; one that cannot be imported or built, or
+        has not started within ``start_timeout_s``, is reported once (:meth:`warn`, with the fix) and left out,
+        an empty folder it made removed. ``config``: the resolved run config (``config.yaml``'s content), for
+        the loggers that record hyperparameters and name the run.
         """
-        from areal_core.registry import find, resolve
+        from areal_core.registry import resolve
 
-        sinks: list[MetricsSink] = []
-        names: list[str] = []
-        for name in dict.fromkeys(loggers):  # each once, in order
-            try:
-                factory = resolve("logger", name)
-                sink = factory(Path(run_dir), resume_step=resume_step, config=dict(config or {}))
-            except Exception as e:
-                if name == REQUIRED_LOGGER:
-                    raise
-                try:
-                    entry = find("logger", name)
-                except Exception:
-                    entry = None
-                fix = f"correct the cause, or leave '{name}' out of metrics.loggers"
-                if isinstance(e, ImportError) and entry is not None:  # a library the logger needs
-                    fix = (f"install what it needs (`pip install --force-reinstall {entry.distribution}` brings its "
-                           f"dependencies), or leave '{name}' out of metrics.loggers")
-                log.warning("metrics logger '%s'%s is off for this run (training goes on; metrics.jsonl has every "
-                            "step): %s", name, f" from {entry.owner}" if entry else "", _failure(e, fix))
-                continue
-            sinks.append(sink)
-            names.append(name)
+        run_dir = Path(run_dir)
         display = ProgressDisplay(
             total_steps, progress_fields, enabled=progress, start_step=resume_step or 0
         )
-        logger = cls(sinks, display, names=names)
-        # metrics.jsonl is written in the step (a checkpoint's steps always have their metrics); the others on
-        # threads of their own (BackgroundSink), so a slow tracker never holds training
-        logger.sinks = [sink if name == REQUIRED_LOGGER else logger._in_background(sink)
-                        for sink, name in zip(logger.sinks, names)]
+        logger = cls([], display, warnings_path=warnings_path)
+        for name in dict.fromkeys(loggers):  # each once, in order
+            try:
+                factory = resolve("logger", name)
+                if name == REQUIRED_LOGGER:  # metrics.jsonl is written in the step: a checkpoint's steps have theirs
+                    sink = factory(run_dir, resume_step=resume_step, config=dict(config or {}))
+                    logger.sinks.append(sink)
+                    logger._names[id(sink)] = name
+                    continue
+            except Exception as e:
+                if name == REQUIRED_LOGGER:
+                    raise
+                logger.warn(_off_message(name, e))
+                continue
+
+            def build(factory=factory):
+                return factory(run_dir, resume_step=resume_step, config=dict(config or {}))
+
+            before = set(run_dir.iterdir()) if run_dir.is_dir() else set()
+
+            def failed_to_start(e: Exception, name=name, before=before) -> None:
+                logger.warn(_off_message(name, e))
+                for made in (set(run_dir.iterdir()) if run_dir.is_dir() else set()) - before:
+                    if made.is_dir() and not any(made.iterdir()):  # an empty folder it left: gone
+                        made.rmdir()
+
+            logger.sinks.append(logger._in_background(None, name, build=build, on_build_failure=failed_to_start,
+                                                      start_timeout_s=start_timeout_s))
         return logger
 
     @property
     def targets(self) -> list[MetricsSink]:
-        """The sinks still written to, as the loggers built them (without their background writers)."""
-        return [sink.sink if isinstance(sink, BackgroundSink) else sink for sink in self.sinks]
+        """The sinks still written to, as the loggers built them (without their background writers); waits for
+        those still starting, each at most until its start time limit."""
+        out = []
+        for sink in self.sinks:
+            if isinstance(sink, BackgroundSink):
+                sink = sink.wait_started()
+            if sink is not None:
+                out.append(sink)
+        return out
 
-    def _in_background(self, sink: MetricsSink) -> BackgroundSink:
-        label = self._label(sink)
+    def _in_background(self, sink: MetricsSink | None, name: str = "", **build: Any) -> BackgroundSink:
+        """``sink``'s writes on a thread of its own; with ``build=`` (and ``on_build_failure=``,
+        ``start_timeout_s=``) the sink is made there too (:class:`BackgroundSink`)."""
+        label = self._label(sink) if sink is not None else f"metrics logger '{name}'"
 
         def failed(step: int, error: Exception) -> None:
-            log.warning("%s failed at step %d and is off for the rest of the run (training goes on; metrics.jsonl "
-                        "has every step): %s", label, step, _failure(error, _WRITE_FIX))
+            self.warn(f"{label} failed at step {step} and is off for the rest of the run (training goes on; "
+                      f"metrics.jsonl has every step): {_failure(error, _WRITE_FIX)}")
 
-        wrapped = BackgroundSink(sink, label, failed)
-        self._names[id(wrapped)] = self._names.get(id(sink), "")
+        wrapped = BackgroundSink(sink, label, failed, **build)
+        self._names[id(wrapped)] = name or (self._names.get(id(sink), "") if sink is not None else "")
         return wrapped
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
@@ -534,10 +627,8 @@ class MetricsLogger:
             except Exception as e:
                 self.sinks.remove(sink)
                 self.disabled.append(sink)
-                log.warning(
-                    "%s failed at step %d and is off for the rest of the run (training goes on; metrics.jsonl has "
-                    "every step): %s", self._label(sink), step, _failure(e, _WRITE_FIX),
-                )
+                self.warn(f"{self._label(sink)} failed at step {step} and is off for the rest of the run (training "
+                          f"goes on; metrics.jsonl has every step): {_failure(e, _WRITE_FIX)}")
         if self.progress is not None:
             self.progress.update(step, metrics)
 

@@ -48,7 +48,7 @@ from areal_core.clock import REAL_CLOCK, Clock
 from areal_core.config.validate import ValidatedRun, minibatch_problem, validate_run
 from areal_core.launch.nodes import rollout_node_env, same_node_as_trainer
 from areal_core.completions import COMPLETIONS_FILE, EVAL_SAMPLES_FILE
-from areal_core.metrics import MetricsLogger, histogram, summarize, truncate_jsonl
+from areal_core.metrics import WARNINGS_FILE, MetricsLogger, histogram, summarize, truncate_jsonl
 from areal_core.problems import ProblemsError, format_problems
 from areal_core.rollout import RolloutController, RolloutError, StallError, has_reward_variance, pack_groups
 from areal_core.rollout.elastic import EVENTS_FILE, LAUNCHER_DISCOVERY_ENV
@@ -267,7 +267,9 @@ class Trainer:
         total = self.cfg.trainer.total_steps
         # Steps are logged 1-based; everything after the resumed step is dropped and redone.
         logger = MetricsLogger.for_run(self.run_dir, resume_step=self.step + 1, progress=False,
-                                       loggers=self.cfg.metrics.loggers, config=self.run.resolved_dict()) \
+                                       loggers=self.cfg.metrics.loggers, config=self.run.resolved_dict(),
+                                       start_timeout_s=self.cfg.metrics.logger_start_timeout_s,
+                                       warnings_path=self.run_dir / WARNINGS_FILE) \
             if self.rank == 0 else None  # the launcher draws the progress bar from metrics.jsonl
         try:
             if self.controller is not None:

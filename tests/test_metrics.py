@@ -315,3 +315,74 @@ def test_the_launcher_announces_evaluations_once_and_not_a_resumed_runs_earlier_
     resumed.poll()
     resumed.close()
     assert capsys.readouterr().err.count("eval after step 5") == 1
+
+
+TRACKER_DOUBLES = '''
+"""TEST DOUBLES of trackers whose start-up goes wrong: one waits (a network that does not answer), one fails
+after making its folder."""
+import time
+from pathlib import Path
+
+
+class SlowStart:
+    def __init__(self, run_dir, resume_step=None, config=None):
+        time.sleep(3.0)
+
+    def write(self, step, metrics):
+        pass
+
+    def close(self):
+        pass
+
+
+class BrokenStart:
+    def __init__(self, run_dir, resume_step=None, config=None):
+        (Path(run_dir) / "broken-store").mkdir()
+        raise RuntimeError("the tracker's store is unreachable")
+'''
+
+
+def test_a_tracker_starts_beside_training_and_one_that_fails_or_hangs_is_said_once_and_leaves_no_folder(tmp_path):
+    from areal_core.metrics import WARNINGS_FILE, MetricsLogger
+    from areal_core.testing.distributions import install_fake_distribution
+    from areal_core.testing.waits import wait_until
+
+    loggers = {"areal.loggers": {"slow_start_double": "tracker_doubles:SlowStart",
+                                 "broken_start_double": "tracker_doubles:BrokenStart"}}
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    warnings = run_dir / WARNINGS_FILE
+    with install_fake_distribution(tmp_path / "site", "areal-test-tracker-doubles", "0.0.1", loggers,
+                                   {"tracker_doubles.py": TRACKER_DOUBLES}):
+        began = time.monotonic()
+        logger = MetricsLogger.for_run(run_dir, loggers=["jsonl", "slow_start_double", "broken_start_double"],
+                                       progress=False, start_timeout_s=0.5, warnings_path=warnings)
+        logger.log(1, {"x": 1.0})
+        assert time.monotonic() - began < 1.0  # the trackers' start-up held nothing (one sleeps 3 s)
+        wait_until(lambda: warnings.exists() and "broken_start_double" in warnings.read_text(), 10,
+                   "the broken tracker's warning")
+        time.sleep(0.6)
+        logger.log(2, {"x": 2.0})  # past the start time limit: the slow one is given up
+        logger.close()
+    said = [json.loads(line)["message"] for line in warnings.read_text().splitlines()]
+    assert len(said) == 2, said
+    assert "metrics logger 'broken_start_double' from areal-test-tracker-doubles 0.0.1 is off for this run" in said[0]
+    assert "RuntimeError: the tracker's store is unreachable" in said[0]
+    assert "metrics logger 'slow_start_double'" in said[1] and "did not start within 0.5 s" in said[1]
+    assert not (run_dir / "broken-store").exists()  # the empty folder it made is gone
+    assert [r["step"] for r in read_jsonl(run_dir)] == [1, 2]
+
+
+def test_the_launcher_prints_each_of_the_runs_warnings_once(tmp_path, capsys):
+    from areal_core.launch.local import MetricsTail
+    from areal_core.metrics import WARNINGS_FILE
+
+    (tmp_path / WARNINGS_FILE).write_text(json.dumps({"time": 0, "message": "from an earlier start"}) + "\n")
+    tail = MetricsTail(tmp_path, 10)
+    with open(tmp_path / WARNINGS_FILE, "a") as f:
+        f.write(json.dumps({"time": 1, "message": "metrics logger 'wandb' is off for this run"}) + "\n")
+    tail.poll()
+    tail.poll()
+    tail.close()
+    err = capsys.readouterr().err
+    assert err.count("warning: metrics logger 'wandb' is off for this run") == 1 and "earlier start" not in err

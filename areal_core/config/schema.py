@@ -198,6 +198,9 @@ class MetricsConfig:
                                    "(required: the live bar, `areal plot` and --resume read metrics.jsonl), "
                                    "tensorboard, and plugins' (wandb, mlflow, trackio); one that fails is "
                                    "reported once and switched off, training goes on")
+    logger_start_timeout_s: float = spec(60.0, gt=0.0, help="a tracker (wandb, mlflow, trackio) not started this "
+                                         "long after the run's start is switched off, said on the terminal; it starts "
+                                         "beside training, never holding a step")
     completions_every: int = spec(1, ge=0, help="write the trained samples' prompts and completions as text to "
                                   "completions.jsonl every this many steps (areal samples RUN shows them); 0 = never")
     completions_per_step: int = spec(8, ge=1, help="at most this many samples a step in completions.jsonl (whole "

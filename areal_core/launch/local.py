@@ -82,6 +82,11 @@ class MetricsTail:
         # Servers that left or joined routing (the trainer's rows): only this run's, shown as they come.
         self.events_path = run_dir / EVENTS_FILE
         self.events_offset = self.events_path.stat().st_size if self.events_path.exists() else 0
+        # The trainer's warnings for the terminal (a tracker switched off, ...): this run's, each once.
+        from areal_core.metrics import WARNINGS_FILE
+
+        self.warnings_path = run_dir / WARNINGS_FILE
+        self.warnings_offset = self.warnings_path.stat().st_size if self.warnings_path.exists() else 0
         self._say_lock = threading.Lock()
 
     def poll(self) -> bool:
@@ -92,6 +97,12 @@ class MetricsTail:
         try:
             self._read_new_events()
         except (OSError, ValueError):
+            pass
+        try:
+            if self.warnings_path.exists():
+                for self.warnings_offset, line in _complete_lines(self.warnings_path, self.warnings_offset):
+                    self.say(f"warning: {json.loads(line)['message']}")
+        except (OSError, ValueError, KeyError, TypeError):
             pass
         return False
 

@@ -70,7 +70,7 @@ def test_a_short_areal_run_logs_every_step_to_trackio_as_to_metrics_jsonl(tracki
     assert proc.returncode == 0, proc.stdout
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     (run,) = runs_of(trackio_env, "areal")
-    assert run["name"] == "tk" and run["config"]["metrics"] == {"loggers": ["jsonl", "trackio"]}
+    assert run["name"] == "tk" and run["config"]["metrics"]["loggers"] == ["jsonl", "trackio"]
     assert [r["step"] for r in run["rows"]] == [r["step"] for r in rows] == [1, 2, 3]
     for logged, row in zip(run["rows"], rows):
         assert logged == pytest.approx({k: v for k, v in row.items() if k != "time" and v is not None})

@@ -96,7 +96,7 @@ def test_a_short_areal_run_logs_every_step_to_wandb_as_to_metrics_jsonl(tmp_path
         assert logged[row["step"]] == pytest.approx(expected), row["step"]
     run = wandb_records.run_record(folder)
     assert (run.project, run.display_name) == ("areal", "wb")
-    assert wandb_records.config_of(run)["metrics"] == {"loggers": ["jsonl", "tensorboard", "wandb"]}
+    assert wandb_records.config_of(run)["metrics"]["loggers"] == ["jsonl", "tensorboard", "wandb"]
     assert "metrics logger 'wandb'" not in proc.stdout + (run_dir / "logs" / "actor-rank0.log").read_text()
 
 
@@ -115,3 +115,5 @@ def test_bad_credentials_are_reported_once_and_the_run_goes_on(tmp_path, monkeyp
     assert "W&B refused the credentials: WANDB_API_KEY invalid" in log
     assert "Fix: set WANDB_API_KEY (or run `wandb login`), or log offline" in log
     assert "Traceback" not in log
+    # and on the terminal, once, while the run went on (W&B started beside training, not before step 1)
+    assert proc.stdout.count("warning: metrics logger 'wandb'") == 1, proc.stdout
