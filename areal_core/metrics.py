@@ -607,7 +607,9 @@ class MetricsLogger:
         label = self._label(sink) if sink is not None else f"metrics logger '{name}'"
 
         def failed(step: int, error: Exception) -> None:
-            self.warn(f"{label} failed at step {step} and is off for the rest of the run (training goes on; "
+            built = wrapped.sink  # made on the writer's thread: named as the logger made it
+            said = label if sink is not None or built is None else f"metrics logger '{name}' ({built!r})"
+            self.warn(f"{said} failed at step {step} and is off for the rest of the run (training goes on; "
                       f"metrics.jsonl has every step): {_failure(error, _WRITE_FIX)}")
 
         wrapped = BackgroundSink(sink, label, failed, **build)

@@ -123,9 +123,7 @@ def test_a_reward_module_in_the_folder_areal_runs_from_is_found_by_check_and_run
     (tmp_path / "here_reward.py").write_text("def score(prompt, completion, item):\n    return 1.0\n")
     areal = str(Path(sys.executable).with_name("areal"))
     with rl_doubles.installed(tmp_path / "doubles") as (config, env):
-        # the doubles' site only: an empty entry (as rl_doubles leaves when PYTHONPATH was unset) means the
-        # current folder to Python, which is what a user's unset PYTHONPATH does not give
-        env = {**env, "PYTHONPATH": os.pathsep.join(p for p in env["PYTHONPATH"].split(os.pathsep) if p)}
+        assert "" not in env["PYTHONPATH"].split(os.pathsep)  # an empty entry would be the current folder
 
         def areal_in_here(command, *overrides):
             return subprocess.run([areal, command, str(config), f"output_dir={tmp_path / 'runs'}", "trial=here",

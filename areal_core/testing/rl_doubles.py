@@ -312,7 +312,9 @@ def installed(folder: Path) -> Iterator[tuple[Path, dict[str, str]]]:
     with install_fake_distribution(folder / "site", "areal-test-rl-doubles", "0.0.1", ENTRY_POINTS, {}) as site:
         config = folder / "run.yaml"
         config.write_text(CONFIG)
-        yield config, {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+        # no empty entry: Python reads one as the current folder, which a user's PYTHONPATH does not give
+        paths = [str(site), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        yield config, {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def areal_command(command: str, folder: Path, overrides: list[str], timeout_s: float = 120) -> Any:
