@@ -60,7 +60,9 @@ def test_there_are_recipes_for_one_gpu_eight_and_two_nodes():
                                          "gsm8k_qwen2.5-7b_2nodes_ray.yaml", "gsm8k_qwen2.5-7b_2nodes_slurm.yaml"]
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
+# the one-GPU recipe by default; the others (~4 s each) in CI's slow suite
+@pytest.mark.parametrize("recipe", [pytest.param(p, marks=() if "1gpu" in p.name else pytest.mark.slow)
+                                    for p in RECIPES], ids=[p.stem for p in RECIPES])
 def test_each_recipe_passes_the_check_with_its_models_real_shape(hub, tmp_path, recipe):
     checked = areal(hub, tmp_path, "check", str(recipe))
     said = checked.stdout + checked.stderr
@@ -79,6 +81,7 @@ def test_the_plan_rules_read_the_hub_models_heads(hub, tmp_path):
     assert refused.returncode == 1 and "[vllm.tensor-heads]" in said and "28 attention heads" in said, said
 
 
+@pytest.mark.slow
 def test_the_slurm_recipe_writes_its_job(hub, tmp_path):
     recipe = ROOT / "examples" / "gpu" / "gsm8k_qwen2.5-7b_2nodes_slurm.yaml"
     dry = areal(hub, tmp_path, "run", str(recipe), "--dry-run")

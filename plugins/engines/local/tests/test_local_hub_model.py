@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from areal_core.testing import rl_doubles, tiny_model
 from areal_core.testing.hub import serve
 
 
+@pytest.mark.slow  # a whole run (~15 s): CI's slow suite runs it; tests/test_hub.py covers resolution by default
 def test_a_run_on_a_hub_model_downloads_it_once_and_the_server_loads_the_snapshot(tmp_path, monkeypatch):
     root = tmp_path / "hub"
     tiny_model(root / "models" / "tiny-org" / "tiny-llama", seed=0)
