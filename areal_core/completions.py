@@ -40,10 +40,14 @@ def sample_text(t: Any, decode: Callable[[list[int]], str] | None) -> dict:
     """A trajectory's prompt (before the policy's first token) and completion (from it on) as text (None without
     ``decode``), their token counts, its reward and the reward's JSON-able details."""
     first = next((j for j, m in enumerate(t.loss_mask) if m), len(t.tokens))
+    info = {k: v for k, v in (t.info or {}).items() if k not in ("prompt", "completion")}  # the text is above
+    nested = info.pop("reward_info", None)  # what the reward said (rlvr keeps it there): its details, flattened
+    if isinstance(nested, dict):
+        info.update(nested)
     return {"prompt": decode(list(t.tokens[:first])) if decode else None,
             "completion": decode(list(t.tokens[first:])) if decode else None,
             "reward": _plain(float(t.reward)),
-            "reward_info": {key: _plain(v) for key, v in (t.info or {}).items() if _plain(v) is not None},
+            "reward_info": {key: _plain(v) for key, v in info.items() if _plain(v) is not None},
             "prompt_tokens": first, "completion_tokens": len(t.tokens) - first}
 
 

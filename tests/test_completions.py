@@ -88,3 +88,13 @@ def test_eval_items_say_which_passed_and_what_each_sample_wrote():
         "method": "boxed", "long": "x" * 500 + "..."}, "completion_tokens": 4}
     assert records[1] == {"index": 1, "passed": False, "samples": [], "answer": 7}
     assert "prompt" not in records[2] and json.dumps(records)
+
+
+def test_the_rewards_own_details_are_kept_flat_and_the_text_is_not_kept_twice():
+    """rlvr puts the reward's details under info["reward_info"] and the texts under "prompt" / "completion"."""
+    (t,) = group(1, [1.0]).trajectories
+    t.info = {"id": "q1", "stop_reason": "stop", "prompt": "ab", "completion": "cdef",
+              "reward_info": {"method": "boxed", "reason": "correct", "extracted": "42"}}
+    (record,) = completion_records([EpisodeGroup(1, {}, 2, [t], 0.0, 1.0)], 3, 4, decode, 8)
+    assert record["reward_info"] == {"id": "q1", "stop_reason": "stop", "method": "boxed", "reason": "correct",
+                                     "extracted": "42"}
