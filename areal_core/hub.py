@@ -17,6 +17,9 @@ from areal_core.models import ModelNotFoundError
 
 # ORG/NAME as the hub allows them (letters, digits, '-', '_', '.'), an optional @revision (branch, tag or sha)
 _HUB_ID = re.compile(r"(?:hf://)?(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w./-]+))?")
+# hf://datasets/ORG/NAME[@REVISION]/PATH: one file of a dataset repo (huggingface_hub's file-system paths)
+_HUB_FILE = re.compile(r"hf://datasets/(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w.-]+))?"
+                       r"/(?P<file>[^@].*)")
 # What a run reads from a model repo; everything else (other frameworks' weights, images, ...) stays there.
 MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 
@@ -115,3 +118,53 @@ def model_folder(path: str) -> Path:
                             "engines read safetensors only). Fix: use a repo that has them, or convert a local "
                             "copy with transformers (from_pretrained, then save_pretrained)")
     return folder
+
+
+class HubFileError(ValueError):
+    """An ``hf://datasets/...`` path that cannot be fetched: the message says why and what to do."""
+
+
+def is_hub_file(path: str) -> bool:
+    return bool(path) and path.startswith("hf://")
+
+
+def hub_file(path: str) -> Path:
+    """The local copy, in huggingface_hub's cache, of ``hf://datasets/ORG/NAME[@REVISION]/PATH`` (fetched once;
+    ``HF_HUB_OFFLINE`` reads the cache only)."""
+    match = _HUB_FILE.fullmatch(path)
+    if match is None:
+        raise HubFileError(f"{path!r} is not an hf:// dataset file path. Fix: write it as "
+                           "hf://datasets/ORG/NAME/FILE (e.g. hf://datasets/openai/gsm8k/main/train-00000-of-00001"
+                           ".parquet), with @REVISION after NAME to pin one")
+    repo, revision, name = match["repo"], match["revision"], match["file"]
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(repo, name, repo_type="dataset", revision=revision))
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as exc:
+        raise HubFileError(_explain_file(path, repo, revision, name, exc)) from None
+
+
+def _explain_file(path: str, repo: str, revision: str | None, name: str, exc: Exception) -> str:
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    where = f"the hub at {_endpoint()}"
+    if isinstance(exc, GatedRepoError):
+        return (f"{path}: {repo} is gated on {where}. Fix: accept its terms on its hub page, then give a token "
+                "that may read it (HF_TOKEN, or `hf auth login`)")
+    if isinstance(exc, RepositoryNotFoundError):
+        return (f"{path}: {where} has no dataset repo {repo!r} this token may read. Fix: check the id (ORG/NAME), "
+                "set HF_TOKEN for a private repo, or point the path at a local file")
+    if isinstance(exc, RevisionNotFoundError):
+        return f"{path}: {repo} has no revision {revision!r} on {where}. Fix: name a branch, tag or commit it has"
+    if isinstance(exc, LocalEntryNotFoundError):
+        cause = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else f"{where} could not be reached"
+        return (f"{path}: {cause} and the file is not in the cache ({constants.HF_HUB_CACHE}). Fix: fetch it once "
+                f"where the hub is reachable (`hf download {repo} {name} --repo-type dataset`, same HF_HOME), or "
+                "point the path at a local copy")
+    if isinstance(exc, EntryNotFoundError) or "EntryNotFound" in type(exc).__name__:
+        return f"{path}: {repo} on {where} has no file {name!r}. Fix: name a file the repo has (its Files tab)"
+    return f"{path}: {type(exc).__name__}: {exc}"

@@ -47,6 +47,7 @@ still alive, so starting processes from a short-lived thread is harmless.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
 import os
@@ -108,6 +109,15 @@ def split_threads(n_processes: int, cpu_count: int | None = None) -> list[int]:
 _HELD_PORTS: collections.deque = collections.deque()
 _HELD_LOCK = threading.Lock()
 PORT_HOLD_S = 600.0  # how long a handed-out port stays held: longer than any server takes to start
+
+
+def _release_held_ports() -> None:
+    with _HELD_LOCK:
+        while _HELD_PORTS:
+            _HELD_PORTS.popleft()[1].close()
+
+
+atexit.register(_release_held_ports)  # closed, not left to the interpreter's teardown (a ResourceWarning each)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -28,7 +28,8 @@ RESERVED = ("id", "prompt", "messages", "answer", "stop")
 class FilesConfig:
     """Keys of ``dataset`` when ``dataset.name: files``."""
 
-    path: str = spec("", help="a .jsonl / .parquet file or a folder written by datasets' save_to_disk")
+    path: str = spec("", help="a .jsonl / .parquet file, a folder written by datasets' save_to_disk, or a file of "
+                             "a hub dataset: hf://datasets/ORG/NAME[@REVISION]/FILE")
     format: str = spec("auto", choices=list(FORMATS), help="auto: by the path's suffix; a folder is hf_disk")
     hf_split: str = spec("train", help="the split to read when an hf_disk folder holds a DatasetDict")
     question_field: str = spec("question", help="the column holding the question ({question} in template)")
@@ -60,6 +61,21 @@ class DatasetFileError(ValueError):
     def __init__(self, message: str, fix: str, key: str = "dataset.path") -> None:
         self.message, self.fix, self.key = message, fix, key
         super().__init__(f"{message}. Fix: {fix}")
+
+
+def _local(path: str) -> Path:
+    """A data path as a local file: ``hf://datasets/ORG/NAME[@REV]/FILE`` fetched into huggingface_hub's cache
+    (areal_core.hub), anything else as it is."""
+    from areal_core.hub import HubFileError, hub_file, is_hub_file
+
+    if not is_hub_file(path):
+        return Path(path).expanduser()
+    try:
+        return hub_file(path)
+    except HubFileError as exc:
+        text = str(exc)
+        message, _, fix = text.partition(". Fix: ")
+        raise DatasetFileError(message, fix or "point dataset.path at a local file") from None
 
 
 def detect_format(path: Path, declared: str) -> str:
@@ -157,9 +173,9 @@ class FilesDataset(Dataset):
         self._template_fields = [name for _, name, _, _ in string.Formatter().parse(o.template) if name]
         self._answer_re = re.compile(o.answer_pattern, re.MULTILINE) if o.answer_pattern else None
         split, self._passes = self.split, 0
-        main = self._load(Path(o.path).expanduser(), "")
+        main = self._load(_local(o.path), "")
         if o.validation_path:
-            held = self._load(Path(o.validation_path).expanduser(), "validation/")
+            held = self._load(_local(o.validation_path), "validation/")
             train = self._drop_overlap(main, held) if split == "train" else main
         elif o.validation_fraction > 0:
             held = [item for item in main if self._held_out(item["id"])]

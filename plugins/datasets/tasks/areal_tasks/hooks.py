@@ -43,7 +43,10 @@ def _files_problems(config: Any, extra: dict) -> list[Problem]:
 
 
 def _exists(path: str) -> bool:
-    """False too for a name the file system refuses (too long, a NUL byte) and for '~nobody/...'."""
+    """False too for a name the file system refuses (too long, a NUL byte) and for '~nobody/...'; an hf:// path
+    passes here (reading the rows fetches it, and says what is wrong with it)."""
+    if path.startswith("hf://"):
+        return True
     try:
         return Path(path).expanduser().exists()
     except (OSError, ValueError, RuntimeError):

@@ -206,3 +206,48 @@ write_jsonl(_DATA / "train.jsonl", ROWS)
 class TestFilesConformance(DatasetConformance):
     component_name = "files"
     options = dict(path=str(_DATA / "train.jsonl"), validation_fraction=0.25, **MAPPING)
+
+
+def test_a_hub_dataset_file_is_read_as_the_same_file_on_disk(tmp_path):
+    """`dataset.path: hf://datasets/ORG/NAME/FILE`, fetched by huggingface_hub from a stand-in of the hub on
+    127.0.0.1 (areal_core.testing.hub), gives the items the same file on disk gives; `areal check` reads it and
+    names a file the repo does not have. In subprocesses: huggingface_hub reads HF_ENDPOINT when imported."""
+    import os
+    import subprocess
+    import sys
+
+    from areal_core.testing.hub import serve
+
+    repo = tmp_path / "hub" / "datasets" / "tiny-org" / "sums"
+    repo.mkdir(parents=True)
+    write_jsonl(repo / "train.jsonl", ROWS[:20])
+    write_jsonl(repo / "val.jsonl", ROWS[20:])
+    keys = ["dataset.name=files", "dataset.question_field=q", "dataset.answer_field=a", "dataset.id_field=uid",
+            "dataset.answer_pattern='####\\s*(.+)$'"]
+    code = ("import json, sys\nfrom areal_core.api import Context\nfrom areal_core.config.schema import RunConfig\n"
+            "from areal_tasks.files import FilesConfig, FilesDataset\n"
+            "o = FilesConfig(path=sys.argv[1], validation_path=sys.argv[2], question_field='q', answer_field='a', "
+            "id_field='uid', answer_pattern=r'####\\s*(.+)$', shuffle=False)\n"
+            "d = FilesDataset.create(Context(config=RunConfig(), options=o, extras={'split': 'validation'}))\n"
+            "print(json.dumps([item['id'] + '=' + item['answer'] for item in d]))\n")
+    with serve(tmp_path / "hub") as endpoint:
+        env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+        env.update(HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf-home"))
+        hub = "hf://datasets/tiny-org/sums"
+        read = subprocess.run([sys.executable, "-c", code, f"{hub}/train.jsonl", f"{hub}/val.jsonl"], env=env,
+                              capture_output=True, text=True, timeout=120)
+        areal = str(Path(sys.executable).with_name("areal"))
+        checked = subprocess.run([areal, "check", *keys, f"dataset.path={hub}/train.jsonl",
+                                  f"dataset.validation_path={hub}/val.jsonl", f"output_dir={tmp_path / 'runs'}"],
+                                 env=env, capture_output=True, text=True, timeout=120)
+        missing = subprocess.run([areal, "check", *keys, f"dataset.path={hub}/nope.jsonl", "eval.size=0",
+                                  f"output_dir={tmp_path / 'runs'}"], env=env, capture_output=True, text=True,
+                                 timeout=120)
+    assert read.returncode == 0, read.stderr
+    local = build("validation", path=str(repo / "train.jsonl"), validation_path=str(repo / "val.jsonl"),
+                  shuffle=False, **MAPPING)
+    assert json.loads(read.stdout) == [f"{item['id']}={item['answer']}" for item in local]
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    said = missing.stdout + missing.stderr
+    assert missing.returncode == 1 and "tiny-org/sums on the hub at" in said and "has no file 'nope.jsonl'" in said
+    assert "Traceback" not in said
