@@ -1,8 +1,8 @@
 """The GPU recipes in examples/gpu/ pass `areal check` as written, with their hub models' real shapes: a stand-in
 of the hub on 127.0.0.1 serves the Qwen2.5 configs (their published sizes), so the plan rules judge the
-allocations against the real head and layer counts; the data is swapped for the repository's GSM8K-format sample
-(the recipes read the real GSM8K, downloaded by the command they give) and the vLLM interpreter for a stand-in
-(the GPU vLLM is not installable here). The SLURM recipe's job is also written (`--dry-run`)."""
+allocations against the real head and layer counts, and GSM8K's two parquet files at the paths the recipes name
+(holding the repository's GSM8K-format sample, not GSM8K); the vLLM interpreter is a stand-in (the GPU vLLM is
+not installable here). The SLURM recipe's job is also written (`--dry-run`)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,6 @@ QWEN = {
     "Qwen2.5-7B-Instruct": dict(hidden_size=3584, num_attention_heads=28, num_key_value_heads=4,
                                 num_hidden_layers=28, intermediate_size=18944, tie_word_embeddings=False),
 }
-SAMPLE = ["dataset.path=examples/data/gsm8k_format_train.jsonl",
-          "dataset.validation_path=examples/data/gsm8k_format_val.jsonl"]
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +40,14 @@ def hub(tmp_path_factory):
         (folder / "config.json").write_text(json.dumps({
             "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936,
             "max_position_embeddings": 32768, "torch_dtype": "bfloat16", "use_sliding_window": False, **shape}))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    gsm8k = root / "datasets" / "openai" / "gsm8k" / "main"
+    gsm8k.mkdir(parents=True)
+    for sample, name in (("train", "train"), ("val", "test")):
+        rows = [json.loads(line) for line in (ROOT / "examples" / "data" / f"gsm8k_format_{sample}.jsonl").open()]
+        pq.write_table(pa.Table.from_pylist(rows), gsm8k / f"{name}-00000-of-00001.parquet")
     python = interpreter_with(root / "vllm-env", "vllm", "0.32.0")
     with serve(root) as endpoint:
         yield endpoint, python, root
@@ -51,7 +57,7 @@ def areal(hub, tmp_path, *args):
     endpoint, python, _ = hub
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     env.update(HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf-home"))
-    return subprocess.run([AREAL, *args, *SAMPLE, f"rollout.python={python}", f"output_dir={tmp_path / 'runs'}"],
+    return subprocess.run([AREAL, *args, f"rollout.python={python}", f"output_dir={tmp_path / 'runs'}"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -70,7 +76,8 @@ def test_each_recipe_passes_the_check_with_its_models_real_shape(hub, tmp_path, 
     assert "OK. allocation" in said
     fetched = (hub[2] / "requests.log").read_text()
     model = next(name for name in QWEN if name in recipe.read_text())
-    assert f"/Qwen/{model}/resolve/" in fetched  # its config came from the hub
+    assert f"/Qwen/{model}/resolve/" in fetched  # its config came from the hub, and GSM8K's files
+    assert "/datasets/openai/gsm8k/resolve/main/main/test-00000-of-00001.parquet" in fetched
 
 
 def test_the_plan_rules_read_the_hub_models_heads(hub, tmp_path):
