@@ -11,6 +11,9 @@ import pytest
 
 from areal_core.testing import rl_doubles, tiny_model
 
+# `areal check` and `areal run` subprocesses (~10 s): in CI's slow suite, the default one being near its limit
+pytestmark = pytest.mark.slow
+
 
 def areal(command: str, folder: Path, model: Path):
     return rl_doubles.areal_command(command, folder, ["allocation=local:cpu+rl_train_double:cpu",
