@@ -17,8 +17,8 @@ sha 404 with ``RevisionNotFound``, a missing file 404 with ``EntryNotFound``: th
 into its own errors. Every request is appended to ``ROOT/requests.log`` (method and path) so a test can tell
 what was downloaded.
 
-Run: ``python -m areal_core.testing.hub ROOT --port N`` (127.0.0.1 only); :func:`serve` starts it as a
-subprocess and waits for it.
+Run through :func:`serve`, which binds a socket on 127.0.0.1 and starts ``python -m areal_core.testing.hub ROOT
+--fd N`` on it.
 """
 
 
@@ -26,7 +26,6 @@ import argparse
 import hashlib
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -131,28 +130,27 @@ def build_app(root: Path):
 @contextmanager
 def serve(root: Path, timeout_s: float = 60.0) -> Iterator[str]:
     """The stand-in on a free port of 127.0.0.1, serving ``root``, for the length of the block: yields its
-    endpoint (``http://127.0.0.1:PORT``, what ``HF_ENDPOINT`` takes)."""
+    endpoint (``http://127.0.0.1:PORT``, what ``HF_ENDPOINT`` takes). The listening socket is made here and
+    handed to the server process, so no other process can take the port and connections wait in its backlog
+    until the server answers."""
+    import socket
+
     import httpx
 
-    from areal_core.launch.supervisor import free_port
-
-    port = free_port()
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    endpoint = f"http://127.0.0.1:{listener.getsockname()[1]}"
     log = open(Path(root) / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "areal_core.testing.hub", str(root), "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT)
-    endpoint = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "areal_core.testing.hub", str(root), "--fd",
+                             str(listener.fileno())], stdout=log, stderr=subprocess.STDOUT,
+                            pass_fds=[listener.fileno()])
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if httpx.get(f"{endpoint}/api/models/-/-", timeout=2).status_code == 404:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the hub stand-in on {endpoint} did not answer within {timeout_s:g} s (exit "
-                                   f"{proc.poll()}); its log: {Path(root) / 'server.log'}")
-            time.sleep(0.1)
+        try:
+            httpx.get(f"{endpoint}/api/models/-/-", timeout=timeout_s)  # answered once the app has started
+        except httpx.TransportError as exc:
+            raise RuntimeError(f"the hub stand-in on {endpoint} did not answer within {timeout_s:g} s (exit "
+                               f"{proc.poll()}: {exc}); its log: {Path(root) / 'server.log'}") from None
         yield endpoint
     finally:
         proc.terminate()
@@ -161,17 +159,18 @@ def serve(root: Path, timeout_s: float = 60.0) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        listener.close()
         log.close()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--fd", type=int, required=True, help="a listening socket on 127.0.0.1, inherited")
     args = parser.parse_args()
     import uvicorn
 
-    uvicorn.run(build_app(Path(args.root)), host="127.0.0.1", port=args.port, log_level="warning")
+    uvicorn.run(build_app(Path(args.root)), fd=args.fd, log_level="warning")
 
 
 if __name__ == "__main__":
