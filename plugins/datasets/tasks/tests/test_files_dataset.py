@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -199,13 +198,13 @@ def test_passes_reshuffle_reproducibly(tmp_path):
     assert [i["id"] for i in build(path=path, shuffle=False, **MAPPING)] == [r["uid"] for r in ROWS]
 
 
-_DATA = Path(tempfile.mkdtemp(prefix="areal-files-conformance-"))
-write_jsonl(_DATA / "train.jsonl", ROWS)
-
-
 class TestFilesConformance(DatasetConformance):
     component_name = "files"
-    options = dict(path=str(_DATA / "train.jsonl"), validation_fraction=0.25, **MAPPING)
+
+    @pytest.fixture(autouse=True)
+    def _rows_on_disk(self, tmp_path):
+        write_jsonl(tmp_path / "train.jsonl", ROWS)
+        self.options = dict(path=str(tmp_path / "train.jsonl"), validation_fraction=0.25, **MAPPING)
 
 
 def test_a_hub_dataset_file_is_read_as_the_same_file_on_disk(tmp_path):

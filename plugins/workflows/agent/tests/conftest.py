@@ -4,8 +4,6 @@ workflow factory, and scripted engine outputs written as text."""
 from __future__ import annotations
 
 import os
-import tempfile
-from pathlib import Path
 
 import pytest
 
@@ -28,10 +26,10 @@ TOOL_TEMPLATE = (
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir():
+def tiny_model_dir(tmp_path_factory):
     from areal_core.testing import tiny_model
 
-    return tiny_model(Path(tempfile.mkdtemp(prefix="areal-agent-")) / "model", seed=0, max_position_embeddings=1024)
+    return tiny_model(tmp_path_factory.mktemp("areal-agent") / "model", seed=0, max_position_embeddings=1024)
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
-from pathlib import Path
 
 import pytest
 
@@ -12,7 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir():
+def tiny_model_dir(tmp_path_factory):
     from areal_core.testing import tiny_model
 
-    return tiny_model(Path(tempfile.mkdtemp(prefix="areal-rlvr-")) / "model", seed=0, max_position_embeddings=1024)
+    return tiny_model(tmp_path_factory.mktemp("areal-rlvr") / "model", seed=0, max_position_embeddings=1024)
