@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Callable
 
+from areal_core.catalogue import reinstall_line
+
 CORE_DISTRIBUTION = "areal-core"
 ALLOW_ENV = "AREAL_LOAD_PLUGINS"
 BLOCK_ENV = "AREAL_DISABLE_PLUGINS"
@@ -256,11 +258,28 @@ def missing_module(found: Found) -> tuple[str, str] | None:
         return None
     if _ships(found.distribution, module):
         return (f"its module {module} is listed in {found.owner}'s installed files but is missing",
-                f"reinstall it with `pip install --force-reinstall {found.distribution}`")
+                f"reinstall it with `{reinstall_line(found.distribution)}`")
     return (f"{found.owner} does not ship module {module}",
             f"its entry point is wrong, so reinstalling will not help: the maintainers of {found.distribution} "
             f"must name a module the distribution contains (uninstall it, or block it with "
             f"{BLOCK_ENV}={found.distribution})")
+
+
+def import_failure(found: Found, exc: BaseException) -> tuple[str, str] | None:
+    """(cause, fix) for an entry point whose import raised an ImportError the installed metadata explains: a
+    module the distribution does not have, or a declared requirement that is not installed (named with its
+    range, so the fix installs it rather than reinstalling the plugin). None when nothing explains it."""
+    if not isinstance(exc, ImportError):
+        return None
+    missing = missing_module(found)
+    if missing:
+        return missing
+    unmet = unmet_requirements(found.distribution)
+    if unmet:
+        listing = ", ".join(f"{requirement} ({instead})" for requirement, instead in unmet)
+        return (f"{type(exc).__name__}: {exc}; {found.owner} requires {listing}",
+                "pip install " + " ".join(f"'{requirement}'" for requirement, _ in unmet))
+    return None
 
 
 def unmet_requirements(distribution: str) -> list[tuple[str, str]]:

@@ -134,8 +134,8 @@ def merge_lora(actor: Path, out: Path) -> Path:
         from peft import PeftModel
     except ImportError:
         raise EvalError(f"the checkpoint {actor.parent} holds LoRA adapters (actor/adapter), which areal eval "
-                        f"merges into the base weights with PEFT, not installed here. Fix: pip install peft "
-                        f"(or pip install 'areal-plugin-fsdp[lora]')") from None
+                        f"merges into the base weights with PEFT, not installed here. Fix: pip install "
+                        f"'peft>=0.13'") from None
     from transformers import AutoModelForCausalLM
 
     from areal_core.engine_kit.hf_folder import copy_side_files

@@ -303,14 +303,10 @@ class ProgressDisplay:
         self._progress = None
 
 
-# the first-party loggers' distributions (plugins/loggers/<name>), named in the fix for an unknown name
-FIRST_PARTY_LOGGERS = {"wandb": "areal-plugin-wandb", "mlflow": "areal-plugin-mlflow",
-                       "trackio": "areal-plugin-trackio"}
-
-
 def logger_problems(loggers: Sequence[str]) -> list[Any]:
     """What is wrong with ``metrics.loggers``, found before the run starts and importing nothing: ``jsonl`` left
     out, a name given twice, a name no installed distribution provides in ``areal.loggers``."""
+    from areal_core.catalogue import install_fix, provider
     from areal_core.problems import Problem
     from areal_core.registry import ComponentError, find
 
@@ -332,9 +328,9 @@ def logger_problems(loggers: Sequence[str]) -> list[Any]:
             find("logger", name)
         except ComponentError as exc:
             fix = exc.fix
-            if name in FIRST_PARTY_LOGGERS:
-                fix = (f"pip install {FIRST_PARTY_LOGGERS[name]} (in a checkout: pip install -e "
-                       f"plugins/loggers/{name}), or leave '{name}' out of {key}")
+            distribution = provider("logger", name)
+            if distribution is not None:
+                fix = f"{install_fix('logger', name)}; or leave '{name}' out of {key}"
             problems.append(Problem("core.component", f"{shown}: {exc.message}", fix, key))
     return problems
 
@@ -479,6 +475,8 @@ WARNINGS_FILE = "warnings.jsonl"  # a run's warnings for the terminal: the launc
 
 def _off_message(name: str, error: Exception) -> str:
     """Why metrics logger ``name`` is off for the run, and the fix."""
+    from areal_core.catalogue import reinstall_line
+    from areal_core.discovery import Found, import_failure
     from areal_core.registry import find
 
     try:
@@ -487,8 +485,11 @@ def _off_message(name: str, error: Exception) -> str:
         entry = None
     fix = f"correct the cause, or leave '{name}' out of metrics.loggers"
     if isinstance(error, ImportError) and entry is not None:  # a library the logger needs
-        fix = (f"install what it needs (`pip install --force-reinstall {entry.distribution}` brings its "
-               f"dependencies), or leave '{name}' out of metrics.loggers")
+        found = Found("areal.loggers", entry.name, entry.value, entry.distribution, entry.version)
+        explained = import_failure(found, error)
+        fix = (f"{explained[1]}, or leave '{name}' out of metrics.loggers" if explained else
+               f"install what it needs (`{reinstall_line(entry.distribution)}` brings its dependencies), or "
+               f"leave '{name}' out of metrics.loggers")
     return (f"metrics logger '{name}'{f' from {entry.owner}' if entry else ''} is off for this run (training goes "
             f"on; metrics.jsonl has every step): {_failure(error, fix)}")
 

@@ -39,10 +39,12 @@ def resolve_model_path(path: str, dtype: str = "auto") -> Path:
     if parse_hub_id(path) is not None:  # ORG/NAME[@REVISION]: downloaded into huggingface_hub's cache
         return model_folder(path)
     if not path:
+        from areal_core.catalogue import install_line
+
         raise ModelNotFoundError(
             "model.path is '' (the built-in demo model) but no installed plugin provides it; it comes with "
-            "areal-plugin-local (pip install areal-plugin-local), or set model.path to a Hugging Face model "
-            "folder (config.json + safetensors)")
+            f"areal-plugin-local ({install_line('areal-plugin-local')}), or set model.path to a Hugging Face "
+            "model folder (config.json + safetensors) or a hub id such as HuggingFaceTB/SmolLM2-135M-Instruct")
     raise ModelNotFoundError(
         f"model.path {path!r} is not a folder and no installed plugin knows it. Fix: point model.path at a "
         f"local Hugging Face model folder (config.json + safetensors), or name a hub model as ORG/NAME[@REVISION]")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from areal_core.config.allocation import DIMENSION_NAMES, DIMENSIONS, Allocation, Component
+from areal_core.catalogue import install_fix
 from areal_core.discovery import did_you_mean
 from areal_core.hookspecs import hookimpl
 from areal_core.problems import Problem
@@ -117,8 +118,9 @@ def core_plan_problems(allocation: Allocation, backends: dict[str, BackendSuppor
                     "core.unknown-backend",
                     f"backend '{comp.backend}' in '{comp}' is not declared by any installed plugin."
                     f"{did_you_mean(comp.backend, known)} Declared backends: {listing}.",
-                    f"install the plugin providing '{comp.backend}' "
-                    f"(pip install areal-plugin-{comp.backend}) or correct the allocation",
+                    install_fix("backend", comp.backend) or
+                    f"correct the allocation, or install a plugin that declares backend '{comp.backend}' "
+                    f"(areal plugins lists the backends installed here)",
                     key="allocation",
                 )
             )
@@ -169,15 +171,30 @@ def _dimension_problems(comp: Component, support: BackendSupport) -> list[Proble
     return out
 
 
+def _duplicate_role_fix(comps: list[Component], kind: str) -> str:
+    """The fix for several components serving one role, written with the user's own components."""
+    if kind == "inference":
+        first = comps[0]
+        return (f"one inference component serves the rollouts; give it more servers instead, e.g. "
+                f"'{first.backend}:d{sum(c.parallel.d for c in comps)}"
+                f"{'@' + first.device if first.device != 'gpu' else ''}', or name each for a role of its own")
+    names = ("actor", "ref", "critic")
+    return "give each one its own role, e.g. " + "+".join(
+        f"{c.backend}[{names[i] if i < len(names) else f'role{i}'}]:{str(c).split(':', 1)[1]}"
+        for i, c in enumerate(comps))
+
+
 def _role_problems(allocation: Allocation, backends: dict[str, BackendSupport]) -> list[Problem]:
     roles: dict[str, list[Component]] = {}
     kinds: dict[str, int] = {"train": 0, "inference": 0}
+    kinds_of: dict[str, str] = {}
     for comp in allocation.components:
         support = backends.get(comp.backend)
         if support is None:
             continue
         kinds[support.kind] += 1
         roles.setdefault(role_of(comp, support.kind), []).append(comp)
+        kinds_of[role_of(comp, support.kind)] = support.kind
     out = []
     for role, comps in roles.items():
         if len(comps) > 1:
@@ -186,7 +203,7 @@ def _role_problems(allocation: Allocation, backends: dict[str, BackendSupport]) 
                     "core.duplicate-role",
                     f"{len(comps)} components serve '{role}': "
                     + ", ".join(f"'{c}'" for c in comps) + ".",
-                    "give each one its own name, e.g. fsdp[actor]:d4+fsdp[ref]:d4",
+                    _duplicate_role_fix(comps, kinds_of[role]),
                     key="allocation",
                 )
             )
@@ -194,7 +211,8 @@ def _role_problems(allocation: Allocation, backends: dict[str, BackendSupport]) 
         ("train", "a train engine", "fsdp:d1@cpu"),
         ("inference", "an inference engine", "local:cpu"),
     ):
-        if kinds[kind] == 0 and any(c.backend in backends for c in allocation.components):
+        # an unknown backend may be the missing engine (its own problem says so): judged only when all are known
+        if kinds[kind] == 0 and all(c.backend in backends for c in allocation.components):
             out.append(
                 Problem(
                     f"core.no-{kind}-engine",

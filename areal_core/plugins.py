@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import pluggy
 
 from areal_core import hookspecs
-from areal_core.discovery import claimed_twice, BLOCK_ENV, Found, closest, entry_points, load_each, missing_module
+from areal_core.discovery import claimed_twice, BLOCK_ENV, Found, closest, entry_points, import_failure, load_each
 from areal_core.hookspecs import PROJECT
 
 GROUP = "areal"
@@ -138,10 +138,9 @@ class PluginManager:
 
     def _import_failed(self, f: Found, exc: Exception) -> None:
         info = self.plugins[f.name] = self._info(f)
-        missing = missing_module(f) if isinstance(exc, ImportError) else None
-        fix = (missing[1] if missing else
-               f"reinstall or upgrade {f.distribution}, or skip it with {BLOCK_ENV}={f.distribution}")
-        cause = missing[0] if missing else f"{type(exc).__name__}: {exc}"
+        cause, fix = import_failure(f, exc) or (
+            f"{type(exc).__name__}: {exc}",
+            f"reinstall or upgrade {f.distribution}, or skip it with {BLOCK_ENV}={f.distribution}")
         info.errors.append(f'Error importing plugin "{f.name}" ({f.owner}) from {f.value}: {cause}. Fix: {fix}.')
 
     def register_found(self, f: Found) -> PluginInfo:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from areal_core.discovery import Found, claimed_twice, did_you_mean, entry_points, missing_module
+from areal_core.catalogue import install_fix, reinstall_line
+from areal_core.discovery import Found, claimed_twice, did_you_mean, entry_points, import_failure
 
 # kind -> (entry-point group, what a user calls one, config key that selects it)
 KINDS: dict[str, tuple[str, str, str]] = {
@@ -106,7 +107,7 @@ def find(kind: str, name: str) -> ComponentEntry:
             what = f"No {label} plugin is installed."
         raise ComponentError(
             f"no {label} named '{name}' is installed.{did_you_mean(name, available)} {what}".rstrip("."),
-            f"correct {key}, or install the plugin that provides '{name}'")
+            f"correct {key}, or {install_fix(kind, name) or f'install a plugin that provides {label} {name!r} (areal plugins lists what is installed)'}")
     if len(matches) > 1:
         raise ComponentError(*claimed_twice(f"{label} '{name}'",
                                             " and ".join(f"{m.owner} ({m.value})" for m in matches)))
@@ -125,13 +126,11 @@ def resolve(kind: str, name: str, expected: type | None = None) -> object:
     try:
         obj = found.load()
     except Exception as exc:
-        missing = missing_module(found) if isinstance(exc, ImportError) else None
-        raise ComponentError(
-            f"{label} '{name}' from {entry.owner} failed to import ({entry.value}): "
-            + (missing[0] if missing else f"{type(exc).__name__}: {exc}"),
-            f"{missing[1] if missing else f'reinstall it with `pip install --force-reinstall {entry.distribution}`'}"
-            f", or select another {label}"
-        ) from exc
+        cause, fix = import_failure(found, exc) or (
+            f"{type(exc).__name__}: {exc}",
+            f"reinstall it with `{reinstall_line(entry.distribution)}`")
+        raise ComponentError(f"{label} '{name}' from {entry.owner} failed to import ({entry.value}): {cause}",
+                             f"{fix}, or select another {label}") from exc
     if expected is not None and not (isinstance(obj, type) and issubclass(obj, expected)):
         raise ComponentError(
             f"{label} '{name}' from {entry.owner} points at {entry.value}, which is "

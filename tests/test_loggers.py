@@ -68,10 +68,13 @@ def test_metrics_loggers_are_checked_before_the_run(monkeypatch):
         "\n    fix: name each logger once: metrics.loggers=[tensorbord, wandb]",
         "[core.component] metrics.loggers: [tensorbord, wandb, tensorbord]: no metrics logger named 'tensorbord' is "
         "installed. Did you mean 'tensorboard'? Available: jsonl (areal-core 0.1.0), tensorboard (areal-core 0.1.0)"
-        "\n    fix: correct metrics.loggers, or install the plugin that provides 'tensorbord'",
+        "\n    fix: correct metrics.loggers, or install a plugin that provides metrics logger 'tensorbord' (areal "
+        "plugins lists what is installed)",
         "[core.component] metrics.loggers: [tensorbord, wandb, tensorbord]: no metrics logger named 'wandb' is "
         "installed. Available: jsonl (areal-core 0.1.0), tensorboard (areal-core 0.1.0)"
-        "\n    fix: pip install areal-plugin-wandb (in a checkout: pip install -e plugins/loggers/wandb), or leave "
+        "\n    fix: install areal-plugin-wandb, which provides it: pip install --find-links dist 'areal-rl[wandb]' "
+        "(the wheels scripts/build_wheels.sh builds; not on the package index yet), or in a checkout pip install "
+        "-e plugins/loggers/wandb; or leave "
         "'wandb' out of metrics.loggers",
     ]
 
@@ -96,7 +99,7 @@ def test_areal_check_refuses_an_unknown_logger_without_a_traceback(monkeypatch):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     assert "metrics.loggers: [jsonl, mlflow]: no metrics logger named 'mlflow' is installed" in out
-    assert "fix: pip install areal-plugin-mlflow" in out and "Traceback" not in out
+    assert "fix: install areal-plugin-mlflow, which provides it" in out and "Traceback" not in out
 
 
 def test_for_run_builds_the_named_loggers_and_reports_each_broken_one_once(logger_doubles, tmp_path, caplog):

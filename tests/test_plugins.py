@@ -157,7 +157,8 @@ def test_unknown_component_lists_what_exists_and_suggests_the_closest(tmp_path, 
         "no reward named 'mth' is installed. Did you mean 'math'? Available: "
         "code (areal-plugin-r 1.0.0), function (areal-core 0.1.0), math (areal-plugin-r 1.0.0), "
         "weighted (areal-core 0.1.0). "
-        "Fix: correct reward.name, or install the plugin that provides 'mth'."
+        "Fix: correct reward.name, or install a plugin that provides reward 'mth' (areal plugins lists what is "
+        "installed)."
     )
 
 
@@ -184,6 +185,19 @@ def test_component_import_error_names_distribution_and_fix(tmp_path):
         "RuntimeError: no GPU here. Fix: reinstall it with `pip install --force-reinstall "
         "areal-plugin-boom`, or select another algorithm."
     )
+
+
+def test_a_missing_declared_requirement_is_named_in_the_fix_instead_of_a_reinstall(tmp_path):
+    """A plugin whose module imports a library it declares but that is not installed (torch missing for the
+    megatron plugin): the fix installs that requirement, with its range, rather than reinstalling the plugin."""
+    eps = {"areal.engines.train": {"needy": "needy_mod:Engine"}}
+    with install_fake_distribution(tmp_path / "needy", "areal-plugin-needy", "0.3.0", eps,
+                                   {"needy_mod.py": "import not_installed_lib_xyz\n"},
+                                   requires=["not-installed-lib-xyz>=2.6,<3"]):
+        error = resolve_error("train_engine", "needy")
+    assert "requires not-installed-lib-xyz<3,>=2.6 (not installed)" in error.message
+    assert error.fix == "pip install 'not-installed-lib-xyz<3,>=2.6', or select another train engine"
+    assert "force-reinstall" not in str(error)
 
 
 def test_component_of_the_wrong_contract_is_refused(tmp_path):

@@ -402,7 +402,7 @@ def build_figure(runs: list[Run], *, x: str = "step", smooth: float = DEFAULT_SM
     try:
         import matplotlib
     except ImportError:
-        raise PlotError("areal plot needs matplotlib. Fix: pip install 'areal-core[plot]'") from None
+        raise PlotError("areal plot needs matplotlib. Fix: pip install 'matplotlib>=3.7' (the core's plot extra)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
@@ -450,7 +450,7 @@ def build_html_figure(runs: list[Run], *, x: str = "step", smooth: float = DEFAU
         import plotly.graph_objects as go
         from plotly.subplots import make_subplots
     except ImportError:
-        raise PlotError("areal plot --html needs plotly. Fix: pip install 'areal-core[plot]'") from None
+        raise PlotError("areal plot --html needs plotly. Fix: pip install 'plotly>=5.15' (the core's plot extra)") from None
     from matplotlib.colors import to_hex
 
     panels = panels_of(runs, x=x, smooth=smooth, metrics=metrics)

@@ -1,6 +1,6 @@
 """LoRA through PEFT: adapters injected into the HF model, and how its weights are named on the way out.
 
-PEFT (``pip install 'areal-plugin-fsdp[lora]'``) replaces each targeted
+PEFT (the plugin's ``lora`` extra: ``peft>=0.13``) replaces each targeted
 ``nn.Linear`` ``X`` with a LoRA layer holding ``X.base_layer`` (the frozen
 weight) and ``X.lora_A.default`` / ``X.lora_B.default`` (the trained
 adapters). The HF model object stays the same, so the engine shards and
@@ -43,7 +43,7 @@ def add_lora(lm: nn.Module, rank: int, alpha: float, dropout: float, targets: li
         from peft import LoraConfig, get_peft_model
     except ImportError as exc:
         raise ImportError("FSDPEngine: actor.lora_rank > 0 trains LoRA adapters through PEFT, which is not "
-                          "installed; pip install 'areal-plugin-fsdp[lora]' (or pip install peft), or set "
+                          "installed; pip install 'peft>=0.13' (the plugin's lora extra), or set "
                           "actor.lora_rank=0") from exc
     target: Any = "all-linear" if list(targets) == ["all-linear"] else list(targets)
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target, bias="none",

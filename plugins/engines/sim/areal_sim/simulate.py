@@ -449,7 +449,7 @@ def plot_sweep(points: list[dict], sweeps: list[tuple[str, list[str]]], path: Pa
         import matplotlib
     except ImportError:
         raise SimulationError(f"--sweep draws {path} with matplotlib, which is not installed (the sweep's figures are "
-                              f"in {path.with_name('sweep.json')}). Fix: pip install 'areal-plugin-sim[plot]'") from None
+                              f"in {path.with_name('sweep.json')}). Fix: pip install 'matplotlib>=3.7' (the plugin's plot extra)") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

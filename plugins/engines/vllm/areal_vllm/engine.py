@@ -98,7 +98,8 @@ def check_version(found: str) -> None:
     """Raise naming the supported range when ``found`` is outside it."""
     check_server_version("vLLM server", found, SUPPORTED, f"areal-plugin-vllm is tested on {SUPPORTED_TEXT} (its "
                          "pause/resume and weight-loading endpoints differ by release); install a supported release "
-                         "(bash scripts/install_vllm.sh) or point rollout.python at one")
+                         "(in a checkout: bash scripts/install_vllm.sh; elsewhere pip install "
+                         f"'vllm{SUPPORTED}' in an environment of its own) and point rollout.python at it")
 
 
 def server_argv(python: str, model: str, port: int, options: VLLMEngineConfig, dtype: str = "auto",

