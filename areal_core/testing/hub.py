@@ -88,14 +88,29 @@ def build_app(root: Path):
                              "private": False, "disabled": False, "gated": False,
                              "siblings": [{"rfilename": p.relative_to(folder).as_posix()} for p in files(folder)]})
 
-    def tree(kind: str, org: str, name: str, revision: str, path: str = "") -> Response:
+    def entry(folder: Path, p: Path) -> dict:
+        if p.is_dir():
+            return {"type": "directory", "path": p.relative_to(folder).as_posix(),
+                    "oid": hashlib.sha1(p.relative_to(folder).as_posix().encode()).hexdigest()}
+        return {"type": "file", "path": p.relative_to(folder).as_posix(), "size": p.stat().st_size,
+                "oid": blob_id(p.read_bytes())}
+
+    def tree(kind: str, org: str, name: str, revision: str, path: str = "", recursive: bool = False) -> Response:
         folder, refusal = found(kind, org, name, revision)
         if refusal is not None:
             return refusal
         base = folder / path
-        listed = [{"type": "file", "path": p.relative_to(folder).as_posix(), "size": p.stat().st_size,
-                   "oid": blob_id(p.read_bytes())} for p in files(folder) if p.is_relative_to(base)]
-        return JSONResponse(listed)
+        if not base.is_dir():
+            return missing("EntryNotFound", f"{path} does not exist on {revision}")
+        # as the hub: the folder's children, or with ?recursive=true everything under it (folders included)
+        children = base.rglob("*") if recursive else base.iterdir()
+        return JSONResponse([entry(folder, p) for p in sorted(children) if p.name != ".git"])
+
+    def paths_info(kind: str, org: str, name: str, revision: str, paths: list[str]) -> Response:
+        folder, refusal = found(kind, org, name, revision)
+        if refusal is not None:
+            return refusal
+        return JSONResponse([entry(folder, folder / p) for p in paths if (folder / p).exists()])
 
     def resolve(kind: str, org: str, name: str, revision: str, path: str, head: bool) -> Response:
         folder, refusal = found(kind, org, name, revision)
@@ -114,9 +129,17 @@ def build_app(root: Path):
         app.add_api_route(f"{prefix}/{{org}}/{{name}}/revision/{{revision}}",
                           lambda org, name, revision, k=kind: info(k, org, name, revision))
         app.add_api_route(f"{prefix}/{{org}}/{{name}}/tree/{{revision}}",
-                          lambda org, name, revision, k=kind: tree(k, org, name, revision))
+                          lambda org, name, revision, recursive=False, k=kind: tree(k, org, name, revision,
+                                                                                     recursive=recursive))
         app.add_api_route(f"{prefix}/{{org}}/{{name}}/tree/{{revision}}/{{path:path}}",
-                          lambda org, name, revision, path, k=kind: tree(k, org, name, revision, path))
+                          lambda org, name, revision, path, recursive=False, k=kind: tree(k, org, name, revision,
+                                                                                           path, recursive))
+
+        async def paths_info_route(org: str, name: str, revision: str, request: Request, k: str = kind) -> Response:
+            form = await request.form()  # huggingface_hub posts paths=...&paths=...&expand=...
+            return paths_info(k, org, name, revision, [str(p) for p in form.getlist("paths")])
+
+        app.add_api_route(f"{prefix}/{{org}}/{{name}}/paths-info/{{revision}}", paths_info_route, methods=["POST"])
     for prefix, kind in (("/datasets", "datasets"), ("", "models")):
         route = f"{prefix}/{{org}}/{{name}}/resolve/{{revision}}/{{path:path}}"
 

@@ -1,4 +1,7 @@
-"""The ``files`` dataset: rows of a local JSONL file, Parquet file or HF ``save_to_disk`` folder.
+"""The ``files`` dataset: rows of a local JSONL file, Parquet file or HF ``save_to_disk`` folder, one file of a
+hub dataset (``hf://datasets/ORG/NAME/FILE``, fetched by huggingface_hub), or a whole hub dataset by its repo id
+(``openai/gsm8k``, a config and a split, read by the ``datasets`` library: its cache, ``HF_HOME``,
+``HF_HUB_OFFLINE`` and ``HF_TOKEN`` apply).
 
 Every row is read and turned into an item when the dataset is built, so a
 missing field or a bad line fails the run before the first rollout, with
@@ -19,7 +22,7 @@ from typing import Any, Iterator
 from areal_core.api import Dataset, pass_order, stable_seed
 from areal_core.config.schema import spec
 
-FORMATS = ("auto", "jsonl", "parquet", "hf_disk")
+FORMATS = ("auto", "jsonl", "parquet", "hf_disk", "hub")
 SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 RESERVED = ("id", "prompt", "messages", "answer", "stop")
 
@@ -28,10 +31,16 @@ RESERVED = ("id", "prompt", "messages", "answer", "stop")
 class FilesConfig:
     """Keys of ``dataset`` when ``dataset.name: files``."""
 
-    path: str = spec("", help="a .jsonl / .parquet file, a folder written by datasets' save_to_disk, or a file of "
-                             "a hub dataset: hf://datasets/ORG/NAME[@REVISION]/FILE")
-    format: str = spec("auto", choices=list(FORMATS), help="auto: by the path's suffix; a folder is hf_disk")
-    hf_split: str = spec("train", help="the split to read when an hf_disk folder holds a DatasetDict")
+    path: str = spec("", help="a .jsonl / .parquet file, a folder written by datasets' save_to_disk, a file of "
+                             "a hub dataset (hf://datasets/ORG/NAME[@REVISION]/FILE), or a hub dataset's id "
+                             "(ORG/NAME[@REVISION], read with the datasets library)")
+    format: str = spec("auto", choices=list(FORMATS),
+                       help="auto: by the path's suffix; a folder is hf_disk; ORG/NAME that is not a local path is hub")
+    hf_split: str = spec("train", help="the split to read: of a hub dataset, or of an hf_disk folder holding a "
+                                       "DatasetDict")
+    hf_config: str = spec("", help="a hub dataset's config (subset), e.g. GSM8K's 'main'; '' = its only one")
+    hf_validation_split: str = spec("", help="a hub dataset: the split to evaluate on (e.g. 'test'); '' = "
+                                             "validation_path or validation_fraction decide")
     question_field: str = spec("question", help="the column holding the question ({question} in template)")
     answer_field: str = spec("answer", help="the column holding the reference answer")
     id_field: str = spec("", help="the column holding a unique id; '' = '<file name>:<row>'")
@@ -76,6 +85,81 @@ def _local(path: str) -> Path:
         text = str(exc)
         message, _, fix = text.partition(". Fix: ")
         raise DatasetFileError(message, fix or "point dataset.path at a local file") from None
+
+
+# ORG/NAME[@REVISION], or hf://datasets/ORG/NAME[@REVISION] without a file: a whole hub dataset
+_HUB_REPO = re.compile(r"(?:hf://datasets/)?(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w./-]+))?")
+
+
+def hub_repo(path: str) -> tuple[str, str | None] | None:
+    """``(repo, revision)`` when ``path`` names a whole hub dataset: ``hf://datasets/ORG/NAME[@REV]``, or
+    ``ORG/NAME[@REV]`` that is not a local path and has no data file's suffix (``data/train.jsonl`` that does
+    not exist stays a missing local file)."""
+    match = _HUB_REPO.fullmatch(path or "")
+    if match is None:
+        return None
+    if not path.startswith("hf://"):
+        try:
+            if Path(path).expanduser().exists():
+                return None
+        except (OSError, ValueError, RuntimeError):
+            return None
+        if Path(match["repo"]).suffix.lower() in SUFFIXES:
+            return None
+    return match["repo"], match["revision"]
+
+
+@dataclass(frozen=True)
+class HubSplit:
+    """One split of a hub dataset, named in messages as a file would be (``str``) and in ids by ``name``."""
+
+    repo: str
+    revision: str | None
+    config: str
+    split: str
+
+    def __str__(self) -> str:
+        config = f", config {self.config!r}" if self.config else ""
+        return f"hub dataset {self.repo}{'@' + self.revision if self.revision else ''} (split {self.split!r}{config})"
+
+    @property
+    def name(self) -> str:
+        return f"{self.repo}:{self.config + '/' if self.config else ''}{self.split}"
+
+
+def read_hub_rows(source: HubSplit, split_key: str) -> list[tuple[int, dict]]:
+    """Every row of one split of a hub dataset, through ``datasets.load_dataset`` (cached as it caches); its
+    failures become a :class:`DatasetFileError` naming the key to change."""
+    import datasets
+
+    try:
+        loaded = datasets.load_dataset(source.repo, source.config or None, split=source.split,
+                                       revision=source.revision)
+    except Exception as exc:  # the datasets library's own messages are good; we add the key and the fix
+        raise _hub_error(source, split_key, exc) from None
+    return list(enumerate(loaded.to_list(), 1))
+
+
+def _hub_error(source: HubSplit, split_key: str, exc: Exception) -> DatasetFileError:
+    from huggingface_hub import constants
+
+    text = " ".join(str(exc).split())
+    what = f"{source}, read from the Hugging Face Hub at {constants.ENDPOINT}"
+    if "Config name is missing" in text or "BuilderConfig" in text:
+        return DatasetFileError(f"{what}: {text}", "set dataset.hf_config to one of the configs named",
+                                "dataset.hf_config")
+    if "Unknown split" in text:
+        return DatasetFileError(f"{what}: {text}", f"set dataset.{split_key} to one of the splits named",
+                                f"dataset.{split_key}")
+    if type(exc).__name__ == "DatasetNotFoundError":
+        return DatasetFileError(f"{what}: {text}", "check the id (ORG/NAME) and the @REVISION, set HF_TOKEN for "
+                                "a private or gated dataset, or point dataset.path at a local file")
+    if isinstance(exc, ConnectionError) or constants.HF_HUB_OFFLINE:
+        cause = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub could not be reached"
+        return DatasetFileError(f"{what}: {cause} and it is not in the cache: {text}",
+                                "load it once where the hub is reachable (same HF_HOME), or point dataset.path at "
+                                "a local copy")
+    return DatasetFileError(f"{what}: {type(exc).__name__}: {text}", "point dataset.path at a local file")
 
 
 def detect_format(path: Path, declared: str) -> str:
@@ -173,9 +257,25 @@ class FilesDataset(Dataset):
         self._template_fields = [name for _, name, _, _ in string.Formatter().parse(o.template) if name]
         self._answer_re = re.compile(o.answer_pattern, re.MULTILINE) if o.answer_pattern else None
         split, self._passes = self.split, 0
-        main = self._load(_local(o.path), "")
+        hub = hub_repo(o.path) if o.format in ("auto", "hub") else None
+        if o.format == "hub" and hub is None:
+            raise DatasetFileError(f"dataset.path {o.path!r} is not a hub dataset id with dataset.format hub",
+                                   "write it as ORG/NAME[@REVISION], or set dataset.format to auto", "dataset.format")
+        if o.hf_validation_split and hub is None:
+            raise DatasetFileError(f"dataset.hf_validation_split is {o.hf_validation_split!r} but dataset.path "
+                                   f"{o.path!r} is not a hub dataset", "use dataset.validation_path for a file, or "
+                                   "leave hf_validation_split empty", "dataset.hf_validation_split")
+        if hub is not None:
+            source = HubSplit(hub[0], hub[1], o.hf_config, o.hf_split)
+            main = self._load_rows(source, read_hub_rows(source, "hf_split"), "")
+        else:
+            main = self._load(_local(o.path), "")
         if o.validation_path:
             held = self._load(_local(o.validation_path), "validation/")
+            train = self._drop_overlap(main, held) if split == "train" else main
+        elif o.hf_validation_split:
+            source = HubSplit(hub[0], hub[1], o.hf_config, o.hf_validation_split)
+            held = self._load_rows(source, read_hub_rows(source, "hf_validation_split"), "validation/")
             train = self._drop_overlap(main, held) if split == "train" else main
         elif o.validation_fraction > 0:
             held = [item for item in main if self._held_out(item["id"])]
@@ -187,17 +287,20 @@ class FilesDataset(Dataset):
             raise DatasetFileError(
                 f"{o.path}: the validation split is empty: dataset.validation_path is not set and "
                 f"dataset.validation_fraction is {o.validation_fraction}",
-                "set dataset.validation_path, or dataset.validation_fraction (e.g. 0.1); or eval.size=0 for a run "
+                "set dataset.validation_path, dataset.hf_validation_split for a hub dataset (e.g. test), or "
+                "dataset.validation_fraction (e.g. 0.1); or eval.size=0 for a run "
                 "without evaluation", "dataset.validation_fraction")
         self.items = held if split == "validation" else train
 
     # -- reading ----------------------------------------------------------
     def _load(self, path: Path, id_prefix: str) -> list[dict]:
         fmt = detect_format(path, self.options.format)
-        return [self._item(path, row_no, row, id_prefix)
-                for row_no, row in read_rows(path, fmt, self.options.hf_split)]
+        return self._load_rows(path, read_rows(path, fmt, self.options.hf_split), id_prefix)
 
-    def _item(self, path: Path, row_no: int, row: dict, id_prefix: str) -> dict[str, Any]:
+    def _load_rows(self, path: Path | HubSplit, rows: list[tuple[int, dict]], id_prefix: str) -> list[dict]:
+        return [self._item(path, row_no, row, id_prefix) for row_no, row in rows]
+
+    def _item(self, path: Path | HubSplit, row_no: int, row: dict, id_prefix: str) -> dict[str, Any]:
         o = self.options
 
         def field(name: str, key: str, what: str) -> Any:

@@ -44,9 +44,11 @@ def _files_problems(config: Any, extra: dict) -> list[Problem]:
 
 def _exists(path: str) -> bool:
     """False too for a name the file system refuses (too long, a NUL byte) and for '~nobody/...'; an hf:// path
-    passes here (reading the rows fetches it, and says what is wrong with it)."""
-    if path.startswith("hf://"):
-        return True
+    and a hub dataset id pass here."""
+    from areal_tasks.files import hub_repo
+
+    if path.startswith("hf://") or hub_repo(path) is not None:
+        return True  # a hub file or dataset: reading the rows fetches it, and says what is wrong with it
     try:
         return Path(path).expanduser().exists()
     except (OSError, ValueError, RuntimeError):

@@ -250,3 +250,101 @@ def test_a_hub_dataset_file_is_read_as_the_same_file_on_disk(tmp_path):
     said = missing.stdout + missing.stderr
     assert missing.returncode == 1 and "tiny-org/sums on the hub at" in said and "has no file 'nope.jsonl'" in said
     assert "Traceback" not in said
+
+
+def _gsm8k_shaped_repo(root: Path) -> Path:
+    """A dataset repo laid out as GSM8K's is on the hub: two configs (main, socratic) declared in the README's
+    YAML, a train and a test parquet file each."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    repo = root / "datasets" / "tiny-org" / "gsm8k"
+    for config, rows in (("main", ROWS), ("socratic", ROWS[:6])):
+        (repo / config).mkdir(parents=True)
+        pq.write_table(pa.Table.from_pylist(rows[:20]), repo / config / "train-00000-of-00001.parquet")
+        pq.write_table(pa.Table.from_pylist(rows[20:]), repo / config / "test-00000-of-00001.parquet")
+    (repo / "README.md").write_text(
+        "---\nconfigs:\n" + "".join(f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/train-*\n"
+                                    f"  - split: test\n    path: {c}/test-*\n" for c in ("main", "socratic"))
+        + "---\n# a GSM8K-shaped test repo\n")
+    return repo
+
+
+_READ_SPLITS = (
+    "import json, sys\nfrom areal_core.api import Context\nfrom areal_core.config.schema import RunConfig\n"
+    "from areal_tasks.files import DatasetFileError, FilesConfig, FilesDataset\n"
+    "o = FilesConfig(**json.loads(sys.argv[1]))\n"
+    "try:\n"
+    "    out = {s: [i['id'] + '=' + i['answer'] for i in FilesDataset.create(Context(config=RunConfig(), options=o, "
+    "extras={'split': s}))] for s in ('train', 'validation')}\n"
+    "except DatasetFileError as e:\n"
+    "    out = {'error': e.message, 'fix': e.fix, 'key': e.key}\n"
+    "print(json.dumps(out))\n")
+
+
+@pytest.mark.slow
+def test_a_hub_dataset_by_its_repo_id_is_read_by_the_datasets_library(tmp_path):
+    """`dataset.path: ORG/NAME` with a config and two splits, read by `datasets.load_dataset` from the hub
+    stand-in: the same rows as the parquet files on disk, validation from `hf_validation_split`; offline it
+    reads the cache; a missing config, an unknown split, a missing repo and an uncached offline read each say
+    which key to change. `areal check` reads it too."""
+    import os
+    import subprocess
+    import sys
+
+    from areal_core.testing.hub import serve
+
+    repo = _gsm8k_shaped_repo(tmp_path / "hub")
+    base = dict(question_field="q", answer_field="a", answer_pattern=r"####\s*(.+)$", shuffle=False)
+
+    def read(env, **options):
+        proc = subprocess.run([sys.executable, "-c", _READ_SPLITS, json.dumps({**base, **options})], env=env,
+                              capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.splitlines()[-1])
+
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    env["HF_HOME"] = str(tmp_path / "hf-home")
+    with serve(tmp_path / "hub") as endpoint:
+        env["HF_ENDPOINT"] = endpoint
+        got = read(env, path="tiny-org/gsm8k", hf_config="main", hf_validation_split="test")
+        no_config = read(env, path="tiny-org/gsm8k", hf_validation_split="test")
+        bad_split = read(env, path="tiny-org/gsm8k", hf_config="main", hf_validation_split="tset")
+        no_repo = read(env, path="hf://datasets/tiny-org/nope", hf_config="main", validation_fraction=0.2)
+        areal = str(Path(sys.executable).with_name("areal"))
+        checked = subprocess.run([areal, "check", "dataset.name=files", "dataset.path=tiny-org/gsm8k",
+                                  "dataset.hf_config=main", "dataset.hf_validation_split=test", "dataset.question_field=q",
+                                  "dataset.answer_field=a", "dataset.answer_pattern='####\\s*(.+)$'",
+                                  f"output_dir={tmp_path / 'runs'}"], env=env, capture_output=True, text=True,
+                                 timeout=180)
+    offline = {**env, "HF_HUB_OFFLINE": "1"}
+    cached = read(offline, path="tiny-org/gsm8k", hf_config="main", hf_validation_split="test")
+    uncached = read(offline, path="tiny-org/gsm8k", hf_config="socratic", hf_validation_split="test")
+
+    on_disk = {}
+    for split, name in (("train", "train"), ("validation", "test")):
+        local = build("train", path=str(repo / "main" / f"{name}-00000-of-00001.parquet"), shuffle=False,
+                      question_field="q", answer_field="a", answer_pattern=r"####\s*(.+)$")
+        on_disk[split] = [item["answer"] for item in local]
+    assert [x.split("=")[1] for x in got["train"]] == on_disk["train"] and len(got["train"]) == 20
+    assert [x.split("=")[1] for x in got["validation"]] == on_disk["validation"] and len(got["validation"]) == 10
+    assert got["train"][0].startswith("tiny-org/gsm8k:main/train:1=")
+    assert got["validation"][0].startswith("validation/tiny-org/gsm8k:main/test:1=")
+    assert cached == got
+    assert no_config["key"] == "dataset.hf_config" and "'main', 'socratic'" in no_config["error"], no_config
+    assert bad_split["key"] == "dataset.hf_validation_split" and "tset" in bad_split["error"], bad_split
+    assert no_repo["key"] == "dataset.path" and "tiny-org/nope" in no_repo["error"] and "HF_TOKEN" in no_repo["fix"]
+    assert uncached["key"] == "dataset.path" and "HF_HUB_OFFLINE is set" in uncached["error"], uncached
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_a_missing_local_data_file_is_not_looked_up_on_the_hub(tmp_path):
+    from areal_tasks.files import hub_repo
+
+    assert hub_repo("data/train.jsonl") is None and hub_repo("openai/gsm8k") == ("openai/gsm8k", None)
+    assert hub_repo("hf://datasets/openai/gsm8k@v1") == ("openai/gsm8k", "v1")
+    assert hub_repo("hf://datasets/openai/gsm8k/main/train.parquet") is None  # one file: huggingface_hub's
+    (tmp_path / "org" / "name").mkdir(parents=True)
+    assert hub_repo(str(tmp_path / "org" / "name")) is None  # an existing folder stays local
+    with pytest.raises(DatasetFileError, match="does not exist"):
+        build(path=str(tmp_path / "data" / "train.jsonl"), **MAPPING)
