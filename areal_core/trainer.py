@@ -428,6 +428,15 @@ class Trainer:
         lags = _token_lags(packed, version)
         m: dict[str, float] = {}
         m.update(summarize(as_list(packed["rewards"]), "reward"))
+        trajectories = [t for g in groups for t in g.trajectories]
+        # what this step trained, whichever engine: `areal plot --x samples` / `--x tokens` sum them
+        m["train/samples"] = float(len(trajectories))
+        m["train/tokens"] = float(len(packed["input_ids"]))
+        # the tokens each trajectory trained on (its completion; every turn's, in a multi-turn episode)
+        m.update(summarize([sum(1 for x in t.loss_mask if x) for t in trajectories], "length"))
+        reasons = [t.info.get("stop_reason") for t in trajectories if isinstance(t.info, dict)]
+        if reasons and all(r is not None for r in reasons):  # workflows that report it (rlvr does)
+            m["length/truncated_frac"] = sum(r == "length" for r in reasons) / len(reasons)
         m.update(summarize([version - g.start_version for g in groups], "staleness/episode_lag"))
         m.update(summarize([g.finished_at - g.admitted_at for g in groups], "rollout/episode_latency_s"))
         if lags.size:

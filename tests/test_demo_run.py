@@ -84,6 +84,15 @@ def test_a_short_default_run_writes_a_complete_run_folder(tmp_path):
         assert len(tokenizer(r["completion"], add_special_tokens=False)["input_ids"]) >= 1
         assert r["reward"] in (0.0, 1.0) and r["version"] == r["step"] - 1
         assert 0 <= r["staleness"] <= 2 and r["versions"][1] - r["versions"][0] <= 2
+    # the step's length metrics agree with the completions written, counted independently per sample
+    for row in rows[1:]:
+        step_records = [r for r in written if r["step"] == row["step"]]
+        lengths = [r["completion_tokens"] for r in step_records]
+        assert row["train/samples"] == len(step_records) == 4
+        assert row["length/mean"] == pytest.approx(sum(lengths) / len(lengths))
+        assert (row["length/min"], row["length/max"]) == (min(lengths), max(lengths))
+        truncated = [r["reward_info"]["stop_reason"] == "length" for r in step_records]
+        assert row["length/truncated_frac"] == pytest.approx(sum(truncated) / len(truncated))
     shown = subprocess.run([AREAL, "samples", str(run_dir), "-n", "2"], capture_output=True, text=True,
                            timeout=scaled(60))
     assert shown.returncode == 0 and shown.stdout.count("step 3 · item ") == 2, shown.stdout + shown.stderr

@@ -66,13 +66,17 @@ def test_two_runs_give_one_png_whose_legend_names_both_trials(runs, tmp_path):
 
     fig, _ = figure_of([runs["eta0"], runs["eta2"]])
     assert legend_texts(fig) == ["eta0", "eta2"]
-    titles = [ax.get_title() for ax in fig.axes]
-    assert titles == ["training reward (mean per step)", "generation tokens/s", "token staleness (versions, mean)"]
-    for ax in fig.axes:  # per run: the faint raw line, then the smoothed one, both in the run's color
+    shown = [ax for ax in fig.axes if ax.get_visible()]  # a two-column grid hides the cell it does not fill
+    titles = [ax.get_title() for ax in shown]
+    assert titles == ["training reward (mean per step)", "loss", "completion length (tokens, mean)",
+                      "generation tokens/s", "token staleness (versions, mean)"]
+    assert fig.get_suptitle() == "areal plot: eta0, eta2 by step"
+    for ax in shown:  # per run: the faint raw line, then the smoothed one, both in the run's color
         colors = [line.get_color() for line in ax.get_lines()]
         assert colors == ["C0", "C0", "C1", "C1"], (ax.get_title(), colors)
         assert [line.get_alpha() for line in ax.get_lines()] == [0.25, None, 0.25, None]
-    staleness = fig.axes[2].get_lines()
+        assert all(float(t).is_integer() for t in ax.get_xticks()), ax.get_xticks()  # whole steps only
+    staleness = shown[4].get_lines()
     assert max(staleness[1].get_ydata()) == 0  # eta 0 trains on fresh tokens only
     assert max(staleness[2].get_ydata()) > 0  # eta 2 on older ones too
 
@@ -192,7 +196,7 @@ def test_a_trl_log_is_drawn_beside_a_run_by_step_and_refused_by_time(runs, tmp_p
     (["{eta0}", "--metrics", "reward/meen"], "--metrics: no run logs 'reward/meen'. Fix: use one of the logged "
                                               "keys, e.g. reward/mean"),
     (["{eta0}", "--smooth", "1"], "--smooth 1.0: the moving average's weight must be in [0, 1). Fix:"),
-    (["{eta0}", "--x", "wall"], "--x 'wall' is not a choice. Fix: --x step or --x time"),
+    (["{eta0}", "--x", "wall"], "--x 'wall' is not a choice. Fix: --x step, --x samples, --x tokens or --x time"),
     (["{eta0}", "--out", "{out}.jpg"], ".jpg is not a format areal plot writes. Fix: end it in .png, .svg, .pdf"),
 ])
 def test_bad_input_is_named_with_its_fix_and_writes_nothing(runs, tmp_path, args, message):
@@ -233,12 +237,14 @@ def test_the_html_page_renders_both_runs_in_headless_chromium_offline(runs, tmp_
             legend = page.eval_on_selector_all(".legend .legendtext", "els => els.map(e => e.textContent)")
             traces = page.eval_on_selector_all(".scatterlayer .trace path.js-line", "els => els.length")
             names = page.evaluate("() => document.querySelector('.plotly-graph-div').data.map(t => t.name)")
+            tab = page.title()
         finally:
             browser.close()
     assert problems == []
     assert [u for u in requests if not u.startswith("file://")] == []  # opens from disk, no network
     assert legend == ["eta0", "eta2"]
-    assert traces == 12  # 3 panels x 2 runs x (raw + smoothed)
+    assert traces == 20  # 5 panels (reward, loss, length, generation tokens/s, staleness) x 2 runs x (raw + smoothed)
+    assert tab == "areal plot: eta0, eta2 by time"  # the browser tab names what the page draws
     assert {"eta0", "eta2"} <= set(names)
 
 
@@ -277,3 +283,26 @@ def test_seeds_of_one_configuration_are_drawn_as_their_mean_in_a_band(runs, tmp_
     refused = areal_plot("--seeds", str(runs["eta0"]), str(runs["eta2"]), "--out", str(tmp_path / "none.png"))
     assert refused.returncode == 1 and "--seeds: no two of these runs differ only in trainer.seed" in refused.stderr
     assert "Traceback" not in refused.stderr and not (tmp_path / "none.png").exists()
+
+
+def test_x_by_samples_and_tokens_is_the_running_sum_of_what_each_step_trained(runs, tmp_path):
+    """--x samples / tokens: each point sits at the samples (trajectories) or tokens trained through its step,
+    summed from the run's own train/samples and train/tokens; a TRL log is drawn by its num_tokens and refused
+    by samples (it logs no count)."""
+    rows = [r for r in rows_of(runs["eta0"]) if "train/samples" in r]
+    assert rows and all(r["train/samples"] > 0 for r in rows)
+    for by, key in (("samples", "train/samples"), ("tokens", "train/tokens")):
+        fig, _ = figure_of([runs["eta0"]], x=by, smooth=0, metrics=["reward/mean"])
+        (line,) = fig.axes[0].get_lines()
+        expected, total = [], 0.0
+        for r in rows:
+            total += r[key]
+            expected.append(total)
+        assert list(line.get_xdata()) == expected
+        assert by in fig.axes[0].get_xlabel()
+    trl = trl_output(tmp_path / "trl", [0.1, 0.2, 0.3])
+    proc = areal_plot(str(trl), "--x", "samples", "--out", str(tmp_path / "t.png"))
+    assert proc.returncode == 1 and "records no sample count" in proc.stderr and "Fix: --x step" in proc.stderr
+    fig, _ = figure_of([trl], x="tokens", smooth=0, metrics=["reward/mean"])
+    (line,) = fig.axes[0].get_lines()
+    assert list(line.get_xdata()) == [268.0, 536.0, 804.0]  # TRL's own cumulative num_tokens

@@ -349,8 +349,9 @@ RunsArg = Annotated[list[Path], typer.Argument(
 OutOpt = Annotated[Optional[Path], typer.Option(
     "--out", help="file to write: .png, .svg, .pdf, or .html (an interactive page) [default: curves.png in the run's "
                   "folder for one run, compare.png here for several]")]
-XOpt = Annotated[str, typer.Option("--x", help="x axis: step, or time (training time since the first step; "
-                                               "stops of a resumed run left out)")]
+XOpt = Annotated[str, typer.Option("--x", help="x axis: step; samples or tokens (trained, cumulative); or time "
+                                               "(training time since the first step; stops of a resumed run left "
+                                               "out)")]
 SmoothOpt = Annotated[float, typer.Option("--smooth", help="weight of the debiased moving average, as "
                                                            "TensorBoard's (0 = none); the raw line stays faint")]
 MetricsOpt = Annotated[Optional[str], typer.Option(

@@ -22,6 +22,7 @@ no wall-clock time: asking for ``x="time"`` with one names it.
 from __future__ import annotations
 
 import difflib
+from html import escape as html_escape
 import json
 import math
 import os
@@ -41,6 +42,11 @@ PANELS = [
     ("reward/mean", "training reward (mean per step)"),
     ("accuracy/mean", "training accuracy (mean per step)"),
     ("eval/accuracy", "validation accuracy"),
+    ("train/loss", "loss"),
+    ("train/entropy", "entropy (nats per token)"),
+    ("train/clip_frac", "clip fraction"),
+    ("train/kl", "KL to the reference"),
+    ("length/mean", "completion length (tokens, mean)"),
     ("throughput/tokens_per_s", "tokens/s"),
     ("throughput/gen_tokens_per_s", "generation tokens/s"),
     ("staleness/token_lag_mean", "token staleness (versions, mean)"),
@@ -54,7 +60,14 @@ TRL_KEYS = {
     "loss": "train/loss",
     "grad_norm": "train/grad_norm",
     "eval_reward": "eval/reward_mean",
+    "entropy": "train/entropy",
+    "kl": "train/kl",
+    "completions/mean_length": "length/mean",
 }
+# --x choices; samples and tokens are cumulative: areal's train/samples and train/tokens summed over the steps,
+# TRL's num_tokens as it logs it (TRL logs no sample count)
+X_CHOICES = ("step", "samples", "tokens", "time")
+X_COUNTS = {"samples": "train/samples", "tokens": "train/tokens"}
 
 DEFAULT_SMOOTH = 0.6  # TensorBoard's default weight
 RESUME_GAP_S = 60.0
@@ -287,9 +300,42 @@ def elapsed(run: Run) -> dict[int, float]:
     return x
 
 
+def cumulative(run: Run, by: str) -> dict[int, float]:
+    """Samples or tokens trained through each record (by its index in ``run.rows``): the running sum of the
+    per-step count (a step logged twice, as after a resume, counted once), or TRL's own ``num_tokens``."""
+    if run.kind == "trl":
+        if by == "tokens":
+            counted = {i: float(row["num_tokens"]) for i, row in enumerate(run.rows) if _finite(row.get("num_tokens"))}
+            if counted:
+                return counted
+        raise PlotError(f"{run.source}: TRL's log_history records no {'sample count' if by == 'samples' else 'num_tokens'}"
+                        f", so it cannot be drawn against {by}. Fix: --x step (or leave it out of this figure)")
+    key = X_COUNTS[by]
+    per_step: dict[int, float] = {}
+    for row in run.rows:
+        if _finite(row.get(key)):
+            per_step[row["step"]] = float(row[key])
+    if not per_step:
+        raise PlotError(f"{run.source}: its metrics file has no {key}, so it cannot be drawn against {by} (runs "
+                        f"before 2026-11-29 did not log it). Fix: --x step")
+    through, total = {}, 0.0
+    for step in sorted(set(row["step"] for row in run.rows)):
+        total += per_step.get(step, 0.0)
+        through[step] = total
+    return {i: through[row["step"]] for i, row in enumerate(run.rows)}
+
+
+def positions(run: Run, by: str) -> dict[int, float] | None:
+    """x of each record (by index) for ``by`` other than step; None for step."""
+    if by == "step":
+        return None
+    return elapsed(run) if by == "time" else cumulative(run, by)
+
+
 def series(run: Run, key: str, by: str) -> tuple[list[float], list[float]]:
-    """(x, values) of ``key`` in ``run``, x by ``step`` or ``time`` (seconds; see :func:`elapsed`)."""
-    times = elapsed(run) if by == "time" else None
+    """(x, values) of ``key`` in ``run``, x by ``step``, cumulative ``samples`` or ``tokens``, or ``time``
+    (seconds; see :func:`elapsed`)."""
+    times = positions(run, by)
     points = []
     for i, row in enumerate(run.rows):
         if not _finite(row.get(key)):
@@ -316,7 +362,7 @@ def group_series(run: Run, key: str, by: str) -> tuple[list[float], list[float],
     """(x, mean, standard deviation) of ``key`` over a group's members, at the steps every member logged it."""
     per_member = []
     for member in run.members:
-        times = elapsed(member) if by == "time" else None
+        times = positions(member, by)
         points = {}
         for i, row in enumerate(member.rows):
             if _finite(row.get(key)) and (times is None or i in times):
@@ -361,8 +407,8 @@ def choose_panels(runs: list[Run], metrics: list[str] | None) -> list[tuple[str,
 def panels_of(runs: list[Run], *, x: str = "step", smooth: float = DEFAULT_SMOOTH,
               metrics: list[str] | None = None) -> list[Panel]:
     """The curves of every panel; the run's color is the same in each (matplotlib's cycle C0, C1, ...)."""
-    if x not in ("step", "time"):
-        raise PlotError(f"--x {x!r} is not a choice. Fix: --x step or --x time")
+    if x not in X_CHOICES:
+        raise PlotError(f"--x {x!r} is not a choice. Fix: --x {', --x '.join(X_CHOICES[:-1])} or --x {X_CHOICES[-1]}")
     if not 0 <= smooth < 1:
         raise PlotError(f"--smooth {smooth}: the moving average's weight must be in [0, 1). Fix: e.g. --smooth 0.6 "
                         f"(TensorBoard's default), or --smooth 0 for none")
@@ -392,6 +438,10 @@ def time_unit(panels: list[Panel]) -> tuple[str, float]:
 def x_label(x: str, unit: str, runs: list[Run]) -> str:
     if x == "step":
         return "step"
+    if x == "samples":
+        return "samples trained (trajectories, cumulative)"
+    if x == "tokens":
+        return "tokens trained (prompt and completion, cumulative)"
     return f"training time ({unit}{'; stops left out, dotted: resumed' if any(r.resumes for r in runs) else ''})"
 
 
@@ -407,11 +457,17 @@ def build_figure(runs: list[Run], *, x: str = "step", smooth: float = DEFAULT_SM
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
+    from matplotlib.ticker import MaxNLocator
+
     panels = panels_of(runs, x=x, smooth=smooth, metrics=metrics)
     unit, per = time_unit(panels) if x == "time" else ("", 1.0)
-    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.4 * len(panels) + 0.8), sharex=True, squeeze=False,
-                             layout="constrained")
-    for ax, panel in zip(axes[:, 0], panels):
+    cols = 2 if len(panels) > 4 else 1
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(8 * cols if cols == 1 else 13, 2.4 * rows + 0.8), sharex=True,
+                             squeeze=False, layout="constrained")
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, panel in zip(axes.flat, panels):
         for curve in panel.curves:
             xs = [v / per for v in curve.x]
             marker = "o" if len(xs) < 12 or curve.smooth is None else None
@@ -434,7 +490,11 @@ def build_figure(runs: list[Run], *, x: str = "step", smooth: float = DEFAULT_SM
         ax.set_ylabel(panel.key.split("/")[0])
         ax.set_title(panel.title, fontsize=9)
         ax.grid(alpha=0.3)
-    axes[-1, 0].set_xlabel(x_label(x, unit, runs))
+        if x in ("step", "samples", "tokens"):
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 2.5
+        ax.tick_params(labelbottom=True)  # every panel's own axis: a two-column grid has no single bottom row
+        ax.set_xlabel(x_label(x, unit, runs), fontsize=8)
+    fig.suptitle(page_title(runs, x), fontsize=10)
     handles = [Line2D([], [], color=f"C{i % 10}", linewidth=1.8) for i in range(len(runs))]
     fig.legend(handles, [r.label for r in runs], loc="outside upper center", ncol=min(len(runs), 4), fontsize=8,
                frameon=False, title=title, title_fontsize=8)
@@ -482,10 +542,18 @@ def build_html_figure(runs: list[Run], *, x: str = "step", smooth: float = DEFAU
                     fig.add_vline(x=at / per, line=dict(color=color, dash="dot", width=1), row=row, col=1)
         fig.update_yaxes(title_text=panel.key.split("/")[0], row=row, col=1)
     fig.update_xaxes(title_text=x_label(x, unit, runs), row=len(panels), col=1)
+    if x in ("step", "samples", "tokens"):
+        fig.update_xaxes(tickformat="d")  # integer ticks: no step 2.5
     fig.update_layout(height=260 * len(panels) + 120, template="plotly_white", hovermode="x unified",
-                      title=dict(text=title or "areal plot", font=dict(size=12)),
+                      title=dict(text=title or page_title(runs, x), font=dict(size=12)),
                       legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
     return fig
+
+
+def page_title(runs: list[Run], x: str) -> str:
+    """``areal plot: <run labels> by <x>``: the figure's heading and the HTML page's title (a browser tab)."""
+    names = ", ".join(r.label for r in runs[:4]) + (f" and {len(runs) - 4} more" if len(runs) > 4 else "")
+    return f"areal plot: {names} by {x}"
 
 
 # ------------------------------------------------------------------ writing
@@ -537,6 +605,9 @@ def plot_runs(paths: list[Path], out: Path | None = None, *, x: str = "step", sm
     if html:
         page = build_html_figure(runs, x=x, smooth=smooth, metrics=metrics, title=title).to_html(
             include_plotlyjs=True, full_html=True)  # plotly.js inline: the page opens from disk, offline
+        # plotly writes no <title>: name the page (the browser's tab, bookmarks) after what it draws
+        page = page.replace("<head>", f"<head><meta charset=\"utf-8\"><title>{html_escape(page_title(runs, x))}"
+                                      "</title>", 1)
         _write_atomically(out, lambda tmp: tmp.write_text(page, encoding="utf-8"))
         return out
     fig = build_figure(runs, x=x, smooth=smooth, metrics=metrics, title=title)
