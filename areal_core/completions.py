@@ -87,6 +87,21 @@ def completion_records(groups: Iterable[Any], step: int, version: int, decode: C
     return out
 
 
+TABLE_COLUMNS = ("step", "version", "item", "group", "sample", "prompt", "completion", "reward", "staleness",
+                 "prompt_tokens", "completion_tokens", "reward_info")
+
+
+def table_rows(records: Iterable[dict]) -> tuple[list[str], list[list[Any]]]:
+    """(columns, rows) of completion records as a tracker's table shows them: one row per sample, the reward's
+    details as a JSON string (trackers' tables hold scalars and text)."""
+    rows = []
+    for record in records:
+        row = [record.get(column) for column in TABLE_COLUMNS]
+        row[-1] = json.dumps(record.get("reward_info"), sort_keys=True) if record.get("reward_info") else ""
+        rows.append(row)
+    return list(TABLE_COLUMNS), rows
+
+
 def append_records(run_dir: Path, records: list[dict]) -> None:
     with open(Path(run_dir) / COMPLETIONS_FILE, "a", encoding="utf-8") as f:
         for record in records:

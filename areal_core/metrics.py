@@ -50,6 +50,11 @@ class MetricsSink(Protocol):
     logged by an earlier process and are logged again), ``config`` the resolved run config as plain dicts and
     lists (``config.yaml``'s content). It may raise :class:`SinkError` (or any exception) when it cannot be
     used; so may ``write``. Either way it is reported once and switched off, and training goes on.
+
+    Optional: ``write_samples(step, records)``, the step's trained samples as text (the records of
+    ``completions.jsonl``: step, version, item, group, sample, prompt, completion, reward, ...), for a tracker
+    that shows them as a table. Called after that step's ``write``, every ``metrics.completions_every`` steps.
+    One that raises is reported once and gets no more samples; its ``write`` goes on.
     """
 
     def write(self, step: int, metrics: dict[str, float]) -> None: ...
@@ -374,6 +379,8 @@ class BackgroundSink:
         import time
 
         self.sink, self.label, self.on_failure = sink, label, on_failure
+        self.on_samples_failure: Any = None  # set by MetricsLogger: a write_samples that raised, reported once
+        self._samples_failed = False
         self.close_timeout_s = close_timeout_s
         self._build, self._on_build_failure = build, on_build_failure
         self._start_deadline = time.monotonic() + start_timeout_s
@@ -422,9 +429,12 @@ class BackgroundSink:
                 break
             if self._failed:
                 continue
-            step, metrics = item
+            kind, step, payload = item
+            if kind == "samples":
+                self._write_samples_here(step, payload)
+                continue
             try:
-                self.sink.write(step, metrics)
+                self.sink.write(step, payload)
             except Exception as e:
                 self._failed = True
                 self.on_failure(step, e)
@@ -433,8 +443,24 @@ class BackgroundSink:
         except Exception as e:
             log.warning("%s failed to close: %s: %s", self.label, type(e).__name__, e)
 
+    def _write_samples_here(self, step: int, records: list[dict]) -> None:
+        write_samples = getattr(self.sink, "write_samples", None)
+        if self._samples_failed or write_samples is None:
+            return
+        try:
+            write_samples(step, records)
+        except Exception as e:
+            self._samples_failed = True
+            if self.on_samples_failure is not None:
+                self.on_samples_failure(step, e)
+
+    def write_samples(self, step: int, records: list[dict]) -> None:
+        """Queue the step's samples for the sink's ``write_samples`` (if it has one), after that step's write."""
+        if self._failed or self._samples_failed:
+            return
+        self._put(("samples", step, [dict(r) for r in records]), step)
+
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        import queue
         import time
 
         if not self._built.is_set() and not self._failed and time.monotonic() > self._start_deadline:
@@ -443,8 +469,13 @@ class BackgroundSink:
                                                 "(metrics.logger_start_timeout_s)"))
         if self._failed:
             return
+        self._put(("metrics", step, dict(metrics)), step)
+
+    def _put(self, item: tuple, step: int) -> None:
+        import queue
+
         try:
-            self._queue.put_nowait((step, dict(metrics)))
+            self._queue.put_nowait(item)
         except queue.Full:
             if not self._dropping:
                 self._dropping = True
@@ -513,6 +544,7 @@ class MetricsLogger:
         self.disabled: list[MetricsSink] = []
         self._names = {id(sink): name for sink, name in zip(self.sinks, names or ())}
         self._closed = False
+        self._samples_off: set[int] = set()
         self.warnings_path = Path(warnings_path) if warnings_path is not None else None
 
     def warn(self, message: str) -> None:
@@ -614,6 +646,14 @@ class MetricsLogger:
                       f"metrics.jsonl has every step): {_failure(error, _WRITE_FIX)}")
 
         wrapped = BackgroundSink(sink, label, failed, **build)
+
+        def samples_failed(step: int, error: Exception) -> None:
+            built = wrapped.sink
+            said = label if sink is not None or built is None else f"metrics logger '{name}' ({built!r})"
+            self.warn(f"{said} could not take the samples of step {step} and gets no more (its metrics go on; "
+                      f"completions.jsonl has them): {_failure(error, _WRITE_FIX)}")
+
+        wrapped.on_samples_failure = samples_failed
         self._names[id(wrapped)] = name or (self._names.get(id(sink), "") if sink is not None else "")
         return wrapped
 
@@ -634,6 +674,26 @@ class MetricsLogger:
                           f"goes on; metrics.jsonl has every step): {_failure(e, _WRITE_FIX)}")
         if self.progress is not None:
             self.progress.update(step, metrics)
+
+    def log_samples(self, step: int, records: Sequence[dict]) -> None:
+        """The step's trained samples (``completions.jsonl``'s records) to every sink that takes them
+        (``write_samples``); never raises because of a sink, and a sink whose ``write_samples`` raises gets no
+        more samples (said once) but keeps its metrics."""
+        if self._closed or not records:
+            return
+        for sink in list(self.sinks):
+            if isinstance(sink, BackgroundSink):
+                sink.write_samples(step, list(records))
+                continue
+            write_samples = getattr(sink, "write_samples", None)
+            if write_samples is None or id(sink) in self._samples_off:
+                continue
+            try:
+                write_samples(step, list(records))
+            except Exception as e:
+                self._samples_off.add(id(sink))
+                self.warn(f"{self._label(sink)} could not take the samples of step {step} and gets no more (its "
+                          f"metrics go on; completions.jsonl has them): {_failure(e, _WRITE_FIX)}")
 
     def close(self) -> None:
         if self._closed:

@@ -98,6 +98,7 @@ class Trainer:
         self.controller: RolloutController | None = None
         self.store = CheckpointStore(self.run_dir / "checkpoints")
         self.step = 0
+        self._step_samples: list[dict] = []  # the last step's completions.jsonl records, for MetricsLogger.log_samples
         self._filtered_in_a_row = 0  # groups dynamic filtering dropped since the last one it kept
         self.weights = WeightHandOver(self.cfg, self.actor, self.run_dir, rank, world_size, self._broadcast)
         self.evaluation: Evaluation | None = None  # rank 0's, built with the rollout side
@@ -309,6 +310,8 @@ class Trainer:
                             evaluation.start(self.controller, self.step)
                 if logger is not None:  # before the save: a step in a checkpoint always has its metrics
                     logger.log(self.step, metrics)
+                    samples, self._step_samples = self._step_samples, []
+                    logger.log_samples(self.step, samples)
                 checkpoint_s = 0.0
                 if due or self.step == total:
                     began = time.monotonic()
@@ -466,8 +469,9 @@ class Trainer:
         step, cfg = self.step + 1, self.cfg.metrics
         if not due(step, cfg.completions_every):
             return
-        append_records(self.run_dir, completion_records(groups, step, version, self._decode,
-                                                        cfg.completions_per_step))
+        records = completion_records(groups, step, version, self._decode, cfg.completions_per_step)
+        append_records(self.run_dir, records)
+        self._step_samples = records  # to the trackers that show them, after the step's metrics
 
     def _record_samples(self, groups, version: int) -> None:
         """One JSON line per step naming the data items it trained on (what resume is checked against)."""

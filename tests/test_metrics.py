@@ -386,3 +386,44 @@ def test_the_launcher_prints_each_of_the_runs_warnings_once(tmp_path, capsys):
     tail.close()
     err = capsys.readouterr().err
     assert err.count("warning: metrics logger 'wandb' is off for this run") == 1 and "earlier start" not in err
+
+
+class _TableSink:
+    """A sink that takes samples (write_samples), failing on them from step ``fail_at`` on."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.steps, self.samples, self.fail_at = [], [], fail_at
+
+    def write(self, step, metrics):
+        self.steps.append(step)
+
+    def write_samples(self, step, records):
+        if self.fail_at is not None and step >= self.fail_at:
+            raise RuntimeError("the tracker refused the table")
+        self.samples.append((step, [r["sample"] for r in records]))
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_samples_reach_the_sinks_that_take_them_and_a_failure_there_keeps_their_metrics(tmp_path, background):
+    from areal_core.metrics import MetricsLogger
+
+    good, failing, plain = _TableSink(), _TableSink(fail_at=2), JsonlSink(tmp_path / "m")
+    logger = MetricsLogger([], warnings_path=tmp_path / "warnings.jsonl")
+    for name, sink in (("good", good), ("failing", failing), ("jsonl", plain)):
+        logger.sinks.append(logger._in_background(sink, name) if background else sink)
+        logger._names[id(logger.sinks[-1])] = name
+    records = [{"sample": k} for k in range(3)]
+    for step in (1, 2, 3):
+        logger.log(step, {"reward/mean": 0.5})
+        logger.log_samples(step, records)
+    logger.log_samples(4, [])  # nothing to show: nothing sent
+    logger.close()
+    assert good.steps == failing.steps == [1, 2, 3]  # the failing sink's metrics went on
+    assert good.samples == [(1, [0, 1, 2]), (2, [0, 1, 2]), (3, [0, 1, 2])]
+    assert failing.samples == [(1, [0, 1, 2])]  # step 2 raised: no more samples for it, said once
+    said = [json.loads(line)["message"] for line in (tmp_path / "warnings.jsonl").read_text().splitlines()]
+    assert len(said) == 1 and "could not take the samples of step 2" in said[0], said
+    assert "the tracker refused the table" in said[0] and "its metrics go on" in said[0]

@@ -4,7 +4,9 @@ The store is ``MLFLOW_TRACKING_URI`` when set (a server, ``sqlite:///...``, or a
 only opens with ``MLFLOW_ALLOW_FILE_STORE=true``), else ``sqlite:///<run_dir>/mlflow/mlflow.db``, MLflow's own
 default backend, made on first use; ``mlflow ui --backend-store-uri <that>`` shows it. The experiment is
 ``MLFLOW_EXPERIMENT_NAME`` or the run's ``experiment``, the run's name its ``trial``; the resolved run config is
-logged as parameters (``actor.optimizer.lr``, ...). The run's id and store are kept in
+logged as parameters (``actor.optimizer.lr``, ...). The trained samples' prompts and completions
+(``completions.jsonl``) go to a table artifact ``completions/step-<N>.json`` per step (under
+``<run_dir>/mlflow/artifacts/`` with the default store). The run's id and store are kept in
 ``<run_dir>/mlflow/areal-run.json``, so ``areal run --resume`` continues the same MLflow run.
 
 mlflow is imported when the logger is built, never when the plugin is listed.
@@ -19,9 +21,12 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from areal_core.completions import table_rows
 from areal_core.metrics import finite_scalars, import_for_logger, run_names
 
 RUN_FILE = "areal-run.json"
+TABLE_FOLDER = "completions"  # the trained samples, one table artifact per step that writes them
+MAX_LISTED_TABLES = 50  # the newest tables named in the run's mlflow.loggedArtifacts tag (a tag holds 8000 chars)
 MAX_PARAMS_PER_BATCH = 100  # MLflow's limits per log_batch call
 MAX_METRICS_PER_BATCH = 1000
 MAX_PARAM_LENGTH = 6000
@@ -67,13 +72,18 @@ class MlflowSink:
         (self.run_dir / "mlflow").mkdir(parents=True, exist_ok=True)
         self.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(self.run_dir)
         self.client = tracking.MlflowClient(tracking_uri=self.tracking_uri)
+        self._tables: list[dict] = []
         self.run_id = self._stored_run()
         if self.run_id is not None:
             self.client.update_run(self.run_id, status="RUNNING")
             return
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or experiment
         experiment = self.client.get_experiment_by_name(name)
-        experiment_id = experiment.experiment_id if experiment is not None else self.client.create_experiment(name)
+        # the default store keeps its artifacts (the completion tables) beside it, not in the current folder
+        location = (None if os.environ.get("MLFLOW_TRACKING_URI") else
+                    (self.run_dir / "mlflow" / "artifacts").resolve().as_uri())
+        experiment_id = (experiment.experiment_id if experiment is not None else
+                         self.client.create_experiment(name, artifact_location=location))
         run = self.client.create_run(experiment_id, run_name=trial,
                                      tags={"areal.run_dir": str(self.run_dir.resolve())})
         self.run_id = run.info.run_id
@@ -104,6 +114,17 @@ class MlflowSink:
                  for key, number in finite_scalars(metrics).items()]
         for chunk in _chunks(batch, MAX_METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=chunk)
+
+    def write_samples(self, step: int, records: list[dict]) -> None:
+        """The step's samples as an MLflow table (the run's artifact ``completions/step-<N>.json``, which the
+        UI's evaluation view lists): written as MLflow writes a table, ``{"columns": [...], "data": [...]}``,
+        and registered in the run's ``mlflow.loggedArtifacts`` tag, without needing pandas (mlflow-skinny has
+        none; MlflowClient.log_table requires it)."""
+        columns, rows = table_rows(records)
+        artifact = f"{TABLE_FOLDER}/step-{int(step):06d}.json"
+        self.client.log_dict(self.run_id, {"columns": columns, "data": rows}, artifact)
+        self._tables.append({"path": artifact, "type": "table"})
+        self.client.set_tag(self.run_id, "mlflow.loggedArtifacts", json.dumps(self._tables[-MAX_LISTED_TABLES:]))
 
     def close(self) -> None:
         run_id, self.run_id = self.run_id, None

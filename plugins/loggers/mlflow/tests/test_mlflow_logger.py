@@ -5,6 +5,7 @@ MetricsLogger and through a short real `areal run`."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import os
 
 import pytest
@@ -102,7 +103,9 @@ def test_resume_continues_the_same_mlflow_run(tmp_path, monkeypatch):
 
 
 def test_a_short_areal_run_logs_every_step_to_mlflow_as_to_metrics_jsonl(tmp_path):
+    """Every step's scalars, and its trained samples as a table artifact equal to completions.jsonl."""
     from areal_core.testing.rl_doubles import areal_run
+    from areal_core.testing.samples import assert_samples_table
 
     proc, run_dir = areal_run(tmp_path, "ml", ["trainer.total_steps=3", "metrics.loggers=[jsonl,tensorboard,mlflow]"],
                               timeout_s=300)
@@ -117,6 +120,14 @@ def test_a_short_areal_run_logs_every_step_to_mlflow_as_to_metrics_jsonl(tmp_pat
     for key in keys:
         expected = [(row["step"], pytest.approx(row[key])) for row in rows if row.get(key) is not None]
         assert history(client, run.info.run_id, key) == expected, key
+    # the step's samples: a table artifact per step, in the run folder's store, named in mlflow.loggedArtifacts
+    listed = json.loads(run.data.tags["mlflow.loggedArtifacts"])
+    assert listed == [{"path": f"completions/step-{s:06d}.json", "type": "table"} for s in (1, 2, 3)]
+    downloaded = Path(client.download_artifacts(run.info.run_id, "completions", str(tmp_path / "got")))
+    assert (run_dir / "mlflow" / "artifacts").is_dir() and not (tmp_path / "mlruns").exists()
+    for step in (1, 2, 3):
+        saved = json.loads((downloaded / f"step-{step:06d}.json").read_text())
+        assert_samples_table(run_dir, step, [dict(zip(saved["columns"], r)) for r in saved["data"]])
     assert "metrics logger 'mlflow'" not in (run_dir / "logs" / "actor-rank0.log").read_text()
 
 

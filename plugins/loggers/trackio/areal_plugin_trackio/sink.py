@@ -5,7 +5,8 @@ Trackio keeps every project in a local SQLite database under ``TRACKIO_DIR`` (de
 ``TRACKIO_SERVER_URL`` send the run to a Hugging Face Space or a Trackio server instead, as trackio itself reads
 them. The project is the run's ``experiment``, the run's name its ``trial``, its config the resolved run config.
 ``<run_dir>/trackio/areal-run.json`` records the project and name, so ``areal run --resume`` continues the same
-Trackio run; a fresh start never appends to an older run of the same name.
+Trackio run; a fresh start never appends to an older run of the same name. The trained samples' prompts and
+completions (``completions.jsonl``) go to a table ``completions`` at their step.
 
 trackio is imported when the logger is built, never when the plugin is listed.
 """
@@ -17,9 +18,11 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from areal_core.completions import table_rows
 from areal_core.metrics import finite_scalars, import_for_logger, run_names
 
 RUN_FILE = "areal-run.json"
+TABLE_KEY = "completions"  # the table of trained samples (completions.jsonl's records)
 
 
 class TrackioSink:
@@ -47,6 +50,13 @@ class TrackioSink:
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         self._run.log(finite_scalars(metrics), step=int(step))
+
+    def write_samples(self, step: int, records: list[dict]) -> None:
+        """The step's samples as a Trackio table ``completions`` at that step."""
+        import trackio
+
+        columns, rows = table_rows(records)
+        self._run.log({TABLE_KEY: trackio.Table(columns=columns, data=rows)}, step=int(step))
 
     def close(self) -> None:
         run, self._run = self._run, None

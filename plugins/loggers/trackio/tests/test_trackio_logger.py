@@ -63,7 +63,9 @@ def test_resume_continues_the_same_run_and_a_fresh_start_makes_a_new_one(trackio
 
 
 def test_a_short_areal_run_logs_every_step_to_trackio_as_to_metrics_jsonl(trackio_env, tmp_path):
+    """Every step's scalars, and its trained samples as the table `completions` equal to completions.jsonl."""
     from areal_core.testing.rl_doubles import areal_run
+    from areal_core.testing.samples import assert_samples_table
 
     proc, run_dir = areal_run(tmp_path, "tk", ["trainer.total_steps=3", "metrics.loggers=[jsonl,trackio]"],
                               timeout_s=300)
@@ -71,7 +73,13 @@ def test_a_short_areal_run_logs_every_step_to_trackio_as_to_metrics_jsonl(tracki
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     (run,) = runs_of(trackio_env, "areal")
     assert run["name"] == "tk" and run["config"]["metrics"]["loggers"] == ["jsonl", "trackio"]
-    assert [r["step"] for r in run["rows"]] == [r["step"] for r in rows] == [1, 2, 3]
-    for logged, row in zip(run["rows"], rows):
+    scalars = [r for r in run["rows"] if "completions" not in r]
+    tables = [r for r in run["rows"] if "completions" in r]
+    assert [r["step"] for r in scalars] == [r["step"] for r in rows] == [1, 2, 3]
+    for logged, row in zip(scalars, rows):
         assert logged == pytest.approx({k: v for k, v in row.items() if k != "time" and v is not None})
+    assert [t["step"] for t in tables] == [1, 2, 3]  # the step's samples, as the Trackio table `completions`
+    for table in tables:
+        assert table["completions"]["_type"] == "trackio.table"
+        assert_samples_table(run_dir, table["step"], table["completions"]["_value"])
     assert "metrics logger 'trackio'" not in (run_dir / "logs" / "actor-rank0.log").read_text()

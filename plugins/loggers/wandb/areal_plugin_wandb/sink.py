@@ -4,7 +4,8 @@ Offline (the default), the run is written to ``<run_dir>/wandb/offline-run-<time
 <that folder>`` uploads it later; no account, key or network is needed while training. ``WANDB_MODE=online``
 (with ``WANDB_API_KEY`` or ``wandb login``) logs live. The project is the run's ``experiment``, the run's name its
 ``trial``, its config the resolved run config; W&B's own variables (``WANDB_PROJECT``, ``WANDB_ENTITY``,
-``WANDB_NAME``, ``WANDB_DIR``, ``WANDB_RUN_ID``, ``WANDB_TAGS``, ...) take precedence where set. The run's id is
+``WANDB_NAME``, ``WANDB_DIR``, ``WANDB_RUN_ID``, ``WANDB_TAGS``, ...) take precedence where set. The trained
+samples' prompts and completions (``completions.jsonl``) go to a table ``completions`` at their step. The run's id is
 kept in ``<run_dir>/wandb/areal-run-id``, so ``areal run --resume`` continues the same W&B run.
 
 wandb is imported when the logger is built, never when the plugin is listed.
@@ -19,9 +20,11 @@ import string
 from pathlib import Path
 from typing import Any, Mapping
 
+from areal_core.completions import table_rows
 from areal_core.metrics import SinkError, finite_scalars, import_for_logger, run_names
 
 ID_FILE = "areal-run-id"
+TABLE_KEY = "completions"  # the table of trained samples (completions.jsonl's records), every completions_every steps
 _ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
@@ -76,6 +79,14 @@ class WandbSink:
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         self._run.log(finite_scalars(metrics), step=int(step))
+
+    def write_samples(self, step: int, records: list[dict]) -> None:
+        """The step's samples as a W&B table ``completions`` at that step (the run's page shows the latest, with
+        a slider over the steps)."""
+        import wandb
+
+        columns, rows = table_rows(records)
+        self._run.log({TABLE_KEY: wandb.Table(columns=columns, data=rows)}, step=int(step))
 
     def close(self) -> None:
         run, self._run = self._run, None

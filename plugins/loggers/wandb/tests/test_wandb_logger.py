@@ -81,7 +81,9 @@ def test_wandb_variables_win_over_the_run_names(tmp_path, monkeypatch):
 
 
 def test_a_short_areal_run_logs_every_step_to_wandb_as_to_metrics_jsonl(tmp_path):
+    """Every step's scalars, and its trained samples as the table `completions` equal to completions.jsonl."""
     from areal_core.testing.rl_doubles import areal_run
+    from areal_core.testing.samples import assert_samples_table
 
     proc, run_dir = areal_run(tmp_path, "wb", ["trainer.total_steps=3", "metrics.loggers=[jsonl,tensorboard,wandb]"],
                               timeout_s=300)
@@ -93,7 +95,13 @@ def test_a_short_areal_run_logs_every_step_to_wandb_as_to_metrics_jsonl(tmp_path
     assert sorted(logged) == [1, 2, 3]
     for row in rows:
         expected = {k: v for k, v in row.items() if k not in ("step", "time") and v is not None}
+        # the step's samples, as a W&B table file (its reference is flattened into completions/<field> keys)
+        table = {k.split("/", 1)[1]: logged[row["step"]].pop(k) for k in list(logged[row["step"]])
+                 if k.startswith("completions/")}
         assert logged[row["step"]] == pytest.approx(expected), row["step"]
+        assert table["_type"] == "table-file" and table["nrows"] > 0, table
+        saved = json.loads((folder / "files" / table["path"]).read_text())
+        assert_samples_table(run_dir, row["step"], [dict(zip(saved["columns"], r)) for r in saved["data"]])
     run = wandb_records.run_record(folder)
     assert (run.project, run.display_name) == ("areal", "wb")
     assert wandb_records.config_of(run)["metrics"]["loggers"] == ["jsonl", "tensorboard", "wandb"]
