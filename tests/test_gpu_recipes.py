@@ -95,3 +95,38 @@ def test_the_slurm_recipe_writes_its_job(hub, tmp_path):
     said = dry.stdout + dry.stderr
     assert dry.returncode == 0, said
     assert "#SBATCH --nodes=2" in said and "#SBATCH --partition=gpu" in said, said
+
+
+# the multi-GPU recipes' splits and the profile each is planned with (the 1-GPU recipe is colocated: no split)
+PLANNED = {"gsm8k_qwen2.5-1.5b_8gpu.yaml": (8, "qwen2.5-1.5b-h800"),
+           "gsm8k_qwen2.5-7b_2nodes_ray.yaml": (16, "qwen2.5-7b-h800"),
+           "gsm8k_qwen2.5-7b_2nodes_slurm.yaml": (16, "qwen2.5-7b-h800")}  # with launcher.nodes=2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(PLANNED))
+def test_each_multi_gpu_recipe_uses_the_split_areal_plan_chooses(hub, tmp_path, name):
+    """`areal plan` (the simulator, with the recipe's model from the hub stand-in and the H800 profile of its
+    size) chooses the recipe's own allocation, with the recipe's staleness bound the best or within 2 % of it:
+    the command each recipe's comment names. ~20-35 s each."""
+    import re
+
+    import yaml
+
+    recipe = ROOT / "examples" / "gpu" / name
+    gpus, profile = PLANNED[name]
+    planned = areal(hub, tmp_path, "plan", str(recipe), "--gpus", str(gpus), "--profile", profile, "--steps", "12",
+                    "--eta", "0,2,4")
+    said = planned.stdout + planned.stderr
+    assert planned.returncode == 0, said
+    config = yaml.safe_load(recipe.read_text())
+    assert f"--gpus {gpus} --profile" in recipe.read_text().replace("\n# ", " ")  # the comment names the command
+    best = re.search(r"^allocation: (\S+)\s+rollout\.max_head_offpolicyness=(\d+)\n\s+predicted ([\d.]+) samples/s",
+                     said, re.M)
+    assert best is not None, said
+    assert best[1] == config["allocation"], said
+    eta = config["rollout"]["max_head_offpolicyness"]
+    if int(best[2]) != eta:
+        runner = re.search(rf"^runner-up: {re.escape(best[1])}\s+rollout\.max_head_offpolicyness={eta}: "
+                           rf"([\d.]+) samples/s", said, re.M)
+        assert runner is not None and float(runner[1]) >= 0.98 * float(best[3]), said

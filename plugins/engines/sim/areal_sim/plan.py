@@ -213,19 +213,29 @@ class Planner:
         with tempfile.TemporaryDirectory() as folder, contextlib.redirect_stdout(io.StringIO()):
             return run_simulation(self.config_path, overrides, folder)
 
+    def accepted(self, servers: int, eta: int) -> bool:
+        """Whether some train layout of this split passes the plugins' validation (validated, not simulated)."""
+        t, p = self.layout(servers, eta)
+        return self._refused(self.candidate(servers, eta, t, p)) is None
+
     def search(self, eta: int) -> None:
-        """Ternary search over the servers for ``eta``, then the neighbours of the best."""
-        lo, hi = 1, self.max_servers
+        """Ternary search for ``eta`` over the server counts the plugins' validation accepts (a launcher that gives
+        servers and train ranks whole nodes accepts a few splits only; searching the refused ones as -inf would
+        break the search's one-peak premise), then the neighbours of the best."""
+        counts = [s for s in range(1, self.max_servers + 1) if self.accepted(s, eta)]
+        if not counts:
+            return
+        lo, hi = 0, len(counts) - 1
         while hi - lo > 2:
             a, b = lo + (hi - lo) // 3, hi - (hi - lo) // 3
-            if self.value(a, eta) < self.value(b, eta):
+            if self.value(counts[a], eta) < self.value(counts[b], eta):
                 lo = a + 1
             else:
                 hi = b - 1
-        best = max(range(lo, hi + 1), key=lambda s: self.value(s, eta))
-        for s in (best - 2, best - 1, best + 1, best + 2):  # a plateau can hide the peak from the thirds
-            if 1 <= s <= self.max_servers:
-                self.value(s, eta)
+        best = max(range(lo, hi + 1), key=lambda i: self.value(counts[i], eta))
+        for i in (best - 2, best - 1, best + 1, best + 2):  # a plateau can hide the peak from the thirds
+            if 0 <= i < len(counts):
+                self.value(counts[i], eta)
 
     def plan(self, etas: tuple[int, ...] = DEFAULT_ETAS, exhaustive: bool = False) -> Plan:
         for eta in etas:

@@ -42,6 +42,9 @@ class SlurmConfig:
     gpus_per_node: int = field(default=8, metadata={
         "ge": 1, "help": "GPUs on each node of the partition: how many ranks and servers share a node "
                          "(#SBATCH --gpus-per-node); unused when the allocation is on cpu"})
+    nodes: int = field(default=0, metadata={
+        "ge": 0, "help": "the most nodes the job may take: a split that needs more is refused before anything is "
+                         "submitted (so `areal plan` picks among those that fit); 0 = as many as it needs"})
     cpus_per_task: int = field(default=0, metadata={
         "ge": 0, "help": "CPUs for each server and train rank (--cpus-per-task, and their thread count); "
                          "0 = the cluster's default (threads: the CPUs SLURM binds each task to)"})

@@ -40,9 +40,16 @@ def areal_validate_parallelism(config: Any, allocation: Any, backends: dict) -> 
     roles = {role_of(c, backends[c.backend].kind): c for c in allocation.components if c.backend in backends}
     if "rollout" not in roles or "actor" not in roles:
         return []  # the core's own rules report a plan without them
+    options = options_from(config.launcher.extra)
     try:
-        plan_layout(allocation, roles["rollout"], roles["actor"], options_from(config.launcher.extra).gpus_per_node,
-                    with_servers=True)
+        layout = plan_layout(allocation, roles["rollout"], roles["actor"], options.gpus_per_node, with_servers=True)
     except LayoutError as exc:
         return [Problem("slurm.placement", exc.message, exc.fix, exc.key)]
+    if options.nodes and layout.nodes > options.nodes:
+        return [Problem("slurm.nodes", f"allocation '{allocation}' needs {layout.describe()} with launcher.gpus_per_node="
+                        f"{options.gpus_per_node} (inference servers and train ranks never share a node here), "
+                        f"more than launcher.nodes={options.nodes}",
+                        f"choose a split whose parts fill whole nodes (e.g. "
+                        f"{options.gpus_per_node * options.nodes // 2} GPUs each), or raise launcher.nodes",
+                        "allocation")]
     return []
