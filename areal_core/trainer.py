@@ -626,5 +626,39 @@ def _collective_timed_out(exc: BaseException) -> bool:
     return False
 
 
+def _distributed() -> bool:
+    """Whether this process joined a torch.distributed group (imported and initialized: never imports torch)."""
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
+
+
+def run_main(argv: list[str] | None = None) -> None:
+    """:func:`main`, ended as :func:`areal_core.exits.exit_now` ends a rank of a distributed group on every way
+    out, a failure included: a rank that stopped with a message (a full checkpoint disk, a collective timeout) and
+    then went through the interpreter's finalization was seen killed by SIGABRT ("terminate called without an
+    active exception", the suite under `nice`), which the launcher reports as a crash instead of the message."""
+    import traceback
+
+    from areal_core.exits import exit_now
+
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # SIGTERM (_exit_on_sigterm), or a sys.exit deeper down
+        if not _distributed():
+            raise
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+        exit_now(code)
+    except BaseException:
+        if not _distributed():
+            raise
+        traceback.print_exc()  # what the interpreter would print, before ending without its finalization
+        exit_now(1)
+    if _distributed():
+        exit_now(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main()
