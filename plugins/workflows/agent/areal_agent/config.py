@@ -46,6 +46,8 @@ class AgentConfig:
                                                    "before its item is rejected")
     online_reward_timeout_s: float = spec(600.0, gt=0.0, help="online mode: an ended session whose reward has not "
                                                               "come after this is dropped")
+    model_aliases: list = spec(factory=list, help="model names the proxy also serves besides 'policy' and model.path "
+                                                  "(an agent hard-wired to another name); others get HTTP 404")
     max_calls: int = spec(64, ge=1, help="model calls per episode at most; later calls get HTTP 429")
     start_timeout_s: float = spec(30.0, gt=0.0, help="how long the proxy may take to start listening")
     proxy_loop: str = spec("episodes", choices=["episodes", "thread"],

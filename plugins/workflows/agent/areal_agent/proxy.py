@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 from areal_core.api import GenerationRequest, SamplingParams
 from areal_agent.chat import ChatTokenizer, message_key
 from areal_agent.sessions import CallRecord, Choice, Session
-from areal_agent.tools import parse_tool_calls
+from areal_agent.tools import offered_functions, parse_tool_calls
 
 
 class _Sampled(BaseModel):
@@ -55,6 +55,54 @@ class CompletionRequest(_Sampled):
 
 class BadRequest(ValueError):
     """A request the proxy cannot serve; answered with HTTP 400 and this message."""
+
+
+class UnknownModel(BadRequest):
+    """A request for a model this proxy does not serve; answered with HTTP 404 (OpenAI's model_not_found)."""
+
+
+SERVED_NAME = "policy"  # the name every agent may use for the model being trained (docs/workflows.md)
+UNSERVED_PARTS = {"image_url": "an image", "input_image": "an image", "input_audio": "audio", "file": "a file",
+                  "input_file": "a file"}
+
+
+def check_sampling(body: Any) -> None:
+    """The numbers a request sets, each within what OpenAI's API allows (BadRequest naming the field)."""
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = getattr(body, field, None)
+        if value is not None and value < 1:
+            raise BadRequest(f"{field} is {value}; it must be at least 1 (leave it out for the run's "
+                             f"rollout.sampling.max_new_tokens)")
+    if body.temperature is not None and not 0 <= body.temperature <= 2:
+        raise BadRequest(f"temperature is {body.temperature}; it must be between 0 and 2")
+    if body.top_p is not None and not 0 < body.top_p <= 1:
+        raise BadRequest(f"top_p is {body.top_p}; it must be greater than 0 and at most 1")
+    response_format = (body.model_extra or {}).get("response_format")
+    if response_format is not None and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
+        kind = response_format.get("type") if isinstance(response_format, dict) else response_format
+        raise BadRequest(f"response_format {kind!r} is not served: the engines sample without a grammar, so JSON "
+                         f"output cannot be guaranteed; leave response_format out (or 'text') and ask for JSON in "
+                         f"the prompt")
+
+
+def check_content(messages: list[dict]) -> None:
+    """Text only: a part the model cannot read (an image, audio, a file) is refused, not silently dropped."""
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise BadRequest(f"messages[{i}] is {message!r}, not a message object")
+        content = message.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    what = UNSERVED_PARTS.get(kind, f"a part of type {kind!r}")
+                    raise BadRequest(f"messages[{i}].content[{j}] is {what}; the model takes text only (send text "
+                                     f"parts, or a string)")
+
+
+def tools_key(tools: list | None) -> str:
+    """The tools a call was rendered with, canonically (a later call with other tools is not a continuation)."""
+    return json.dumps(tools or [], sort_keys=True, ensure_ascii=False)
 
 
 def tool_format(parser: str, template: str) -> str:
@@ -99,6 +147,8 @@ class Proxy:
     def __init__(self, tokenizer: Any, sampling: SamplingParams, options: Any, model_name: str) -> None:
         self.chat = ChatTokenizer(tokenizer)
         self.sampling, self.options, self.model_name = sampling, options, model_name
+        self.served = list(dict.fromkeys([SERVED_NAME, model_name, *(getattr(options, "model_aliases", None) or [])]))
+        self.vocab_size = len(tokenizer)
         self.stop_ids = tuple(i for i in {tokenizer.eos_token_id} if i is not None)
         self.tool_style = tool_format(options.tool_parser, str(getattr(tokenizer, "chat_template", "") or ""))
 
@@ -116,6 +166,13 @@ class Proxy:
                              seed=None if body.seed is None else body.seed + k)
         return params
 
+    def check(self, body: Any) -> None:
+        """What every endpoint refuses before generating: an unknown model, numbers out of range."""
+        if body.model and body.model not in self.served:
+            raise UnknownModel(f"the model {body.model!r} is not served here; this proxy serves "
+                               f"{', '.join(map(repr, self.served))} (workflow.model_aliases adds names)")
+        check_sampling(body)
+
     async def sample(self, session: Session, prompt_ids: list[int], body: Any, call_id: str) -> list[Any]:
         if body.n < 1 or body.n > 16:
             raise BadRequest(f"n is {body.n}; the proxy serves 1 to 16 choices per call")
@@ -123,10 +180,15 @@ class Proxy:
                                       metadata={"session": session.id, "call": call_id, "choice": k})
                     for k in range(body.n)]
         timeout = self.options.agent_timeout_s
-        return list(await asyncio.gather(*(session.generate(r, timeout) for r in requests)))
+        try:
+            return list(await asyncio.gather(*(session.generate(r, timeout) for r in requests)))
+        except ValueError as exc:  # the engine refused the request itself (too long, ...): the agent's to fix
+            raise BadRequest(f"the inference engine refused the request ({len(prompt_ids)} prompt tokens): "
+                             f"{exc}") from None
 
-    def choice(self, response: Any, parse_tools: bool, opening: str = "") -> Choice:
-        """What the proxy answers for one engine reply; ``opening``: the text the proxy began the reply with."""
+    def choice(self, response: Any, parse_tools: bool, opening: str = "", tools: list | None = None) -> Choice:
+        """What the proxy answers for one engine reply; ``opening``: the text the proxy began the reply with;
+        ``tools``: the request's, the only functions a reply may call (others come back as content, flagged)."""
         ids = list(response.output_ids)
         text = self.chat.decode(ids)
         choice = Choice(ids, list(response.output_logprobs), list(response.output_versions), response.stop_reason,
@@ -135,7 +197,10 @@ class Proxy:
             raw = self.chat.decode(ids, skip_special=False)
             if ids and ids[-1] in self.chat.special_ids:  # the end-of-turn marker is not part of the reply
                 raw = raw[:len(raw) - len(self.chat.decode(ids[-1:], skip_special=False))]
-            parsed = parse_tool_calls(opening + raw, self.tool_style if opening else self.options.tool_parser)
+            parsed = parse_tool_calls(opening + raw, self.tool_style if opening else self.options.tool_parser,
+                                      offered_functions(tools))
+            if parsed.errors:
+                choice.tool_errors = parsed.errors
             if parsed.tool_calls:
                 choice.content, choice.tool_calls = parsed.content, parsed.tool_calls
                 if choice.content is not None:
@@ -157,6 +222,11 @@ class Proxy:
                 "the messages do not extend an earlier call's messages and reply"
             return self._render_whole(messages, tools), {"reused": False, "reason": reason}, None
         n, record, k = hit
+        if record.info.get("tools_key") != tools_key(tools):
+            # the template renders the tools into the prompt: the earlier ids show the old ones (a handoff, a
+            # dynamic tool), so the call is rendered whole, a branch of its own
+            return self._render_whole(messages, tools), {"reused": False, "reason": "the tools differ from the "
+                                                         "earlier call's, and the template renders them"}, None
         choice = record.choices[k]
         ids, why = self.chat.continuation(messages[:n - 1], messages[n:], tools,
                                           choice.output_ids[-1] if choice.output_ids else None)
@@ -174,8 +244,10 @@ class Proxy:
                              f"{type(exc).__name__}: {exc}") from None
 
     async def chat_completion(self, session: Session, body: ChatRequest) -> tuple[CallRecord, dict]:
+        self.check(body)
         if not body.messages:
             raise BadRequest("messages is empty; send at least one message")
+        check_content(body.messages)
         if body.top_logprobs:
             raise BadRequest(f"top_logprobs is {body.top_logprobs}; the engines return the sampled token's logprob "
                              f"only: leave top_logprobs out or send 0 (logprobs=true still gives each token's)")
@@ -187,8 +259,12 @@ class Proxy:
         if opening:  # part of the prompt: the model continues it, and it is not trained
             prompt_ids = prompt_ids + self.chat.encode(opening)
         responses = await self.sample(session, prompt_ids, body, call_id)
-        choices = [self.choice(r, bool(use_tools), opening) for r in responses]
-        info = {"prefix": prefix, **({"forced_opening": opening} if opening else {})}
+        choices = [self.choice(r, bool(use_tools), opening, use_tools) for r in responses]
+        info = {"prefix": prefix, "tools_key": tools_key(use_tools),
+                **({"forced_opening": opening} if opening else {})}
+        errors = {k: c.tool_errors for k, c in enumerate(choices) if c.tool_errors}
+        if errors:  # recorded with the trajectory; the agent gets the reply as content
+            info["tool_errors"] = errors
         if prefix["reused"] and not opening:
             drift = self.chat.drift(prompt_ids, body.messages, use_tools)
             if drift is not None:
@@ -222,6 +298,14 @@ class Proxy:
 
     # ------------------------------------------------------------ completions
     async def completion(self, session: Session, body: CompletionRequest) -> tuple[CallRecord, dict]:
+        self.check(body)
+        if not body.prompt:
+            raise BadRequest("prompt is empty; send text or at least one token id")
+        if isinstance(body.prompt, list):
+            bad = next(((i, t) for i, t in enumerate(body.prompt) if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise BadRequest(f"prompt[{bad[0]}] is the token id {bad[1]}, outside the model's vocabulary "
+                                 f"[0, {self.vocab_size})")
         call_id = f"cmpl-{uuid.uuid4().hex}"
         began = time.monotonic()
         parent = None

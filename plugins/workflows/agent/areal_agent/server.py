@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
 from areal_agent.online import NotReady, OnlineHub
-from areal_agent.proxy import BadRequest, ChatRequest, CompletionRequest, Proxy
+from areal_agent.proxy import BadRequest, ChatRequest, CompletionRequest, Proxy, UnknownModel
 from areal_agent.responses import chat_request, conversation_before, response_body, response_events
 from areal_agent.sessions import Session, SessionClosed, SessionStore, on_loop
 
@@ -80,6 +80,8 @@ def build_app(proxy: Proxy, sessions: SessionStore, hub: OnlineHub | None = None
             return None, unauthorized()
         except OverflowError as exc:
             return None, error(429, str(exc), "rate_limit_error")
+        except UnknownModel as exc:
+            return None, error(404, str(exc), "model_not_found")
         except BadRequest as exc:
             return None, error(400, str(exc), "invalid_request_error")
         except TimeoutError as exc:
@@ -131,7 +133,10 @@ def build_app(proxy: Proxy, sessions: SessionStore, hub: OnlineHub | None = None
             body = chat_request(data, conversation)
             _, answer = await proxy.chat_completion(session, body)
             response, reply = response_body(data, answer)
-            session.responses[response["id"]] = [*body.messages, reply]
+            # kept without this request's instructions: as the Responses API defines previous_response_id, a later
+            # request's instructions replace them (the Agents SDK resends them on every call)
+            kept = body.messages[1:] if data.get("instructions") else body.messages
+            session.responses[response["id"]] = [*kept, reply]
             return response
 
         if not isinstance(data, dict):

@@ -23,6 +23,7 @@ class Choice:
     text: str  # the decoded output, special tokens removed
     content: str | None = None
     tool_calls: list[dict] = field(default_factory=list)
+    tool_errors: list[str] = field(default_factory=list)  # what looked like a tool call and was not returned as one
 
 
 @dataclass

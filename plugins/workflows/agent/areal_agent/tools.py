@@ -8,6 +8,13 @@ after ``<|python_tag|>``, several separated by ``;``.
 A block that does not parse (bad JSON, no name) is left in the content as the
 model wrote it: parsing never raises, so a garbled tool call reaches the agent
 as text instead of failing the request.
+
+Given the request's tools (``offered``), a call is returned only for a function
+offered: a reply naming another function (``rm_rf``) comes back whole as
+content, with ``errors`` saying why. Bare JSON (Llama 3 without
+``<|python_tag|>``) is also what an ordinary answer may look like
+(``{"name": "Bob", "parameters": {"age": 3}}``), so it becomes a call only when
+its arguments also hold every property the offered function's schema requires.
 """
 
 from __future__ import annotations
@@ -103,15 +110,54 @@ def parse_llama3(text: str) -> Parsed:
     return Parsed(prefix.strip() or None, calls)
 
 
-def parse_tool_calls(text: str, parser: str = "auto") -> Parsed:
-    """Split ``text`` into content and tool calls with ``parser`` (``auto`` tries Hermes, then Llama 3)."""
+def offered_functions(tools: list | None) -> dict[str, dict]:
+    """The request's function tools: name -> its parameters schema ({} when it gives none)."""
+    out: dict[str, dict] = {}
+    for tool in tools or []:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            params = function.get("parameters")
+            out[function["name"]] = params if isinstance(params, dict) else {}
+    return out
+
+
+def _unoffered(call: dict, offered: dict[str, dict], schema: bool) -> str | None:
+    """Why ``call`` is not a call of an offered function (its name; with ``schema``, also an argument its schema
+    requires), or None."""
+    name = call["function"]["name"]
+    if name not in offered:
+        return f"the reply calls {name!r}, which is not among the request's tools ({', '.join(offered) or 'none'})"
+    arguments = json.loads(call["function"]["arguments"])
+    if not isinstance(arguments, dict):
+        return f"the arguments of {name!r} are not an object"
+    missing = [key for key in offered[name].get("required") or [] if key not in arguments] if schema else []
+    if missing:
+        return f"the call of {name!r} lacks the required argument(s) {', '.join(map(str, missing))}"
+    return None
+
+
+def parse_tool_calls(text: str, parser: str = "auto", offered: dict[str, dict] | None = None) -> Parsed:
+    """Split ``text`` into content and tool calls with ``parser`` (``auto`` tries Hermes, then Llama 3); with
+    ``offered`` (:func:`offered_functions` of the request's tools), a reply with a call that is not one of them
+    comes back whole as content."""
     if parser == "none":
         return Parsed(text)
+    # a marked call (<tool_call>, <|python_tag|>) is a call the model meant: the name decides; bare JSON is also
+    # what an ordinary answer may look like, so it must fit the offered function's schema too
+    bare = False
     try:
         if parser == "hermes" or (parser == "auto" and "<tool_call>" in text):
-            return parse_hermes(text)
-        if parser in ("llama3", "auto"):
-            return parse_llama3(text)
+            parsed = parse_hermes(text)
+        elif parser in ("llama3", "auto"):
+            parsed, bare = parse_llama3(text), PYTHON_TAG not in text
+        else:
+            raise ValueError(f"workflow.tool_parser is {parser!r}; choose one of {', '.join(PARSERS)}")
+    except ValueError:
+        raise
     except Exception as exc:  # never a server error: a parser bug leaves the text as content
         return Parsed(text, [], [f"{parser} parser failed: {type(exc).__name__}: {exc}"])
-    raise ValueError(f"workflow.tool_parser is {parser!r}; choose one of {', '.join(PARSERS)}")
+    if offered is not None and parsed.tool_calls:
+        refused = [why for why in (_unoffered(c, offered, bare) for c in parsed.tool_calls) if why]
+        if refused:
+            return Parsed(text, [], [*parsed.errors, *refused])
+    return parsed

@@ -165,6 +165,9 @@ async def tool_then_stop(item, base_url, api_key):
     '<tool_call>{"arguments": {"a": 1}}</tool_call>',  # no name
     '<tool_call>{"name": "add", "arguments": {"a": 1',  # cut off by max_tokens
     '{"name": "add", "parameters": [1, 2]}',  # Llama 3 shape, parameters not an object
+    '<tool_call>{"name": "rm_rf", "arguments": {"path": "/"}}</tool_call>',  # a function the request did not offer
+    '{"name": "Bob", "parameters": {"age": 3}}',  # ordinary JSON content, not a call of `add`
+    '{"name": "add", "parameters": {"a": 1}}',  # bare JSON lacking add's required b: not taken for a call
 ])
 def test_a_garbled_tool_call_comes_back_as_content(make_flow, say, text):
     engine = ScriptedInferenceEngine([say(text)])

@@ -137,17 +137,17 @@ def test_tool_choice_required_or_named_begins_the_call_and_does_not_train_the_op
 async def refused(item, base_url, api_key):
     async with client(base_url, api_key) as c:
         asks = {
-            "top_logprobs": lambda: c.chat.completions.create(model="p", messages=item["messages"], logprobs=True,
+            "top_logprobs": lambda: c.chat.completions.create(model="policy", messages=item["messages"], logprobs=True,
                                                               top_logprobs=3),
             "named unknown": lambda: c.chat.completions.create(
-                model="p", messages=item["messages"], tools=[CHAT_ADD],
+                model="policy", messages=item["messages"], tools=[CHAT_ADD],
                 tool_choice={"type": "function", "function": {"name": "mul"}}),
-            "required, no tools": lambda: c.chat.completions.create(model="p", messages=item["messages"],
+            "required, no tools": lambda: c.chat.completions.create(model="policy", messages=item["messages"],
                                                                     tool_choice="required"),
-            "built-in tool": lambda: c.responses.create(model="p", input="hi", tools=[{"type": "web_search"}]),
-            "unknown previous": lambda: c.responses.create(model="p", input="hi", previous_response_id="resp_x"),
-            "reasoning item": lambda: c.responses.create(model="p", input=[{"type": "reasoning", "summary": []}]),
-            "image part": lambda: c.responses.create(model="p", input=[{"role": "user", "content": [
+            "built-in tool": lambda: c.responses.create(model="policy", input="hi", tools=[{"type": "web_search"}]),
+            "unknown previous": lambda: c.responses.create(model="policy", input="hi", previous_response_id="resp_x"),
+            "reasoning item": lambda: c.responses.create(model="policy", input=[{"type": "reasoning", "summary": []}]),
+            "image part": lambda: c.responses.create(model="policy", input=[{"role": "user", "content": [
                 {"type": "input_image", "image_url": "http://x"}]}]),
         }
         for name, ask in asks.items():
@@ -171,3 +171,120 @@ def test_what_the_proxy_cannot_serve_is_refused_naming_the_field(make_flow, say)
     assert "input[0] is an item of type 'reasoning'" in SEEN["reasoning item"]
     assert "content part of type 'input_image' is not served" in SEEN["image part"]
     assert engine.requests == []  # nothing reached the engine
+
+
+class RefusingEngineDouble(ScriptedInferenceEngine):
+    """TEST DOUBLE: the scripted engine, refusing a prompt over 200 tokens as a real engine's server does (its
+    client raises ValueError for the server's 400)."""
+
+    async def agenerate(self, request):
+        if len(request.input_ids) > 200:
+            raise ValueError(f"the embedded server refused POST /generate: the prompt has {len(request.input_ids)} "
+                             f"tokens; max_seq_len is 200")
+        return await super().agenerate(request)
+
+
+async def refused_plainly(item, base_url, api_key):
+    """Each request an engine or the proxy cannot serve is a 4xx naming the field; the same client then still
+    gets its answer (the connection and the episode survive)."""
+    import httpx
+
+    messages = item["messages"]
+    asks = {
+        "max_tokens -5": dict(path="/chat/completions", json={"model": "policy", "messages": messages,
+                                                                "max_tokens": -5}),
+        "max_tokens 0": dict(path="/chat/completions", json={"model": "policy", "messages": messages,
+                                                               "max_tokens": 0}),
+        "temperature 3": dict(path="/chat/completions", json={"model": "policy", "messages": messages,
+                                                                "temperature": 3}),
+        "json_object": dict(path="/chat/completions", json={"model": "policy", "messages": messages,
+                                                              "response_format": {"type": "json_object"}}),
+        "image_url": dict(path="/chat/completions", json={"model": "policy", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is in"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}),
+        "input_audio": dict(path="/chat/completions", json={"model": "policy", "messages": [{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}),
+        "unknown model": dict(path="/chat/completions", json={"model": "gpt-4o", "messages": messages}),
+        "too long": dict(path="/chat/completions", json={"model": "policy", "messages": [
+            {"role": "user", "content": "word " * 400}]}),
+        "prompt []": dict(path="/completions", json={"model": "policy", "prompt": []}),
+        "prompt out of vocab": dict(path="/completions", json={"model": "policy", "prompt": [10 ** 9]}),
+        "responses max_output_tokens": dict(path="/responses", json={"model": "policy", "input": "hi",
+                                                                     "max_output_tokens": -1}),
+    }
+    async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {api_key}"},
+                                 timeout=60) as h:
+        for name, ask in asks.items():
+            answer = await h.post(ask["path"], json=ask["json"])
+            SEEN[name] = (answer.status_code, answer.json()["error"]["message"])
+        after = await h.post("/chat/completions", json={"model": "policy", "messages": messages})
+        SEEN["after"] = after.status_code
+    return 0.0
+
+
+def test_refusals_are_4xx_naming_the_field_and_the_connection_survives(make_flow, say):
+    engine = RefusingEngineDouble([say("fine")])
+    run(make_flow(agent="agent_responses_doubles:refused_plainly", max_calls=32), engine)
+    expect = {
+        "max_tokens -5": (400, "max_tokens is -5; it must be at least 1"),
+        "max_tokens 0": (400, "max_tokens is 0; it must be at least 1"),
+        "temperature 3": (400, "temperature is 3.0; it must be between 0 and 2"),
+        "json_object": (400, "response_format 'json_object' is not served"),
+        "image_url": (400, "messages[0].content[1] is an image; the model takes text only"),
+        "input_audio": (400, "messages[0].content[0] is audio; the model takes text only"),
+        "unknown model": (404, "the model 'gpt-4o' is not served here"),
+        "too long": (400, "the inference engine refused the request"),
+        "prompt []": (400, "prompt is empty"),
+        "prompt out of vocab": (400, "prompt[0] is the token id 1000000000, outside the model's vocabulary"),
+        "responses max_output_tokens": (400, "max_tokens is -1; it must be at least 1"),
+    }
+    for name, (status, says) in expect.items():
+        assert SEEN[name][0] == status and says in SEEN[name][1], (name, SEEN[name])
+    assert "max_seq_len is 200" in SEEN["too long"][1]
+    assert SEEN["after"] == 200
+    assert len(engine.requests) == 1  # only the last call was generated (the double refuses before recording)
+
+
+async def instructions_each_call(item, base_url, api_key):
+    """As the Agents SDK calls: the same instructions on every request, chained by previous_response_id; then
+    other instructions on a third."""
+    async with client(base_url, api_key) as c:
+        first = await c.responses.create(model="policy", instructions="Be brief.", input="What is 12 plus 30?")
+        second = await c.responses.create(model="policy", instructions="Be brief.", input="And 1 plus 1?",
+                                          previous_response_id=first.id)
+        await c.responses.create(model="policy", instructions="Answer in French.", input="And 2 plus 2?",
+                                 previous_response_id=second.id)
+    return 1.0
+
+
+def test_resent_instructions_replace_the_earlier_ones_and_the_prefix_is_reused(make_flow, say, tokenizer):
+    engine = ScriptedInferenceEngine([say("42."), say("2."), say("4.")])
+    trajectories = run(make_flow(agent="agent_responses_doubles:instructions_each_call"), engine)
+    first, second, third = (tokenizer.decode(r.input_ids) for r in engine.requests)
+    assert second.count("Be brief.") == 1  # not stacked: the earlier instructions are not carried over
+    head = list(engine.requests[0].input_ids) + engine.responses[0].output_ids
+    assert list(engine.requests[1].input_ids[:len(head)]) == head  # the same system turn: the first call's ids reused
+    assert third.count("Be brief.") == 0 and third.count("Answer in French.") == 1  # replaced
+    assert "What is 12 plus 30?" in third and "And 1 plus 1?" in third  # the stored conversation carried on
+    assert len(trajectories) == 2  # the first two calls one chain; new instructions start a branch
+
+
+LOOKUP_NEW = {"type": "function", "name": "lookup_NEW", "description": "look a word up",
+              "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}
+
+
+async def tools_change(item, base_url, api_key):
+    """A handoff: the second call of the chain offers another tool."""
+    async with client(base_url, api_key) as c:
+        first = await c.responses.create(model="policy", input="What is 12 plus 30?", tools=[ADD])
+        await c.responses.create(model="policy", input="Now look up 'cat'.", tools=[ADD, LOOKUP_NEW],
+                                 previous_response_id=first.id)
+    return 1.0
+
+
+def test_a_change_of_tools_is_rendered_into_the_next_prompt(make_flow, say, tokenizer):
+    engine = ScriptedInferenceEngine([say("42."), say("A cat is an animal.")])
+    trajectories = run(make_flow(agent="agent_responses_doubles:tools_change"), engine)
+    first, second = (tokenizer.decode(r.input_ids) for r in engine.requests)
+    assert "lookup_NEW" not in first and second.count("lookup_NEW") == 1  # the engine sees the new tool
+    assert "What is 12 plus 30?" in second and "42." in second  # with the conversation so far
+    assert len(trajectories) == 2  # re-rendered: a branch of its own
