@@ -34,6 +34,10 @@ class AgentConfig:
     agent_sampling: bool = spec(False, help="honour temperature / top_p / seed sent by the agent; by default "
                                             "rollout.sampling applies (max_tokens and stop are always honoured, "
                                             "max_tokens capped at rollout.sampling.max_new_tokens)")
+    reward_from: str = spec("agent", choices=["agent", "run"],
+                            help="agent: the reward the agent returns or posts to /rl/set_reward; run: the run's "
+                                 "reward component scores the episode's last reply against the item, and what the "
+                                 "agent returns or posts is only logged (an agent cannot forge its reward)")
     missing_reward: str = spec("reject", choices=["reject", "zero"],
                                help="an episode whose agent neither returned a reward nor called /rl/set_reward: "
                                     "reject it, or give it 0")
@@ -59,6 +63,10 @@ def config_problems(options: Any) -> list[tuple[str, str, str]]:
     """(key, message, fix) for each problem spanning several keys (field types and ranges the core checks)."""
     problems = []
     agent, command, online = options.agent, options.agent_command, options.online
+    if online and options.reward_from == "run":
+        problems.append(("workflow.reward_from", "workflow.reward_from is 'run' with workflow.online: an online "
+                         "session answers its client's own item, which the run's reward cannot check",
+                         "set workflow.reward_from=agent for online mode (the client posts the reward)"))
     if bool(agent) + bool(command) + bool(online) != 1:
         problems.append((
             "workflow.agent",

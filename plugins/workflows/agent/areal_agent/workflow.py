@@ -14,6 +14,7 @@ an agent deployed elsewhere finished (:mod:`areal_agent.online`).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 from typing import Any
@@ -41,6 +42,11 @@ class AgentWorkflow(Workflow):
         problems = config_problems(o)
         if problems:
             raise ValueError("; ".join(f"{key}: {message}. Fix: {fix}" for key, message, fix in problems))
+        self.run_reward = (self.context.extras or {}).get("reward")
+        if o.reward_from == "run" and self.run_reward is None:
+            raise ValueError("workflow.reward_from is 'run' but the workflow was given no reward component "
+                             "(context.extras['reward']); the trainer passes the run's `reward`. Fix: set reward.name, "
+                             "or workflow.reward_from=agent")
         self.agent = None
         if o.agent:
             from areal_core.rewards import load_target
@@ -152,6 +158,15 @@ class AgentWorkflow(Workflow):
             log.warning("%s rejected: %s", label, outcome.failure)
             return None
         reward = outcome.reward if outcome.reward is not None else session.reward
+        if o.reward_from == "run" and records:  # the agent's claim is kept for the record, not trained on
+            claimed = {"agent_reward": reward, "agent_call_rewards": [r.reward for r in records]}
+            for record in records:
+                record.reward = None
+            reward, scored = await self._score(records, item)
+            info = {"id": _item_id(item), "sample": k, "session": session.id, "episode_reward": reward,
+                    "reward_from": "run", "reward_info": scored, **claimed}
+            build = trajectories.concat if o.trajectory == "concat" else trajectories.per_call
+            return build(records, float(reward), o.discount, info)
         if reward is None:
             if o.missing_reward == "reject":
                 log.warning("%s rejected: the agent returned no reward and did not call /rl/set_reward "
@@ -164,6 +179,19 @@ class AgentWorkflow(Workflow):
         info = {"id": _item_id(item), "sample": k, "session": session.id, "episode_reward": reward}
         build = trajectories.concat if o.trajectory == "concat" else trajectories.per_call
         return build(records, float(reward), o.discount, info)
+
+    async def _score(self, records: list, item: Any) -> tuple[float, dict]:
+        """The run's reward for the episode: its last reply (the last call's first choice: content, and tool calls
+        as JSON when it ended on one) against ``item``, the first call's prompt as the prompt."""
+        from areal_core.api.reward import call_reward
+
+        last = records[-1].choices[0]
+        completion = last.content or ""
+        if last.tool_calls:
+            completion += json.dumps(last.tool_calls, ensure_ascii=False)
+        prompt = self.proxy.chat.decode(records[0].prompt_ids)
+        result = await call_reward(self.run_reward, prompt, completion, item)
+        return float(result.reward), dict(result.info or {})
 
     async def arun_episode(self, engine: InferenceEngine, item: Any) -> list[Trajectory] | None:
         if self.hub is not None:

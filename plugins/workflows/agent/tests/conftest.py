@@ -62,12 +62,14 @@ def make_flow(tiny_model_dir, tokenizer):
 
     made = []
 
-    def make(group_size: int = 1, max_new_tokens: int = 256, **options):
+    def make(group_size: int = 1, max_new_tokens: int = 256, reward=None, **options):
         config = RunConfig()
         config.model.path, config.model.dtype = str(tiny_model_dir), "float32"
         config.rollout.group_size = group_size
         config.rollout.sampling.max_new_tokens = max_new_tokens
-        flow = AgentWorkflow(Context(config=config, options=AgentConfig(**options)), tokenizer=tokenizer)
+        extras = {"reward": reward} if reward is not None else {}
+        flow = AgentWorkflow(Context(config=config, options=AgentConfig(**options), extras=extras),
+                             tokenizer=tokenizer)
         made.append(flow)
         return flow
 

@@ -413,3 +413,38 @@ def test_responses_go_out_without_waiting_for_delayed_acks(make_flow):
             assert h.get(f"{base}/health").status_code == 200
             times.append(time.perf_counter() - began)
     assert min(times) < 0.03, times  # with the delay, every call takes 40 ms or more, however idle the machine
+
+
+async def forger(item, base_url, api_key):
+    """An agent that claims full marks whatever the model said, by return value and by /rl/set_reward."""
+    async with client(base_url, api_key) as c:
+        await c.chat.completions.create(model="policy", messages=item["messages"])
+        async with httpx.AsyncClient(timeout=30) as h:
+            await h.post(base_url.removesuffix("/v1") + "/rl/set_reward", json={"reward": 1.0},
+                         headers={"Authorization": f"Bearer {api_key}"})
+    return 1.0
+
+
+def says_42(prompt, completion, item):
+    """The run's reward (a plain function, as `reward.name: function` gives): the item's answer in the reply."""
+    return {"reward": float(item["answer"] in completion), "checked": completion[:20]}
+
+
+@pytest.mark.parametrize("reply, expected", [("It is 41.", 0.0), ("It is 42.", 1.0)])
+def test_with_reward_from_run_the_agent_cannot_forge_its_reward(make_flow, say, reply, expected):
+    engine = ScriptedInferenceEngine([say(reply)])
+    (t,) = run(make_flow(agent="agent_test_doubles:forger", reward=says_42, reward_from="run"), engine)
+    assert t.reward == expected  # the run's reward on the reply, not the agent's claim
+    assert t.info["agent_reward"] == 1.0 and t.info["reward_from"] == "run"  # the claim is logged
+    assert t.info["reward_info"] == {"checked": reply}
+    (t,) = run(make_flow(agent="agent_test_doubles:forger"), ScriptedInferenceEngine([say(reply)]))
+    assert t.reward == 1.0  # the default trusts the agent, as before
+
+
+def test_reward_from_run_needs_the_runs_reward_and_no_online_mode(make_flow):
+    with pytest.raises(ValueError, match="workflow.reward_from is 'run' but the workflow was given no reward"):
+        make_flow(agent="agent_test_doubles:forger", reward_from="run")
+    from areal_agent.config import AgentConfig, config_problems
+
+    problems = config_problems(AgentConfig(online=True, online_keys=["k" * 16], reward_from="run"))
+    assert [p[0] for p in problems] == ["workflow.reward_from"]
