@@ -130,3 +130,15 @@ def test_each_multi_gpu_recipe_uses_the_split_areal_plan_chooses(hub, tmp_path, 
         runner = re.search(rf"^runner-up: {re.escape(best[1])}\s+rollout\.max_head_offpolicyness={eta}: "
                            rf"([\d.]+) samples/s", said, re.M)
         assert runner is not None and float(runner[1]) >= 0.98 * float(best[3]), said
+
+
+@pytest.mark.slow
+def test_the_one_gpu_recipes_device_script_runs_here_on_cpu(tmp_path):
+    """scripts/device_check_recipe_1gpu.sh --cpu: the recipe's shape with a tiny model, the trainer on the CPU
+    (~20 s), so the script a lent GPU runs cannot rot between device sessions."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "device_check_recipe_1gpu.sh"), "--cpu"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "=== recipe check passed" in done.stdout
+    assert (tmp_path / "out" / "metrics.jsonl").exists()
