@@ -266,9 +266,12 @@ class Proxy:
         if errors:  # recorded with the trajectory; the agent gets the reply as content
             info["tool_errors"] = errors
         if prefix["reused"] and not opening:
-            drift = self.chat.drift(prompt_ids, body.messages, use_tools)
+            kept = self._kept_text(session, parent, prompt_ids, prefix["reused_tokens"])
+            drift = self.chat.drift(prompt_ids, body.messages, use_tools, kept)
             if drift is not None:
                 info["template_drift"] = drift
+            for k, c in enumerate(choices):  # what the next call's check starts from
+                session.kept_texts[(call_id, k)] = kept + self.chat.decode(c.output_ids, skip_special=False)
         record = CallRecord(call_id, "chat", prompt_ids, choices, parent, info=info,
                             seconds=time.monotonic() - began)
         keys = [message_key(m) for m in body.messages]
@@ -276,6 +279,13 @@ class Proxy:
                    for c in choices]
         session.add(record, messages=keys, texts=replies)
         return record, self.chat_body(record, body)
+
+    def _kept_text(self, session: Session, parent: tuple[str, int], prompt_ids: list[int], reused: int) -> str:
+        """``prompt_ids`` decoded: the parent call's kept text (when this session has it) + the new ids'."""
+        head = session.kept_texts.get(parent)
+        if head is None:
+            head = self.chat.decode(prompt_ids[:reused], skip_special=False)
+        return head + self.chat.decode(prompt_ids[reused:], skip_special=False)
 
     def chat_body(self, record: CallRecord, body: ChatRequest) -> dict:
         choices = []

@@ -60,6 +60,9 @@ class Session:
         self._texts: list[tuple[str, CallRecord, int]] = []  # (prompt + output text, call, choice) of completions
         self._in_flight: set[Any] = set()  # concurrent.futures.Future, or an asyncio task on the episode's loop
         self._calls_started = 0
+        # (call id, choice) -> its prompt and output ids decoded (special tokens kept): the next call's drift check
+        # decodes only its new ids
+        self.kept_texts: dict[tuple[str, int], str] = {}
         self.responses: dict[str, list[dict]] = {}  # Responses API: id -> its messages + reply (previous_response_id)
 
     # ------------------------------------------------------------ calls
