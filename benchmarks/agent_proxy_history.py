@@ -14,21 +14,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from learning import cpu_model  # noqa: E402  (a sibling benchmark's helper)
 
 
 async def session_times(tokenizer, turns: int, reply_tokens: int, user_tokens: int) -> list[tuple[int, float]]:
