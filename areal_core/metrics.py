@@ -386,8 +386,10 @@ class BackgroundSink:
         self._start_deadline = time.monotonic() + start_timeout_s
         self._start_timeout_s = start_timeout_s
         self._built = threading.Event()
+        self._settled = threading.Event()  # built, or failed to: what wait_started waits for
         if build is None:
             self._built.set()
+            self._settled.set()
         self._queue: Any = queue.Queue(max_queued)
         self._failed = self._dropping = False
         self._thread = threading.Thread(target=self._run, name=f"areal-metrics-{label}"[:60], daemon=True)
@@ -397,7 +399,8 @@ class BackgroundSink:
         """The sink once built (waiting at most until the start time limit); None when it failed or is late."""
         import time
 
-        self._built.wait(max(0.0, self._start_deadline - time.monotonic()))
+        # a build that failed is not waited on to its time limit (it was: `targets` took 60 s per failed logger)
+        self._settled.wait(max(0.0, self._start_deadline - time.monotonic()))
         return self.sink if self._built.is_set() and not self._failed else None
 
     def _build_here(self) -> bool:
@@ -407,6 +410,7 @@ class BackgroundSink:
             if not self._failed:
                 self._failed = True
                 self._on_build_failure(e)
+            self._settled.set()
             return False
         if self._failed:  # given up on at the start time limit: what it made is not used
             try:
@@ -416,6 +420,7 @@ class BackgroundSink:
             return False
         self.sink = sink
         self._built.set()
+        self._settled.set()
         return True
 
     def _run(self) -> None:

@@ -427,3 +427,23 @@ def test_samples_reach_the_sinks_that_take_them_and_a_failure_there_keeps_their_
     said = [json.loads(line)["message"] for line in (tmp_path / "warnings.jsonl").read_text().splitlines()]
     assert len(said) == 1 and "could not take the samples of step 2" in said[0], said
     assert "the tracker refused the table" in said[0] and "its metrics go on" in said[0]
+
+
+def test_waiting_for_a_tracker_that_failed_to_start_ends_at_its_failure_not_its_time_limit():
+    """`MetricsLogger.targets` waits for trackers still starting; one whose start raised is not waited on until
+    metrics.logger_start_timeout_s (it was: the loggers test took 60 s, the default limit, per failed logger)."""
+    from areal_core.metrics import BackgroundSink
+
+    def broken():
+        raise RuntimeError("the tracker refused the key")
+
+    failures = []
+    sink = BackgroundSink(None, "broken", lambda step, e: None, build=broken, on_build_failure=failures.append,
+                          start_timeout_s=3600)
+    answer = []
+    waiter = threading.Thread(target=lambda: answer.append(sink.wait_started()), daemon=True)
+    waiter.start()
+    waiter.join(timeout=60)  # far below the hour it would have waited
+    assert not waiter.is_alive() and answer == [None]
+    assert [str(e) for e in failures] == ["the tracker refused the key"]
+    sink.close()
