@@ -6,7 +6,7 @@ latest complete checkpoint), or a base model (a Hugging Face folder, a name an
 installed plugin resolves, or ``demo`` for the built-in demo model).
 
 How (:func:`evaluate`): the inference servers are started as ``areal run``
-starts them (:class:`~areal_core.launch.local.InferenceServers`, on this
+starts them (:class:`~areal_core.processes.fleet.InferenceServers`, on this
 machine), serving the checkpoint's ``actor/`` folder as ``model.path`` (a LoRA
 checkpoint's adapters merged into its base weights first); the validation
 items, the workflow that samples them and the metrics are the trainer's own
@@ -174,8 +174,8 @@ def evaluate(run: Any, log_dir: Path, step: int = 0, say: Callable[[str], None] 
     not come up, ``RuntimeError`` for an item whose episode failed, ``TimeoutError`` (naming
     ``rollout.request_timeout_s``) for an evaluation that did not finish.
     """
-    from areal_core.launch.local import InferenceServers
-    from areal_core.launch.supervisor import Supervisor, split_threads
+    from areal_core.processes.fleet import InferenceServers
+    from areal_core.processes.supervisor import Supervisor, split_threads
     from areal_core.rollout import RolloutController
     from areal_core.server_guard import ensure_run_token
     from areal_core.trainer import build, seed_everything

@@ -4,7 +4,7 @@ Two halves, both engine-neutral:
 
 - :class:`ServerFleet` starts servers (``N`` from a recipe, each on a free
   port of 127.0.0.1 with its log kept under a folder) through the launcher's
-  :class:`~areal_core.launch.supervisor.Supervisor`, waits for each with a
+  :class:`~areal_core.processes.supervisor.Supervisor`, waits for each with a
   timeout that quotes its last log lines, and stops them all; or it only
   records servers given by address (attach). Tests, benchmarks and elastic
   runs use it to bring servers up and down while a run is live.
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Iterator, TypeVar
 
 from areal_core.api.inference import InferenceEngine, ServerProcess, ServerTimeout
-from areal_core.launch.supervisor import Managed, ProcessSpec, Supervisor, free_port
+from areal_core.processes.supervisor import Managed, ProcessSpec, Supervisor, free_port
 from areal_core.problems import Problem
 
 Recipe = Callable[[int, int], ServerProcess]  # (index, port) -> how to start that server

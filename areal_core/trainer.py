@@ -46,7 +46,7 @@ from areal_core.checkpoint import (
 )
 from areal_core.clock import REAL_CLOCK, Clock
 from areal_core.config.validate import ValidatedRun, minibatch_problem, validate_run
-from areal_core.launch.nodes import rollout_node_env, same_node_as_trainer
+from areal_core.processes.nodes import rollout_node_env, same_node_as_trainer
 from areal_core.completions import COMPLETIONS_FILE, EVAL_SAMPLES_FILE
 from areal_core.metrics import WARNINGS_FILE, MetricsLogger, histogram, summarize, truncate_jsonl
 from areal_core.problems import ProblemsError, format_problems

@@ -310,7 +310,7 @@ def _cpu_s(pid: int, tid: int | None = None) -> float:
 
 def _trainer_pid(launcher: int) -> int | None:
     """The demo's trainer process (``python -m areal_core.trainer``) among the launcher's descendants (the
-    launcher starts it through a trampoline, ``areal_core.launch.child``, whose command line also names it)."""
+    launcher starts it through a trampoline, ``areal_core.processes.child``, whose command line also names it)."""
     todo = [launcher]
     while todo:
         pid = todo.pop()

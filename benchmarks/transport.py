@@ -44,7 +44,7 @@ def in_process(model_dir: Path, n: int, concurrency: int, new_tokens: int) -> fl
 def over_http(model_dir: Path, n: int, concurrency: int, new_tokens: int) -> float:
     from areal_core.api import Context, GenerationRequest, SamplingParams
     from areal_core.config.schema import RunConfig
-    from areal_core.launch import ProcessSpec, Supervisor, free_port
+    from areal_core.processes import ProcessSpec, Supervisor, free_port
     from areal_local.engine import LocalEngine, LocalEngineConfig
 
     config = RunConfig()

@@ -1,10 +1,10 @@
-"""What cluster launchers check before a run starts on several nodes (areal_core.launch.nodes)."""
+"""What cluster launchers check before a run starts on several nodes (areal_core.processes.nodes)."""
 
 from __future__ import annotations
 
 import pytest
 
-from areal_core.launch import nodes
+from areal_core.processes import nodes
 
 
 def test_a_server_shares_the_trainers_node_only_when_the_launcher_says_so():

@@ -292,7 +292,7 @@ def test_importing_metrics_and_checkpoint_imports_nothing_heavy():
 def test_the_launcher_announces_evaluations_once_and_not_a_resumed_runs_earlier_ones(tmp_path, capsys):
     """A resumed run's metrics.jsonl still holds the earlier run's rows (its "eval before training" among them,
     and rows after the checkpoint that the trainer is about to drop): shown on the bar, never announced again."""
-    from areal_core.launch.local import MetricsTail
+    from areal_core.processes.follow import MetricsTail
     from areal_core.metrics import truncate_jsonl
 
     def row(step, after):
@@ -374,7 +374,7 @@ def test_a_tracker_starts_beside_training_and_one_that_fails_or_hangs_is_said_on
 
 
 def test_the_launcher_prints_each_of_the_runs_warnings_once(tmp_path, capsys):
-    from areal_core.launch.local import MetricsTail
+    from areal_core.processes.follow import MetricsTail
     from areal_core.metrics import WARNINGS_FILE
 
     (tmp_path / WARNINGS_FILE).write_text(json.dumps({"time": 0, "message": "from an earlier start"}) + "\n")

@@ -274,3 +274,16 @@ def test_the_check_finds_every_kind_of_import_of_another_plugin(tmp_path):
         ("test_b.py", 5, "areal_a", "areal-plugin-a"),
         ("test_b.py", 8, "areal_a.engine", "areal-plugin-a"),
     ]
+
+
+def test_no_module_outside_the_local_launcher_imports_it():
+    """Process machinery (supervisor, node contract, server fleet, following a run) is areal_core.processes; the
+    controller, evaluation, the engines, the tests and the other launchers use that, so a third-party launcher
+    can replace `local` without the rest depending on it. Only areal_core/launch/ itself imports
+    areal_core.launch (its two shims there keep the old names for plugins written against them)."""
+    files = [f for root in (ROOT / "areal_core", ROOT / "cli", ROOT / "plugins", ROOT / "tests", ROOT / "benchmarks")
+             for f in python_files(root) if not f.is_relative_to(ROOT / "areal_core" / "launch")]
+    found = [f"{path.relative_to(ROOT)}:{line}: {module}" for path in files
+             for line, module in imported_modules(path.read_text(), str(path))
+             if module == "areal_core.launch" or module.startswith("areal_core.launch.")]
+    assert not found, "import areal_core.processes instead of the local launcher:\n" + "\n".join(found)

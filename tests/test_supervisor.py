@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from areal_core.launch import (
+from areal_core.processes import (
     ProcessFailed,
     ProcessSpec,
     Supervisor,
@@ -154,7 +154,7 @@ def test_death_by_signal_is_reported_as_such(tmp_path):
 
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_the_cgroup_oom_counter_is_read_where_the_kernel_keeps_it(tmp_path, monkeypatch, version):
-    from areal_core.launch import supervisor
+    from areal_core.processes import supervisor
 
     if version == "v2":
         (tmp_path / "user.slice" / "run").mkdir(parents=True)
@@ -172,7 +172,7 @@ def test_the_cgroup_oom_counter_is_read_where_the_kernel_keeps_it(tmp_path, monk
 
 
 def test_a_sigkill_is_told_apart_from_the_out_of_memory_killer_by_the_counter():
-    from areal_core.launch.supervisor import describe_exit
+    from areal_core.processes.supervisor import describe_exit
 
     assert describe_exit(-9, (4, 5)) == ("was killed by signal 9 (SIGKILL) by the kernel's out-of-memory killer "
                                          "(this cgroup's oom_kill counter went from 4 to 5 meanwhile): it ran out "
@@ -184,7 +184,7 @@ def test_a_sigkill_is_told_apart_from_the_out_of_memory_killer_by_the_counter():
 
 
 def test_a_real_sigkill_from_outside_is_named_so(tmp_path):
-    from areal_core.launch.supervisor import oom_kill_count
+    from areal_core.processes.supervisor import oom_kill_count
 
     with Supervisor(tmp_path / "logs") as sup:
         sup.start(ProcessSpec("victim", ["sh", "-c", "kill -9 $$"]))
@@ -334,7 +334,7 @@ LAUNCHER = textwrap.dedent(
     """
     import os, sys
     from pathlib import Path
-    from areal_core.launch import ProcessSpec, Shutdown, Supervisor
+    from areal_core.processes import ProcessSpec, Shutdown, Supervisor
     from areal_core.testing.waits import scaled
 
     out, spawner = Path(sys.argv[1]), sys.argv[2]
@@ -466,7 +466,7 @@ def test_two_ranks_rendezvous_with_gloo(tmp_path):
 
 
 def test_thread_plan_splits_cores_when_both_sides_run_at_once_and_gives_each_all_when_they_take_turns():
-    from areal_core.launch.local import thread_plan
+    from areal_core.processes.fleet import thread_plan
 
     assert thread_plan(1, 1, eta=4, cpu_count=2) == ([1], [1])
     assert thread_plan(1, 2, eta=1, cpu_count=8) == ([3], [3, 2])
@@ -476,7 +476,7 @@ def test_thread_plan_splits_cores_when_both_sides_run_at_once_and_gives_each_all
 
 
 def test_the_resume_command_is_the_one_that_started_the_run_with_resume():
-    from areal_core.launch.local import resume_command
+    from areal_core.processes.follow import resume_command
 
     assert resume_command(["/venv/bin/areal", "run", "my run.yaml", "trial=a b", "actor.optimizer.lr=1e-5"]) == \
         "areal run 'my run.yaml' 'trial=a b' actor.optimizer.lr=1e-5 --resume"

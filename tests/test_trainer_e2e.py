@@ -275,7 +275,7 @@ def test_a_killed_trainer_is_reported_with_the_way_to_resume(rl_run):
     os.kill(trainers[0], signal.SIGKILL)
     out, _ = proc.communicate(timeout=scaled(60))
     assert proc.returncode == 1
-    from areal_core.launch.supervisor import oom_kill_count
+    from areal_core.processes.supervisor import oom_kill_count
 
     if oom_kill_count() is not None:  # the cgroup's counter tells a kill from outside from the OOM killer
         assert "actor-rank0 was killed by signal 9 (SIGKILL) from outside the run: no process of this cgroup was " \

@@ -1,6 +1,7 @@
-"""Launching a run's processes: the engine-agnostic process supervisor launchers build on."""
+"""The built-in ``local`` launcher (:mod:`areal_core.launch.local`). The process machinery every launcher builds on
+is :mod:`areal_core.processes`; its names stay importable from here."""
 
-from areal_core.launch.supervisor import (
+from areal_core.processes.supervisor import (
     Managed,
     ProcessFailed,
     ProcessSpec,

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from itertools import count
 from typing import Any, Awaitable, Callable, Iterable, Protocol, Sequence
 
-from areal_core.launch.supervisor import free_port
+from areal_core.processes.supervisor import free_port
 from areal_core.remote import layer_buckets, send_pipelined
 from areal_core.rollout.elastic import EngineLost, Member
 from areal_core.rollout.interruptible import ENGINE_FAILURES

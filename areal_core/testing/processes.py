@@ -28,7 +28,7 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict]:
 def process_name(pid: int) -> str:
     """The name the launcher gave process ``pid`` ("rollout-0", "actor-rank1"; its ``AREAL_PROCESS_NAME``), or
     "" when it has none or has ended. Pid order says nothing about start order: pick processes by this name."""
-    from areal_core.launch.supervisor import PROCESS_NAME_ENV
+    from areal_core.processes.supervisor import PROCESS_NAME_ENV
 
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")

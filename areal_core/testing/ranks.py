@@ -19,7 +19,7 @@ from typing import Callable
 
 import pytest
 
-from areal_core.launch.supervisor import free_port, rendezvous_env
+from areal_core.processes.supervisor import free_port, rendezvous_env
 
 
 def run_worker_ranks(worker: str | os.PathLike[str], spec: dict, folder: Path, world: int = 2,

@@ -110,7 +110,7 @@ def _evaluate(run, target, per_item: list) -> dict[str, float]:
     """The evaluation, its server logs in the run's logs/ (a base model's: a temporary folder, kept and named
     when something failed)."""
     from areal_core.evaluate import EvalError, evaluate
-    from areal_core.launch.supervisor import ProcessFailed, Shutdown
+    from areal_core.processes.supervisor import ProcessFailed, Shutdown
 
     temporary = target.run_dir is None or not os.access(target.run_dir, os.W_OK)
     log_dir = Path(tempfile.mkdtemp(prefix="areal-eval-logs-")) if temporary else target.run_dir / "logs"

@@ -84,7 +84,7 @@ def test_world_size_one_with_the_trainers_backends(models, tmp_path, monkeypatch
     """The trainer's process group on a GPU machine is 'cpu:gloo,cuda:nccl'."""
     import torch.distributed as dist
 
-    from areal_core.launch import free_port, rendezvous_env
+    from areal_core.processes import free_port, rendezvous_env
 
     for key, value in rendezvous_env(0, 1, free_port()).items():
         monkeypatch.setenv(key, value)

@@ -14,7 +14,7 @@ import pytest
 
 from areal_core.api import Context, GenerationRequest, SamplingParams
 from areal_core.config.schema import RunConfig
-from areal_core.launch import ProcessSpec, Supervisor, free_port
+from areal_core.processes import ProcessSpec, Supervisor, free_port
 from areal_core.testing import InferenceEngineConformance, scaled
 from areal_local.engine import LocalEngine, LocalEngineConfig
 from areal_local.models import tiny_model

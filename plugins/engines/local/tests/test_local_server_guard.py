@@ -15,7 +15,7 @@ import pytest
 
 from areal_core.api import Context, GenerationRequest, SamplingParams
 from areal_core.config.schema import RunConfig
-from areal_core.launch import ProcessSpec, Supervisor, free_port
+from areal_core.processes import ProcessSpec, Supervisor, free_port
 from areal_core.server_guard import RUN_TOKEN_ENV, new_run_token
 from areal_core.testing import scaled
 from areal_local.engine import LocalEngine, LocalEngineConfig

@@ -13,7 +13,7 @@ import pytest
 
 from areal_core.api import Context
 from areal_core.config.schema import RunConfig
-from areal_core.launch import ProcessSpec, Supervisor, free_port
+from areal_core.processes import ProcessSpec, Supervisor, free_port
 from areal_core.rollout import RolloutController
 from areal_core.rollout.elastic import DOWN
 from areal_core.testing import scaled

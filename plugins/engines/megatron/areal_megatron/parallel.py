@@ -60,7 +60,7 @@ class ParallelMixin(RankCollectives):
         from megatron.core import parallel_state as ps
 
         if not dist.is_initialized():
-            from areal_core.launch.supervisor import free_port
+            from areal_core.processes.supervisor import free_port
 
             # Megatron's parallel state needs a process group even for one process.
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

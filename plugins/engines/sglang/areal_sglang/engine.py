@@ -40,7 +40,7 @@ from areal_core import server_guard
 from areal_core.api import GenerationRequest, GenerationResponse, ServerProcess
 from areal_core.remote import RemoteEngine, attach_addresses, check_server_version, finite_logprobs, http_ready
 from areal_core.rollout.elastic import Member
-from areal_core.launch.nodes import NODE_ADDRESS_ENV
+from areal_core.processes.nodes import NODE_ADDRESS_ENV
 from areal_core.rollout.weight_group import FleetWeightGroup, GroupLayout, GroupMemberFailed
 
 SUPPORTED = ">=0.5.0,<0.6"

@@ -210,7 +210,7 @@ class Lengths:
 @dataclass(frozen=True)
 class SharedCores:
     """Inference servers and train ranks on one machine's cores, shared as the ``local`` launcher shares them
-    (``areal_core.launch.local.thread_plan``): at eta 0 the two sides take turns and each gets every core;
+    (``areal_core.processes.fleet.thread_plan``): at eta 0 the two sides take turns and each gets every core;
     otherwise every process gets its share at once. The profile's times are for one thread; a role on n threads
     runs ``speedup[n - 1]`` times faster (measured: more threads do not scale linearly)."""
 
@@ -229,7 +229,7 @@ class SharedCores:
 
     def threads(self, servers: int, train_ranks: int, eta: int) -> tuple[int, int]:
         """Threads of one server and of one train rank under the local launcher's plan."""
-        from areal_core.launch.local import thread_plan
+        from areal_core.processes.fleet import thread_plan
 
         per_server, per_rank = thread_plan(max(servers, 1), max(train_ranks, 1), eta, self.cores)
         return per_server[0], per_rank[0]

@@ -44,12 +44,12 @@ from pathlib import Path
 from typing import Any
 
 from areal_core.api import Launcher
-from areal_core.launch.local import MetricsTail, checkpoint_step, console, report_failure, resume_command
-from areal_core.launch.nodes import (
+from areal_core.processes.follow import MetricsTail, checkpoint_step, console, report_failure, resume_command
+from areal_core.processes.nodes import (
     NODE_ADDRESS_ENV, NODE_ENV, StorageReport, check_plugin_sets, installed_plugins, raise_storage_problems,
     remove_storage_tokens, trainer_argv, trainer_env,
 )
-from areal_core.launch.supervisor import Shutdown, describe_exit, format_tail, read_tail
+from areal_core.processes.supervisor import Shutdown, describe_exit, format_tail, read_tail
 from areal_core.rollout.elastic import LAUNCHER_DISCOVERY_ENV, write_discovery_file
 from areal_core.server_guard import RUN_TOKEN_ENV, ensure_run_token
 from areal_plugin_ray.placement import Plan, Slot, local_ranks, plan
@@ -271,7 +271,7 @@ class RaySession:
 
     # ------------------------------------------------------------ 4. processes
     def execute(self, resume: bool) -> None:
-        from areal_core.launch.nodes import PluginSetMismatch, SharedStorageError
+        from areal_core.processes.nodes import PluginSetMismatch, SharedStorageError
 
         self.reserve()
         assert self.plan is not None

@@ -2,7 +2,7 @@
 
 Each inference server and each train rank is a real subprocess, as under the
 ``local`` launcher, started by this actor through the core's
-:class:`~areal_core.launch.supervisor.Supervisor`: its log goes to the run
+:class:`~areal_core.processes.supervisor.Supervisor`: its log goes to the run
 folder's ``logs/`` (shared storage, so the launcher can quote it whatever
 node it ran on), and it and everything it starts die with the actor (the
 supervisor's trampoline asks the kernel for a signal when its parent, this
@@ -20,10 +20,10 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from areal_core.launch.nodes import (
+from areal_core.processes.nodes import (
     installed_plugins, read_storage_tokens, server_recipe, write_storage_tokens,
 )
-from areal_core.launch.supervisor import Managed, ProcessSpec, Supervisor, free_port
+from areal_core.processes.supervisor import Managed, ProcessSpec, Supervisor, free_port
 
 
 class NodeProcess:

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
-from areal_core.launch.supervisor import Shutdown
+from areal_core.processes.supervisor import Shutdown
 
 from areal_plugin_slurm import slurm
 from areal_plugin_slurm.files import Paths

@@ -83,7 +83,7 @@ class SlurmLauncher(Launcher):
         except LayoutError as exc:
             console.print(f"areal run: {exc}")
             return 1
-        from areal_core.launch.nodes import installed_plugins
+        from areal_core.processes.nodes import installed_plugins
 
         job_name = options.job_name or f"areal-{cfg.experiment}-{cfg.trial}"
         python = options.python or sys.executable
@@ -121,7 +121,7 @@ class SlurmLauncher(Launcher):
 
     def _submit_and_follow(self, paths: Paths, layout: Layout, options: SlurmConfig, cfg: Any, resume: bool,
                            job_name: str) -> int:
-        from areal_core.launch.local import MetricsTail, checkpoint_step, report_failure, resume_command
+        from areal_core.processes.follow import MetricsTail, checkpoint_step, report_failure, resume_command
 
         from areal_plugin_slurm.follow import Follower, follow, signals_raise_shutdown
 

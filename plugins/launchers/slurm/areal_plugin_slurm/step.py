@@ -5,13 +5,13 @@
   recorded (``slurm/plan.json``) and fails the step, naming node, path and
   difference, before any server or train rank exists.
 - ``servers`` (task i = inference server i): the engine's own recipe
-  (``areal_core.launch.nodes.server_recipe``) on this node's address and a
+  (``areal_core.processes.nodes.server_recipe``) on this node's address and a
   free port, waited for with the recipe's timeout; then its address goes to
   ``slurm/addresses/rollout-<i>`` and the task stays with the server.
 - ``train`` (task r = rank r): waits for every server's address and rank 0's
   rendezvous, then runs the trainer as the local launcher would.
 
-Each process runs under a :class:`~areal_core.launch.supervisor.Supervisor`
+Each process runs under a :class:`~areal_core.processes.supervisor.Supervisor`
 in this task, so it dies with the task (scancel, a failing step, a killed
 node). A failure is printed to the task's log (``logs/slurm-<step>-<task>.log``)
 and recorded in ``slurm/failures/`` for the launcher to quote.
@@ -67,7 +67,7 @@ def _threads(plan: dict) -> int:
 # ---------------------------------------------------------------------- check
 
 def check(paths: Paths, plan: dict, task: int, node: str) -> int:
-    from areal_core.launch.nodes import (PluginSetMismatch, SharedStorageError, StorageReport, check_plugin_sets,
+    from areal_core.processes.nodes import (PluginSetMismatch, SharedStorageError, StorageReport, check_plugin_sets,
                                          installed_plugins, raise_storage_problems, read_storage_tokens,
                                          remove_storage_tokens, write_storage_tokens)
 
@@ -113,8 +113,8 @@ def check(paths: Paths, plan: dict, task: int, node: str) -> int:
 # ---------------------------------------------------------------------- servers
 
 def serve(paths: Paths, plan: dict, task: int, node: str) -> int:
-    from areal_core.launch.nodes import NODE_ADDRESS_ENV, NODE_ENV, server_recipe
-    from areal_core.launch.supervisor import ProcessFailed, ProcessSpec, Supervisor, free_port
+    from areal_core.processes.nodes import NODE_ADDRESS_ENV, NODE_ENV, server_recipe
+    from areal_core.processes.supervisor import ProcessFailed, ProcessSpec, Supervisor, free_port
 
     host = node_address(node, plan.get("host", ""))
     port = free_port(host)
@@ -147,8 +147,8 @@ def _read_address(path: Path) -> tuple[str, str]:
 
 
 def train(paths: Paths, plan: dict, task: int, node: str) -> int:
-    from areal_core.launch.nodes import NODE_ADDRESS_ENV, trainer_argv, trainer_env
-    from areal_core.launch.supervisor import ProcessFailed, ProcessSpec, Supervisor, free_port
+    from areal_core.processes.nodes import NODE_ADDRESS_ENV, trainer_argv, trainer_env
+    from areal_core.processes.supervisor import ProcessFailed, ProcessSpec, Supervisor, free_port
 
     rank, world = task, int(plan["world_size"])
     timeout = float(plan["wait_timeout_s"])
@@ -191,7 +191,7 @@ ROLES = {"check": check, "servers": serve, "train": train}
 def _stop_on_signals() -> None:
     """SIGTERM (scancel, a failing step, the time limit), SIGINT and SIGHUP raise Shutdown once, so the
     supervisor stops this task's processes; repeats (srun and scancel may both signal) are ignored."""
-    from areal_core.launch.supervisor import Shutdown
+    from areal_core.processes.supervisor import Shutdown
 
     def handler(signum, frame):
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -215,7 +215,7 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] not in ROLES:
         print(f"usage: python -m areal_plugin_slurm.step {{{'|'.join(ROLES)}}} RUN_DIR", file=sys.stderr)
         return 2
-    from areal_core.launch.supervisor import Shutdown
+    from areal_core.processes.supervisor import Shutdown
 
     role, paths = argv[0], Paths(Path(argv[1]))
     task, node = int(os.environ.get("SLURM_PROCID", "0")), node_name()

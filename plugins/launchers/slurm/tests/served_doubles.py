@@ -25,7 +25,7 @@ import time
 
 from areal_core import hookimpl
 from areal_core.api import ServerProcess
-from areal_core.launch.nodes import NODE_ENV, rollout_node_env
+from areal_core.processes.nodes import NODE_ENV, rollout_node_env
 from areal_core.parallelism import BackendSupport
 from areal_core.testing.rl_doubles import CounterTrainEngineDouble, DiskLatencyEngineDouble
 

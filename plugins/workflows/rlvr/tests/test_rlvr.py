@@ -122,7 +122,7 @@ def local_engine_class():
 @pytest.fixture(scope="module")
 def local_server(tiny_model_dir, tmp_path_factory):
     """The real embedded engine serving the tiny model, started with the launcher's own recipe."""
-    from areal_core.launch import ProcessSpec, Supervisor, free_port
+    from areal_core.processes import ProcessSpec, Supervisor, free_port
 
     local_engine = local_engine_class()
     root = tmp_path_factory.mktemp("rlvr-local")
