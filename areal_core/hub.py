@@ -10,8 +10,12 @@ for ``areal check`` (plan rules read the model's shape; nothing heavy is downloa
 
 from __future__ import annotations
 
+import os
 import re
+import socket
+import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from areal_core.models import ModelNotFoundError
 
@@ -34,6 +38,37 @@ def parse_hub_id(path: str) -> tuple[str, str | None] | None:
     if match is None or (not path.startswith("hf://") and Path(path).expanduser().exists()):
         return None
     return match["repo"], match["revision"]
+
+
+REACH_TIMEOUT_S = 5.0
+_reached: dict[str, tuple[float, bool]] = {}  # endpoint -> (when probed, whether it answered)
+
+
+def hub_reachable(timeout_s: float = REACH_TIMEOUT_S) -> bool:
+    """Whether the hub's host takes a TCP connection within ``timeout_s`` (remembered for a minute). Where it does
+    not (no network, a name that does not resolve), the fetches below read the cache only: huggingface_hub would
+    otherwise retry every file 5 times with back-off, minutes before the same failure. With a proxy configured
+    (``HTTPS_PROXY``, ...) the host is not probed directly: the proxy may be the only way out."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy",
+                                             "ALL_PROXY", "all_proxy")):
+        return True
+    endpoint = constants.ENDPOINT
+    seen = _reached.get(endpoint)
+    if seen is not None and time.monotonic() - seen[0] < 60:
+        return seen[1]
+    parts = urlsplit(endpoint)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parts.hostname or "", port), timeout=timeout_s):
+            answered = True
+    except OSError:
+        answered = False
+    _reached[endpoint] = (time.monotonic(), answered)
+    return answered
 
 
 def _endpoint() -> str:
@@ -88,7 +123,9 @@ def model_config_folder(path: str) -> Path:
     """The snapshot folder holding the hub model's ``config.json`` (only that file is fetched)."""
     from huggingface_hub import hf_hub_download
 
-    return _from_hub(path, lambda repo, revision: hf_hub_download(repo, "config.json", revision=revision)).parent
+    offline = not hub_reachable()
+    return _from_hub(path, lambda repo, revision: hf_hub_download(repo, "config.json", revision=revision,
+                                                                  local_files_only=offline)).parent
 
 
 def cached_config_folder(path: str) -> Path | None:
@@ -107,8 +144,10 @@ def model_folder(path: str) -> Path:
     """The hub model downloaded (what a run reads of it) into huggingface_hub's cache: its snapshot folder."""
     from huggingface_hub import snapshot_download
 
+    offline = not hub_reachable()
     folder = _from_hub(path, lambda repo, revision: snapshot_download(repo, revision=revision,
-                                                                      allow_patterns=MODEL_FILES))
+                                                                      allow_patterns=MODEL_FILES,
+                                                                      local_files_only=offline))
     repo = parse_hub_id(path)[0]
     if not (folder / "config.json").is_file():
         raise HubModelError(f"model.path {path!r}: {repo} on {_endpoint()} has no config.json, so it is not a "
@@ -141,7 +180,8 @@ def hub_file(path: str) -> Path:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        return Path(hf_hub_download(repo, name, repo_type="dataset", revision=revision))
+        return Path(hf_hub_download(repo, name, repo_type="dataset", revision=revision,
+                                    local_files_only=not hub_reachable()))
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as exc:
         raise HubFileError(_explain_file(path, repo, revision, name, exc)) from None
 

@@ -115,3 +115,26 @@ def test_check_reads_the_models_config_from_the_hub_and_downloads_no_weights(hub
                           capture_output=True, text=True, timeout=60)
     heads = json.loads((hub[0] / "models" / REPO / "config.json").read_text())["num_attention_heads"]
     assert json.loads(info.stdout) == ["llama", heads], info.stderr  # read from the cache check filled
+
+
+def test_an_unreachable_hub_is_told_at_once_and_the_cache_still_serves(hub, tmp_path):
+    """A hub whose host cannot be reached (no network; here a name under .invalid, which never resolves):
+    `areal check`'s read of the model's config and a run's download use the cache alone, without
+    huggingface_hub's retries (5 tries with back-off: 23 s for one config.json here, minutes for a config's
+    files); not cached, the message says the hub could not be reached."""
+    cached = resolve(hub, tmp_path / "home", REPO)  # fetched once while the stand-in answers
+    assert cached.returncode == 0, cached.stderr
+    env = {**online_env(), "HF_ENDPOINT": "http://hub.invalid", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    code = ("import sys; from areal_core.hub import model_config_folder, model_folder\n"
+            "from areal_core.models import ModelNotFoundError\n"
+            "try:\n    print(model_config_folder(sys.argv[1])); print(model_folder(sys.argv[1]))\n"
+            "except ModelNotFoundError as e:\n    print('REFUSED', e); sys.exit(3)\n")
+    runs = {home: subprocess.run([sys.executable, "-c", code, REPO], env={**env, "HF_HOME": str(tmp_path / home)},
+                                 capture_output=True, text=True, timeout=120) for home in ("home", "empty-home")}
+    from_cache, missing = runs["home"], runs["empty-home"]
+    assert from_cache.returncode == 0, from_cache.stdout + from_cache.stderr
+    assert Path(from_cache.stdout.split()[-1]) == Path(cached.stdout.split()[-1])
+    assert missing.returncode == 3 and "the hub at http://hub.invalid could not be reached" in missing.stdout, \
+        missing.stdout
+    for done in runs.values():
+        assert "Retrying in" not in done.stdout + done.stderr  # no back-off waits
