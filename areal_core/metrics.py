@@ -655,8 +655,7 @@ class MetricsLogger:
         def samples_failed(step: int, error: Exception) -> None:
             built = wrapped.sink
             said = label if sink is not None or built is None else f"metrics logger '{name}' ({built!r})"
-            self.warn(f"{said} could not take the samples of step {step} and gets no more (its metrics go on; "
-                      f"completions.jsonl has them): {_failure(error, _WRITE_FIX)}")
+            self._samples_refused(said, step, error)
 
         wrapped.on_samples_failure = samples_failed
         self._names[id(wrapped)] = name or (self._names.get(id(sink), "") if sink is not None else "")
@@ -697,8 +696,11 @@ class MetricsLogger:
                 write_samples(step, list(records))
             except Exception as e:
                 self._samples_off.add(id(sink))
-                self.warn(f"{self._label(sink)} could not take the samples of step {step} and gets no more (its "
-                          f"metrics go on; completions.jsonl has them): {_failure(e, _WRITE_FIX)}")
+                self._samples_refused(self._label(sink), step, e)
+
+    def _samples_refused(self, said: str, step: int, error: Exception) -> None:
+        self.warn(f"{said} could not take the samples of step {step} and gets no more (its metrics go on; "
+                  f"completions.jsonl has them): {_failure(error, _WRITE_FIX)}")
 
     def close(self) -> None:
         if self._closed:

@@ -436,7 +436,7 @@ class Trainer:
         m["train/samples"] = float(len(trajectories))
         m["train/tokens"] = float(len(packed["input_ids"]))
         # the tokens each trajectory trained on (its completion; every turn's, in a multi-turn episode)
-        m.update(summarize([sum(1 for x in t.loss_mask if x) for t in trajectories], "length"))
+        m.update(summarize([sum(t.loss_mask) for t in trajectories], "length"))
         reasons = [t.info.get("stop_reason") for t in trajectories if isinstance(t.info, dict)]
         if reasons and all(r is not None for r in reasons):  # workflows that report it (rlvr does)
             m["length/truncated_frac"] = sum(r == "length" for r in reasons) / len(reasons)

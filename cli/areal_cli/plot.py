@@ -68,6 +68,7 @@ TRL_KEYS = {
 # TRL's num_tokens as it logs it (TRL logs no sample count)
 X_CHOICES = ("step", "samples", "tokens", "time")
 X_COUNTS = {"samples": "train/samples", "tokens": "train/tokens"}
+WHOLE_X = ("step", *X_COUNTS)  # axes of whole numbers: their ticks are integers
 
 DEFAULT_SMOOTH = 0.6  # TensorBoard's default weight
 RESUME_GAP_S = 60.0
@@ -490,7 +491,7 @@ def build_figure(runs: list[Run], *, x: str = "step", smooth: float = DEFAULT_SM
         ax.set_ylabel(panel.key.split("/")[0])
         ax.set_title(panel.title, fontsize=9)
         ax.grid(alpha=0.3)
-        if x in ("step", "samples", "tokens"):
+        if x in WHOLE_X:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 2.5
         ax.tick_params(labelbottom=True)  # every panel's own axis: a two-column grid has no single bottom row
         ax.set_xlabel(x_label(x, unit, runs), fontsize=8)
@@ -542,7 +543,7 @@ def build_html_figure(runs: list[Run], *, x: str = "step", smooth: float = DEFAU
                     fig.add_vline(x=at / per, line=dict(color=color, dash="dot", width=1), row=row, col=1)
         fig.update_yaxes(title_text=panel.key.split("/")[0], row=row, col=1)
     fig.update_xaxes(title_text=x_label(x, unit, runs), row=len(panels), col=1)
-    if x in ("step", "samples", "tokens"):
+    if x in WHOLE_X:
         fig.update_xaxes(tickformat="d")  # integer ticks: no step 2.5
     fig.update_layout(height=260 * len(panels) + 120, template="plotly_white", hovermode="x unified",
                       title=dict(text=title or page_title(runs, x), font=dict(size=12)),

@@ -9,6 +9,7 @@ versions apply as to any workflow).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 import uuid
@@ -101,8 +102,9 @@ def check_content(messages: list[dict]) -> None:
 
 
 def tools_key(tools: list | None) -> str:
-    """The tools a call was rendered with, canonically (a later call with other tools is not a continuation)."""
-    return json.dumps(tools or [], sort_keys=True, ensure_ascii=False)
+    """A digest of the tools a call was rendered with (a later call with other tools is not a continuation):
+    kept on the call's record, not in its info, which every trajectory of the episode copies."""
+    return hashlib.sha1(json.dumps(tools or [], sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 
 def tool_format(parser: str, template: str) -> str:
@@ -186,14 +188,14 @@ class Proxy:
             raise BadRequest(f"the inference engine refused the request ({len(prompt_ids)} prompt tokens): "
                              f"{exc}") from None
 
-    def choice(self, response: Any, parse_tools: bool, opening: str = "", tools: list | None = None) -> Choice:
+    def choice(self, response: Any, opening: str = "", tools: list | None = None) -> Choice:
         """What the proxy answers for one engine reply; ``opening``: the text the proxy began the reply with;
         ``tools``: the request's, the only functions a reply may call (others come back as content, flagged)."""
         ids = list(response.output_ids)
         text = self.chat.decode(ids)
         choice = Choice(ids, list(response.output_logprobs), list(response.output_versions), response.stop_reason,
                         text, content=opening + text)
-        if parse_tools or opening:
+        if tools or opening:
             raw = self.chat.decode(ids, skip_special=False)
             if ids and ids[-1] in self.chat.special_ids:  # the end-of-turn marker is not part of the reply
                 raw = raw[:len(raw) - len(self.chat.decode(ids[-1:], skip_special=False))]
@@ -213,7 +215,8 @@ class Proxy:
         return text
 
     # ------------------------------------------------------------ chat
-    def prompt_for(self, session: Session, messages: list[dict], tools: list | None) -> tuple[list[int], dict, Any]:
+    def prompt_for(self, session: Session, messages: list[dict], tools: list | None,
+                   tools_digest: str) -> tuple[list[int], dict, Any]:
         """Prompt ids for ``messages``: an earlier call's exact ids + the new messages' ids where they extend it."""
         keys = [message_key(m) for m in messages]
         hit = session.earlier(keys)
@@ -222,7 +225,7 @@ class Proxy:
                 "the messages do not extend an earlier call's messages and reply"
             return self._render_whole(messages, tools), {"reused": False, "reason": reason}, None
         n, record, k = hit
-        if record.info.get("tools_key") != tools_key(tools):
+        if record.tools_digest != tools_digest:
             # the template renders the tools into the prompt: the earlier ids show the old ones (a handoff, a
             # dynamic tool), so the call is rendered whole, a branch of its own
             return self._render_whole(messages, tools), {"reused": False, "reason": "the tools differ from the "
@@ -255,13 +258,13 @@ class Proxy:
         opening = forced_opening(body.tool_choice, use_tools, self.tool_style)
         call_id = f"chatcmpl-{uuid.uuid4().hex}"
         began = time.monotonic()
-        prompt_ids, prefix, parent = self.prompt_for(session, body.messages, use_tools)
+        digest = tools_key(use_tools)
+        prompt_ids, prefix, parent = self.prompt_for(session, body.messages, use_tools, digest)
         if opening:  # part of the prompt: the model continues it, and it is not trained
             prompt_ids = prompt_ids + self.chat.encode(opening)
         responses = await self.sample(session, prompt_ids, body, call_id)
-        choices = [self.choice(r, bool(use_tools), opening, use_tools) for r in responses]
-        info = {"prefix": prefix, "tools_key": tools_key(use_tools),
-                **({"forced_opening": opening} if opening else {})}
+        choices = [self.choice(r, opening, use_tools) for r in responses]
+        info = {"prefix": prefix, **({"forced_opening": opening} if opening else {})}
         errors = {k: c.tool_errors for k, c in enumerate(choices) if c.tool_errors}
         if errors:  # recorded with the trajectory; the agent gets the reply as content
             info["tool_errors"] = errors
@@ -273,7 +276,7 @@ class Proxy:
             for k, c in enumerate(choices):  # what the next call's check starts from
                 session.kept_texts[(call_id, k)] = kept + self.chat.decode(c.output_ids, skip_special=False)
         record = CallRecord(call_id, "chat", prompt_ids, choices, parent, info=info,
-                            seconds=time.monotonic() - began)
+                            seconds=time.monotonic() - began, tools_digest=digest)
         keys = [message_key(m) for m in body.messages]
         replies = [message_key({"role": "assistant", "content": c.content, "tool_calls": c.tool_calls})
                    for c in choices]
@@ -334,7 +337,7 @@ class Proxy:
                 prefix = {"reused": True, "from_call": record.call_id, "choice": k,
                           "reused_tokens": len(prefix_ids), "new_tokens": len(rest)}
         responses = await self.sample(session, prompt_ids, body, call_id)
-        choices = [self.choice(r, False) for r in responses]
+        choices = [self.choice(r) for r in responses]
         record = CallRecord(call_id, "completions", prompt_ids, choices, parent, info={"prefix": prefix},
                             seconds=time.monotonic() - began)
         prompt_text = body.prompt if isinstance(body.prompt, str) else self.chat.decode(prompt_ids)

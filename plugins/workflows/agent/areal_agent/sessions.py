@@ -38,6 +38,7 @@ class CallRecord:
     reward: float | None = None  # a per-call reward from /rl/set_reward
     info: dict = field(default_factory=dict)
     seconds: float = 0.0
+    tools_digest: str = ""  # proxy.tools_key of the tools it was rendered with
 
 
 class SessionClosed(RuntimeError):
