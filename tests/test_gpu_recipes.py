@@ -16,6 +16,7 @@ import pytest
 
 from areal_core.testing.distributions import interpreter_with
 from areal_core.testing.hub import serve
+from areal_core.testing.waits import scaled
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "examples" / "gpu").glob("*.yaml"))
@@ -58,7 +59,8 @@ def areal(hub, tmp_path, *args):
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     env.update(HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf-home"))
     return subprocess.run([AREAL, *args, f"rollout.python={python}", f"output_dir={tmp_path / 'runs'}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=scaled(180))  # `areal plan` takes ~35 s alone
 
 
 def test_there_are_recipes_for_one_gpu_eight_and_two_nodes():
